@@ -1,0 +1,57 @@
+"""snnconv: convert trained ReLU networks into spiking networks of IF neurons.
+
+    snn, meta = snnconv.convert(model, loader)
+
+runs prepare -> fold BatchNorm -> QCFS calibration -> IF replacement -> (BPTT fine-tuning),
+with a no-BatchNorm guard between every two stages.
+"""
+
+import logging as _logging
+
+__version__ = "0.1.0"
+
+# spikingjelly asks torch for Triton at import and logs "Triton not available" twice on CPU.
+_logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
+
+from .errors import (  # noqa: E402
+    BatchNormRemainsError,
+    CheckpointError,
+    DataError,
+    FoldError,
+    SnnconvError,
+    StageOrderError,
+    UnsupportedLayerError,
+    UnsupportedModelError,
+)
+from .finetune import FinetuneConfig, finetune  # noqa: E402
+from .fold import fold_batchnorm  # noqa: E402
+from .guards import assert_no_batchnorm, find_batchnorm  # noqa: E402
+from .meta import ConversionMeta  # noqa: E402
+from .pipeline import convert  # noqa: E402
+from .qcfs import QCFS, QCFSTrainConfig, calibrate_qcfs  # noqa: E402
+from .spiking import IFNeuron, SpikingNetwork, to_spiking  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "convert",
+    "fold_batchnorm",
+    "assert_no_batchnorm",
+    "find_batchnorm",
+    "calibrate_qcfs",
+    "to_spiking",
+    "finetune",
+    "QCFS",
+    "QCFSTrainConfig",
+    "FinetuneConfig",
+    "IFNeuron",
+    "SpikingNetwork",
+    "ConversionMeta",
+    "SnnconvError",
+    "FoldError",
+    "BatchNormRemainsError",
+    "UnsupportedLayerError",
+    "UnsupportedModelError",
+    "DataError",
+    "StageOrderError",
+    "CheckpointError",
+]

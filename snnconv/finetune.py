@@ -1,0 +1,427 @@
+"""Stage 4: BPTT fine-tuning of a converted SNN with spikingjelly's atan surrogate.
+
+Cross-entropy on the T-averaged readout, SGD or AdamW with warm-up and a cosine schedule,
+gradient clipping, thresholds frozen by default. Resumable: a checkpoint (model, optimiser,
+scheduler, RNG, position) is written atomically every epoch and optionally every N steps; a
+killed run resumed with ``resume=True`` ends bit-identical to an uninterrupted one on CPU.
+Runs under ``torchrun`` with DistributedDataParallel (gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm.auto import tqdm
+
+from .data import split_batch, split_dataset
+from .errors import CheckpointError, DataError, StageOrderError
+from .meta import atomic_write_text
+from .metrics import evaluate
+from .qcfs import make_optimizer
+from .spiking import IFNeuron, SpikingNetwork, neurons
+
+__all__ = ["FinetuneConfig", "finetune", "checkpointed", "CHECKPOINT_NAME"]
+
+CHECKPOINT_NAME = "finetune.ckpt"
+_MAGIC = b"SNNCONV-CKPT-1\n"
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """BPTT fine-tuning settings (validated on construction)."""
+
+    epochs: int = 1
+    T: int = 4
+    optimizer: str = "adamw"
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    warmup_steps: int = 0
+    batch_size: int | None = None
+    alpha: float = 2.0
+    detach_reset: bool = False
+    label_smoothing: float = 0.0
+    grad_clip: float = 1.0
+    train_thresholds: bool = False
+    threshold_lr: float | None = None
+    val_fraction: float = 0.1
+    max_steps_per_epoch: int | None = None
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    activation_checkpointing: str | None = None
+    amp: bool = True
+
+    def __post_init__(self):
+        def bad(msg):
+            raise ValueError(f"FinetuneConfig: {msg}")
+
+        if isinstance(self.T, bool) or not isinstance(self.T, int) or self.T < 1:
+            bad(f"T must be an integer >= 1, got {self.T!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 0:
+            bad(f"epochs must be an integer >= 0, got {self.epochs!r}")
+        if self.optimizer not in ("sgd", "adamw"):
+            bad(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if self.lr <= 0 or (self.threshold_lr is not None and self.threshold_lr <= 0):
+            bad(f"learning rates must be positive (lr={self.lr}, threshold_lr={self.threshold_lr})")
+        if not 0 <= self.val_fraction < 1:
+            bad(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.alpha <= 0:
+            bad(f"alpha must be positive, got {self.alpha}")
+        if self.activation_checkpointing not in (None, "block", "neuron"):
+            bad(f"activation_checkpointing must be None, 'block' or 'neuron', got "
+                f"{self.activation_checkpointing!r}")
+        if self.checkpoint_every < 0 or self.warmup_steps < 0:
+            bad("checkpoint_every and warmup_steps must be >= 0")
+        if self.batch_size is not None and self.batch_size < 1:
+            bad(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
+            bad(f"max_steps_per_epoch must be >= 1, got {self.max_steps_per_epoch}")
+
+
+# --- activation checkpointing ---------------------------------------------------------------
+
+class _Checkpointed(nn.Module):
+    """Run ``module`` under ``torch.utils.checkpoint`` while training (recompute in backward)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        if self.training and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+        return self.module(*args)
+
+
+def _cut_points(gm: fx.GraphModule) -> set[fx.Node]:
+    """IF nodes after which only their own output is live: the boundaries between blocks."""
+    order = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+    cuts, live_until = set(), -1  # the last position any earlier value is still needed at
+    for i, n in enumerate(order):
+        if live_until <= i and n.op == "call_module" and isinstance(gm.get_submodule(n.target), IFNeuron):
+            cuts.add(n)
+        if n.op != "get_attr":
+            live_until = max(live_until, max((pos[u] for u in n.users), default=i))
+    return cuts
+
+
+def checkpointed(snn: SpikingNetwork, mode: str) -> SpikingNetwork:
+    """A view of ``snn`` with activation checkpointing, sharing its parameters.
+
+    ``"neuron"`` recomputes each IF layer's T-step loop in backward (keeping only its input);
+    ``"block"`` splits the graph where a single tensor is live (block outputs) and recomputes
+    each segment in backward. Train the view; read and save the weights through ``snn``.
+    """
+    from torch.fx.passes.split_module import split_module
+
+    gm = snn.net
+    if mode == "neuron":
+        view = fx.GraphModule(gm, copy.deepcopy(gm.graph), "CheckpointedNeurons")
+        for name, m in neurons(gm).items():
+            if "." in name:
+                raise ValueError(f"neuron '{name}' is nested; 'neuron' checkpointing needs root-level neurons")
+            setattr(view, name, _Checkpointed(m))
+        return SpikingNetwork(view, snn.T)
+    if mode != "block":
+        raise ValueError(f"activation checkpointing mode must be 'block' or 'neuron', got {mode!r}")
+    cuts = _cut_points(gm)
+    assign: dict[str, int] = {}
+    part = 0
+    for n in gm.graph.nodes:
+        assign[n.name] = part
+        if n in cuts:
+            part += 1
+    split = split_module(gm, gm, lambda n: assign[n.name])
+    for name, child in list(split.named_children()):
+        if name.startswith("submod_"):
+            setattr(split, name, _Checkpointed(child))
+    return SpikingNetwork(split, snn.T)
+
+
+# --- checkpoint files -----------------------------------------------------------------------
+
+def _fingerprint(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(f"{k}:{tuple(v.shape)}:{v.dtype};".encode())
+    return h.hexdigest()
+
+
+def _write_checkpoint(path: str, payload: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    digest = hashlib.sha256(data).hexdigest().encode()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
+    with open(tmp, "wb") as fh:
+        fh.write(_MAGIC + digest + b"\n" + data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path: str) -> dict:
+    """Read and verify a fine-tuning checkpoint (sha256 checked, ``weights_only`` load)."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if not raw.startswith(_MAGIC):
+        raise CheckpointError(f"{path} is not an snnconv fine-tuning checkpoint (bad header)")
+    head = len(_MAGIC)
+    digest, data = raw[head:head + 64], raw[head + 65:]
+    if hashlib.sha256(data).hexdigest().encode() != digest:
+        raise CheckpointError(f"{path} is corrupted: its sha256 does not match its contents "
+                              "(truncated or modified). Delete it to start over.")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # a valid digest with unreadable contents
+        raise CheckpointError(f"{path} cannot be read: {exc}") from exc
+
+
+# --- training -------------------------------------------------------------------------------
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _maybe_init_distributed(device: torch.device) -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return True
+    return False
+
+
+def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int):
+    if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
+        if world > 1:
+            raise DataError("distributed fine-tuning needs a torch DataLoader over a sized dataset")
+        from .data import split_loader
+
+        train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
+        return train, val, None
+    if cfg.val_fraction > 0:
+        train_set, val_set = split_dataset(loader.dataset, cfg.val_fraction, seed=cfg.seed)
+    else:
+        train_set, val_set = loader.dataset, None
+    batch = cfg.batch_size or loader.batch_size or 1
+    if batch % world:
+        raise DataError(f"the global batch size {batch} is not divisible by {world} processes")
+    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn)
+    train = DataLoader(train_set, batch_size=batch // world, sampler=sampler, drop_last=True, **common)
+    val = DataLoader(val_set, batch_size=batch, shuffle=False, **common) if val_set is not None else None
+    return train, val, sampler
+
+
+def _lr_lambda(total: int, warmup: int):
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if total <= warmup:
+            return 1.0
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+    return f
+
+
+def finetune(
+    snn: SpikingNetwork,
+    train_loader: Iterable,
+    *,
+    T: int | None = None,
+    epochs: int | None = None,
+    config: FinetuneConfig | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+    **options: Any,
+) -> tuple[SpikingNetwork, list[dict[str, float]]]:
+    """Train a converted SNN through T time steps with the atan surrogate (BPTT).
+
+    Works on a copy of ``snn``. The validation split is taken from ``train_loader`` and picks
+    the best epoch. ``options`` override fields of ``config`` (see :class:`FinetuneConfig`).
+
+    Returns:
+        ``(snn, history)``: the fine-tuned network (at the same T as given) and one record per
+        epoch (loss, train/val accuracy, seconds).
+
+    Raises:
+        StageOrderError: ``snn`` is not a SpikingNetwork.
+        DataError: the loader has no labels, or is empty.
+        CheckpointError: a checkpoint to resume is corrupted or from another model.
+    """
+    if not isinstance(snn, SpikingNetwork):
+        raise StageOrderError(
+            f"finetune() expects a SpikingNetwork from snnconv.to_spiking/convert, got "
+            f"{type(snn).__name__}; convert the ANN first")
+    cfg = config or FinetuneConfig()
+    if T is not None:
+        options["T"] = T
+    if epochs is not None:
+        options["epochs"] = epochs
+    if options:
+        unknown = set(options) - set(FinetuneConfig.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"finetune() got unknown options {sorted(unknown)}")
+        cfg = replace(cfg, **options)
+    device = torch.device(device)
+    started_dist = _maybe_init_distributed(device)
+    rank, world = _rank_world()
+    try:
+        return _finetune(snn, train_loader, cfg, device, progress and rank == 0, rank, world)
+    finally:
+        if started_dist:
+            dist.destroy_process_group()
+
+
+def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
+    from .plots import plot_history
+
+    torch.manual_seed(cfg.seed)
+    original_T = snn.T
+    model = copy.deepcopy(snn).to(device)
+    model.T = cfg.T
+    for m in neurons(model).values():
+        m.set_surrogate(alpha=cfg.alpha, detach_reset=cfg.detach_reset)
+        m.theta.requires_grad_(cfg.train_thresholds)
+    thresholds = [m.theta for m in neurons(model).values()] if cfg.train_thresholds else []
+    train, val, sampler = _loaders(loader, cfg, rank, world)
+    steps_per_epoch = len(train) if hasattr(train, "__len__") else None
+    if steps_per_epoch == 0:
+        raise DataError("the fine-tuning loader yields no full batch after the validation split")
+    if cfg.max_steps_per_epoch and steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
+    opt = make_optimizer(model, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
+                         momentum=cfg.momentum, threshold_lr=cfg.threshold_lr,
+                         threshold_params=thresholds)
+    total = cfg.epochs * (steps_per_epoch or 1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup_steps))
+    # ``model`` owns the parameters (state dicts, checkpoints, evaluation); ``runner`` computes
+    # the training forward (a checkpointed view and/or a DDP wrapper sharing those parameters)
+    runner: nn.Module = model
+    if cfg.activation_checkpointing:
+        runner = checkpointed(model, cfg.activation_checkpointing)
+    if world > 1:
+        ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        runner = nn.parallel.DistributedDataParallel(runner, **ddp_kwargs)
+    use_amp = cfg.amp and device.type == "cuda"
+    amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
+
+    ckpt_path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_NAME) if cfg.checkpoint_dir else None
+    fingerprint = _fingerprint(model)
+    history: list[dict[str, float]] = []
+    start_epoch, start_step, best_val, best_state = 0, 0, -1.0, None
+    if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
+        state = read_checkpoint(ckpt_path)
+        if state.get("fingerprint") != fingerprint:
+            raise CheckpointError(
+                f"{ckpt_path} was written for another model (parameter names/shapes differ); "
+                "point checkpoint_dir elsewhere or delete the file")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"])
+        start_epoch, start_step = state["epoch"], state["step"]
+        history = list(state["history"])
+        best_val, best_state = state["best_val"], state["best_state"]
+
+    def save(epoch: int, step: int) -> None:
+        if ckpt_path is None or rank != 0:
+            return
+        _write_checkpoint(ckpt_path, {
+            "fingerprint": fingerprint, "config": asdict(cfg), "epoch": epoch, "step": step,
+            "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
+            "rng": torch.get_rng_state(), "history": history, "best_val": best_val,
+            "best_state": best_state})
+
+    for epoch in range(start_epoch, cfg.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        skip = start_step if epoch == start_epoch else 0
+        model.train()
+        runner.train()
+        t0 = time.perf_counter()
+        sums = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
+        if skip and "partial" in (history[-1] if history else {}):
+            sums = torch.tensor(history.pop()["partial"], dtype=torch.float64)
+        bar = tqdm(total=steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
+                   disable=not progress, leave=False)
+        step = 0
+        for step, batch in enumerate(train):
+            if cfg.max_steps_per_epoch and step >= cfg.max_steps_per_epoch:
+                step -= 1
+                break
+            if step < skip:
+                continue
+            x, y = split_batch(batch, where="fine-tuning loader")
+            if y is None:
+                raise DataError("fine-tuning needs labels, but the loader yields inputs only; pass "
+                                "(x, y) batches")
+            x, y = x.to(device), y.to(device)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
+                out = runner(x)
+                loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if cfg.grad_clip > 0:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            if thresholds or cfg.train_thresholds:
+                with torch.no_grad():
+                    for m in neurons(model).values():
+                        m.theta.clamp_(min=1e-3)
+            with torch.no_grad():
+                sums += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
+                                     dtype=torch.float64)
+            bar.update(1)
+            bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{100 * sums[1] / sums[2]:.1f}")
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+                history.append({"partial": sums.tolist()})
+                save(epoch, step + 1)
+                history.pop()
+        bar.close()
+        if world > 1:
+            dist.all_reduce(sums)
+        record = {"epoch": epoch + 1, "loss": float(sums[0] / max(sums[2], 1)),
+                  "train_acc": float(100 * sums[1] / max(sums[2], 1)),
+                  "seconds": time.perf_counter() - t0}
+        if val is not None:
+            record["val_acc"] = evaluate(model, val, device)
+            if record["val_acc"] > best_val:
+                best_val = record["val_acc"]
+                best_state = copy.deepcopy(model.state_dict())
+        history.append(record)
+        save(epoch + 1, 0)
+        if ckpt_path and rank == 0:
+            plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    model.eval()
+    for m in neurons(model).values():
+        m.theta.requires_grad_(False)
+    model.T = original_T
+    return model, history

@@ -1,0 +1,162 @@
+"""torch.fx helpers shared by the stages: prepare a copy, trace it, edit nodes, capture values."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .errors import UnsupportedModelError
+
+__all__ = [
+    "prepare",
+    "trace",
+    "parent_name",
+    "set_module",
+    "module_of",
+    "call_sites",
+    "capture",
+    "describe_node",
+]
+
+
+def _restore_flags(model: nn.Module, flags: dict[str, bool]) -> None:
+    for name, module in model.named_modules():
+        if name in flags:
+            module.training = flags[name]
+
+
+class _Tracer(fx.Tracer):
+    """Traces torch.nn modules into the graph and keeps the given module types as leaves."""
+
+    def __init__(self, leaf_types: tuple[type, ...] = ()):
+        super().__init__()
+        self.leaf_types = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if self.leaf_types and isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def trace(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
+    """Symbolically trace ``model`` (not copied) into a GraphModule.
+
+    Raises:
+        UnsupportedModelError: torch.fx cannot trace the model; the message names the construct.
+    """
+    if isinstance(model, fx.GraphModule):
+        return model
+    tracer = _Tracer(leaf_types)
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError...
+        raise UnsupportedModelError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}. "
+            "Data-dependent control flow (if/for on tensor values), tensor-to-Python conversions "
+            "(.item(), int(x), len(x)) or unsupported builtins break symbolic tracing. Move such "
+            "logic out of forward(), wrap it in a function marked with torch.fx.wrap, or pass a "
+            "model whose forward uses only tensor operations."
+        ) from exc
+    name = type(model).__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def prepare(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
+    """Stage 0: an eval-mode deep copy of ``model``, traced with torch.fx.
+
+    The caller's model (parameters, buffers, ``training`` flags) is never changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"expected a torch.nn.Module, got {type(model).__name__}; pass the model object itself"
+        )
+    flags = {name: m.training for name, m in model.named_modules()}
+    try:
+        clone = copy.deepcopy(model)
+    except Exception as exc:
+        raise UnsupportedModelError(
+            f"cannot deep-copy {type(model).__name__}: {exc}. snnconv never edits the caller's "
+            "model, so it must be copyable; remove un-copyable attributes (open files, locks)."
+        ) from exc
+    finally:
+        _restore_flags(model, flags)
+    clone.eval()
+    gm = trace(clone, leaf_types)
+    gm.eval()
+    return gm
+
+
+def parent_name(target: str) -> tuple[str, str]:
+    """Split ``'a.b.c'`` into ``('a.b', 'c')``."""
+    *parent, name = target.rsplit(".", 1)
+    return (parent[0] if parent else ""), name
+
+
+def set_module(gm: nn.Module, target: str, module: nn.Module) -> None:
+    """Install ``module`` at the qualified name ``target`` of ``gm``."""
+    parent, name = parent_name(target)
+    owner = gm.get_submodule(parent) if parent else gm
+    setattr(owner, name, module)
+
+
+def module_of(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """The module a ``call_module`` node calls, else None."""
+    if node.op != "call_module":
+        return None
+    return gm.get_submodule(str(node.target))
+
+
+def call_sites(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Map each called module's qualified name to the nodes that call it."""
+    sites: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            sites.setdefault(str(node.target), []).append(node)
+    return sites
+
+
+def describe_node(node: fx.Node) -> str:
+    """A short, user-facing description of where a node comes from."""
+    if node.op == "call_module":
+        return f"module '{node.target}' (fx node '{node.name}')"
+    if node.op in ("call_function", "call_method"):
+        target = getattr(node.target, "__name__", str(node.target))
+        stack = node.meta.get("stack_trace")
+        where = ""
+        if stack:
+            lines = [ln.strip() for ln in stack.strip().splitlines() if ln.strip()]
+            if lines:
+                where = f" at {lines[-2] if len(lines) > 1 else lines[-1]}"
+        return f"{node.op} '{target}' (fx node '{node.name}'){where}"
+    return f"{node.op} node '{node.name}'"
+
+
+class _Capture(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, want: Callable[[fx.Node], bool]):
+        super().__init__(gm)
+        self.want = want
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if self.want(n):
+            # clone: a later in-place op (nn.ReLU(inplace=True)) would overwrite the value
+            self.values[n.name] = out.detach().clone() if isinstance(out, torch.Tensor) else out
+        return out
+
+
+def capture(gm: fx.GraphModule, inputs: Iterable[Any], names: Iterable[str],
+            *, with_output: bool = False) -> Any:
+    """Run ``gm`` on ``inputs`` and return the outputs of the nodes called ``names``.
+
+    With ``with_output=True`` returns ``(values, model_output)``.
+    """
+    wanted = set(names)
+    interp = _Capture(gm, lambda n: n.name in wanted)
+    with torch.no_grad():
+        out = interp.run(*inputs)
+    return (interp.values, out) if with_output else interp.values

@@ -1,0 +1,175 @@
+"""convert(): the only place that knows the stage order.
+
+prepare -> fold -> guard -> QCFS -> guard -> IF -> guard [-> BPTT fine-tune -> guard]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .data import first_batch
+from .errors import DataError, UnsupportedModelError
+from .fold import fold_graph
+from .graph import prepare
+from .guards import assert_no_batchnorm
+from .meta import ConversionMeta, StageRecord
+from .metrics import accuracy_by_T, evaluate
+from .qcfs import QCFSTrainConfig, calibrate_qcfs
+from .spiking import SpikingNetwork, to_spiking
+
+__all__ = ["convert", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def _stage(meta: ConversionMeta, name: str) -> Iterator[StageRecord]:
+    record = StageRecord(name)
+    start = time.perf_counter()
+    yield record
+    record.seconds = time.perf_counter() - start
+    meta.stages.append(record)
+
+
+def _check_weights(model: nn.Module) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            n = (~torch.isfinite(t)).sum().item()
+            raise UnsupportedModelError(
+                f"'{name}' holds {n} NaN/inf value(s); a converted network would propagate them. "
+                "Fix the training run (or the checkpoint) that produced these weights.")
+
+
+def _check_batch(gm: nn.Module, x: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise DataError(f"the loader's inputs are {type(x).__name__}, not tensors")
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        raise DataError(f"the first batch of the loader (shape {tuple(x.shape)}) holds "
+                        f"{(~torch.isfinite(x)).sum().item()} NaN/inf value(s); clean the data")
+    try:
+        with torch.no_grad():
+            out = gm(x.to(device))
+    except Exception as exc:
+        raise DataError(
+            f"the model rejects a batch of shape {tuple(x.shape)} and dtype {x.dtype} from the "
+            f"loader: {type(exc).__name__}: {exc}. Check that the loader yields the inputs the "
+            "model was trained on ([B, C, H, W] for a CNN).") from exc
+    if not isinstance(out, torch.Tensor) or out.dim() < 2:
+        raise UnsupportedModelError(
+            f"the model returns {type(out).__name__} of shape {getattr(out, 'shape', None)}; "
+            "convert() expects one [B, classes] tensor")
+
+
+def convert(
+    model: nn.Module,
+    loader: Iterable,
+    *,
+    T: int = 8,
+    L: int = 8,
+    percentile: float = 99.9,
+    per_channel: bool = False,
+    calib_batches: int = 10,
+    maxpool: str = "error",
+    qcfs_epochs: int = 0,
+    qcfs_train: QCFSTrainConfig | None = None,
+    finetune_epochs: int = 0,
+    finetune_config: Any = None,
+    eval_loader: Iterable | None = None,
+    eval_T: Iterable[int] = (),
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> tuple[SpikingNetwork, ConversionMeta]:
+    """Convert a trained ReLU network into a spiking network of IF neurons.
+
+    Runs prepare -> fold BatchNorm -> QCFS calibration (optionally QCFS training for
+    ``qcfs_epochs``) -> IF replacement -> (BPTT fine-tuning for ``finetune_epochs``), with the
+    no-BatchNorm guard after every stage. The caller's ``model`` is never changed.
+
+    Args:
+        model: a traceable ``nn.Module`` with ReLU activations.
+        loader: batches of ``(x, y)``, ``[x, y]`` or bare ``x``; labels are needed only for
+            QCFS training and fine-tuning. Validation data is split from it.
+        T: time steps of the returned network (settable later with ``snn.T``).
+        L: QCFS quantisation levels.
+        eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
+            it is never used to choose anything.
+        eval_T: extra T values at which to record SNN accuracy.
+
+    Returns:
+        ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
+    """
+    from .finetune import FinetuneConfig, finetune
+
+    seed_everything(seed)
+    device = torch.device(device)
+    settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
+                    calib_batches=calib_batches, maxpool=maxpool, qcfs_epochs=qcfs_epochs,
+                    finetune_epochs=finetune_epochs, device=str(device))
+    if qcfs_train is None and qcfs_epochs:
+        qcfs_train = QCFSTrainConfig(epochs=qcfs_epochs, seed=seed)
+    if finetune_config is None and finetune_epochs:
+        finetune_config = FinetuneConfig(epochs=finetune_epochs, T=T, seed=seed)
+    if qcfs_train is not None:
+        settings["qcfs_train"] = vars(qcfs_train).copy()
+    if finetune_config is not None:
+        settings["finetune"] = vars(finetune_config).copy()
+    meta = ConversionMeta(settings=settings, seed=seed)
+
+    with _stage(meta, "prepare") as rec:
+        gm = prepare(model)
+        _check_weights(gm)
+        gm.to(device)
+        x0, _ = first_batch(loader, where="the conversion loader")
+        _check_batch(gm, x0, device)
+        rec.changes = {"input_shape": list(x0.shape), "parameters": sum(p.numel() for p in gm.parameters())}
+    if eval_loader is not None:
+        meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
+
+    with _stage(meta, "fold") as rec:
+        pairs = fold_graph(gm, (x0.to(device),))
+        assert_no_batchnorm(gm, stage="fold")
+        rec.changes = {"folded": [p.to_dict() for p in pairs],
+                       "max_abs_diff": max((p.max_abs_diff or 0.0 for p in pairs), default=0.0)}
+    if eval_loader is not None:
+        meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
+
+    with _stage(meta, "qcfs") as rec:
+        qgm = calibrate_qcfs(gm, loader, L=L, percentile=percentile, per_channel=per_channel,
+                             num_batches=calib_batches, maxpool=maxpool, train=qcfs_train,
+                             device=device, progress=progress)
+        assert_no_batchnorm(qgm, stage="qcfs")
+        rec.changes = qgm.meta["qcfs"]
+    if eval_loader is not None:
+        meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
+
+    with _stage(meta, "spiking") as rec:
+        snn = to_spiking(qgm, T=T)
+        snn.to(device)
+        assert_no_batchnorm(snn, stage="spiking")
+        rec.changes = snn.meta
+
+    if finetune_config is not None and finetune_config.epochs > 0:
+        with _stage(meta, "finetune") as rec:
+            snn, history = finetune(snn, loader, config=finetune_config, device=device,
+                                    progress=progress)
+            assert_no_batchnorm(snn, stage="finetune")
+            rec.changes = {"history": history}
+
+    if eval_loader is not None:
+        Ts = sorted(set(eval_T) | {T})
+        meta.accuracy["snn"] = {str(t): a for t, a in
+                                accuracy_by_T(snn, eval_loader, Ts, device).items()}
+    return snn, meta

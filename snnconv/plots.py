@@ -1,0 +1,70 @@
+"""Headless matplotlib plots: accuracy against T, training curves. Files are written atomically."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["plot_accuracy_vs_T", "plot_history"]
+
+
+def _save(fig, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def plot_accuracy_vs_T(curves: Mapping[str, Mapping[int, float]], path: str | os.PathLike, *,
+                       references: Mapping[str, float] | None = None,
+                       title: str = "SNN accuracy vs time steps") -> None:
+    """One line per method (``{name: {T: accuracy}}``), dashed horizontal lines for references."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, points in curves.items():
+        Ts = sorted(int(t) for t in points)
+        ax.plot(Ts, [points[t] if t in points else points[str(t)] for t in Ts], marker="o", label=name)
+    for i, (name, value) in enumerate((references or {}).items()):
+        ax.axhline(value, linestyle="--", color=f"C{(i + len(curves)) % 10}", label=f"{name} ({value:.1f}%)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_history(history: Sequence[Mapping[str, float]], path: str | os.PathLike) -> None:
+    """Loss and accuracy per epoch from a fine-tuning history."""
+    records = [h for h in history if "epoch" in h]
+    if not records:
+        return
+    epochs = [h["epoch"] for h in records]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a1.plot(epochs, [h["loss"] for h in records], marker="o")
+    a1.set_xlabel("epoch")
+    a1.set_ylabel("training loss")
+    for key in ("train_acc", "val_acc"):
+        if any(key in h for h in records):
+            a2.plot([h["epoch"] for h in records if key in h], [h[key] for h in records if key in h],
+                    marker="o", label=key)
+    a2.set_xlabel("epoch")
+    a2.set_ylabel("accuracy (%)")
+    a2.legend()
+    for a in (a1, a2):
+        a.grid(True, alpha=0.3)
+    _save(fig, path)

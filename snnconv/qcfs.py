@@ -1,0 +1,386 @@
+"""Stage 2: QCFS threshold calibration.
+
+Every ReLU call site becomes its own ``QCFS(L, lambda)`` (Bu et al., ICLR 2022)::
+
+    a = lambda * clip(floor(z * L / lambda + phi) / L, 0, 1),   phi = 1/2
+
+with lambda initialised from a percentile of the site's pre-activation on calibration data,
+then optionally trained together with the weights (QCFS-aware ANN training).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .data import split_batch, split_loader
+from .errors import DataError, UnsupportedLayerError
+from .graph import capture, describe_node, module_of, prepare, set_module
+from .guards import assert_no_batchnorm
+from .metrics import evaluate
+
+__all__ = ["QCFS", "calibrate_qcfs", "qcfs_sites", "relu_sites", "QCFSTrainConfig"]
+
+_RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
+_RELU_METHODS = {"relu", "relu_"}
+
+#: Activations with no exact IF equivalent: refused by name.
+_UNSUPPORTED_MODULES = (nn.GELU, nn.SiLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.ELU, nn.SELU,
+                        nn.CELU, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.PReLU, nn.Softplus,
+                        nn.Mish, nn.RReLU, nn.GLU, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid,
+                        nn.Softmax, nn.Threshold)
+_UNSUPPORTED_FUNCTIONS = {F.gelu, F.silu, F.leaky_relu, F.leaky_relu_, torch.sigmoid, F.sigmoid,
+                          torch.tanh, F.tanh, F.elu, F.elu_, F.selu, F.celu, F.hardswish,
+                          F.hardsigmoid, F.relu6, F.hardtanh, F.hardtanh_, F.softplus, F.mish,
+                          F.prelu, F.rrelu, F.glu, F.softsign, F.logsigmoid, F.threshold}
+_UNSUPPORTED_METHODS = {"sigmoid", "sigmoid_", "tanh", "tanh_"}
+_MAXPOOL_TO_AVG = {nn.MaxPool1d: nn.AvgPool1d, nn.MaxPool2d: nn.AvgPool2d, nn.MaxPool3d: nn.AvgPool3d}
+_ADAPTIVE_MAX_TO_AVG = {nn.AdaptiveMaxPool1d: nn.AdaptiveAvgPool1d,
+                        nn.AdaptiveMaxPool2d: nn.AdaptiveAvgPool2d,
+                        nn.AdaptiveMaxPool3d: nn.AdaptiveAvgPool3d}
+_MAXPOOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d,
+                      F.adaptive_max_pool2d, F.adaptive_max_pool3d, torch.max_pool2d,
+                      torch.max_pool1d, torch.max_pool3d}
+
+
+class _FloorSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # noqa: D102
+        return torch.floor(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return grad
+
+
+class QCFS(nn.Module):
+    """Quantization-clip-floor-shift activation.
+
+    .. math::
+        a = \\lambda \\, \\mathrm{clip}(\\lfloor z L / \\lambda + \\varphi \\rfloor / L, 0, 1)
+
+    ``floor`` has a straight-through gradient; ``lam`` is a trainable parameter, one value per
+    layer (shape ``[]``) or per channel (shape ``[C]``, channels on dim 1 of the input).
+
+    Shape:
+        input ``[B, C, ...]`` or ``[B, C]``; output: same.
+    """
+
+    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5):
+        super().__init__()
+        if int(L) != L or L < 1:
+            raise ValueError(f"QCFS needs an integer L >= 1, got {L}")
+        lam = torch.as_tensor(lam, dtype=torch.float32).clone()
+        if lam.dim() > 1 or not torch.isfinite(lam).all() or (lam <= 0).any():
+            raise ValueError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
+        self.L = int(L)
+        self.phi = float(phi)
+        self.lam = nn.Parameter(lam)
+
+    def lam_view(self, ndim: int) -> torch.Tensor:
+        """lambda shaped to broadcast over an input with ``ndim`` dimensions (channels on dim 1)."""
+        if self.lam.dim() == 0:
+            return self.lam
+        return self.lam.reshape((1, -1) + (1,) * (ndim - 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lam = self.lam_view(x.dim())
+        q = _FloorSTE.apply(x * (self.L / lam) + self.phi)
+        return torch.clamp(q, 0, self.L) * (lam / self.L)
+
+    def extra_repr(self) -> str:
+        shape = "per-layer" if self.lam.dim() == 0 else f"per-channel[{self.lam.numel()}]"
+        return f"L={self.L}, phi={self.phi}, lam={shape}"
+
+
+def relu_sites(gm: fx.GraphModule) -> list[fx.Node]:
+    """Every ReLU call site of ``gm``: ``nn.ReLU`` calls, ``F.relu``, ``torch.relu``, ``Tensor.relu``."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(module_of(gm, node), nn.ReLU):
+            sites.append(node)
+        elif node.op == "call_function" and node.target in _RELU_FUNCTIONS:
+            sites.append(node)
+        elif node.op == "call_method" and node.target in _RELU_METHODS:
+            sites.append(node)
+    return sites
+
+
+def qcfs_sites(model: nn.Module) -> dict[str, QCFS]:
+    """The QCFS modules of ``model`` by qualified name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QCFS)}
+
+
+def _check_activations(gm: fx.GraphModule, maxpool: str) -> None:
+    for node in gm.graph.nodes:
+        mod = module_of(gm, node)
+        bad = None
+        if mod is not None and isinstance(mod, _UNSUPPORTED_MODULES):
+            bad = f"{type(mod).__name__} at {describe_node(node)}"
+        elif node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS:
+            bad = describe_node(node)
+        elif node.op == "call_method" and node.target in _UNSUPPORTED_METHODS:
+            bad = describe_node(node)
+        if bad:
+            raise UnsupportedLayerError(
+                f"unsupported activation {bad}: only ReLU maps onto integrate-and-fire neurons "
+                "(QCFS). Replace it with nn.ReLU and retrain the ANN before converting.")
+        is_max = (mod is not None and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}) or (
+            node.op == "call_function" and node.target in _MAXPOOL_FUNCTIONS)
+        if is_max and (maxpool != "avg" or mod is None):
+            hint = ("pass maxpool='avg' to replace it with average pooling (retraining or QCFS "
+                    "training recovers the accuracy)") if mod is not None else (
+                "replace the functional call with an nn.MaxPool module or nn.AvgPool2d")
+            raise UnsupportedLayerError(
+                f"max-pooling at {describe_node(node)}: a max over spike trains is not the spike "
+                f"train of the max, so it has no exact IF equivalent; {hint}.")
+
+
+def _replace_maxpool(gm: fx.GraphModule) -> list[str]:
+    replaced = []
+    for node in gm.graph.nodes:
+        mod = module_of(gm, node)
+        if mod is None:
+            continue
+        if type(mod) in _MAXPOOL_TO_AVG:
+            if mod.return_indices or (mod.dilation not in (1, (1,), (1, 1), (1, 1, 1))):
+                raise UnsupportedLayerError(
+                    f"max-pooling at {describe_node(node)} uses dilation or return_indices, which "
+                    "average pooling cannot reproduce; change the layer before converting")
+            avg = _MAXPOOL_TO_AVG[type(mod)](mod.kernel_size, mod.stride, mod.padding,
+                                             ceil_mode=mod.ceil_mode, count_include_pad=False)
+            set_module(gm, str(node.target), avg)
+            replaced.append(str(node.target))
+        elif type(mod) in _ADAPTIVE_MAX_TO_AVG:
+            if mod.return_indices:
+                raise UnsupportedLayerError(f"{describe_node(node)} returns indices; remove that first")
+            set_module(gm, str(node.target), _ADAPTIVE_MAX_TO_AVG[type(mod)](mod.output_size))
+            replaced.append(str(node.target))
+    return replaced
+
+
+def _site_name(node: fx.Node, used: set[str]) -> str:
+    name, k = f"qcfs_{node.name}", 1
+    while name in used:
+        name, k = f"qcfs_{node.name}_{k}", k + 1
+    used.add(name)
+    return name
+
+
+def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, percentile: float,
+                 per_channel: bool, num_batches: int, device: torch.device,
+                 progress: bool, max_samples: int = 1 << 18) -> dict[str, torch.Tensor]:
+    inputs = {s.name: s.args[0].name for s in sites}
+    samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
+    gen = torch.Generator().manual_seed(0)
+    seen = 0
+    bar = tqdm(total=num_batches, desc="calibrate", disable=not progress, leave=False)
+    for i, batch in enumerate(loader):
+        if i >= num_batches:
+            break
+        x, _ = split_batch(batch, where="calibration loader")
+        _check_finite(x, f"calibration batch {i}")
+        values = capture(gm, (x.to(device),), set(inputs.values()))
+        for site, src in inputs.items():
+            v = values[src].detach().float().cpu()
+            if per_channel:
+                v = v.transpose(0, 1).reshape(v.shape[1], -1)
+                if v.shape[1] > max_samples // max(1, v.shape[0]) * 4:
+                    keep = torch.randperm(v.shape[1], generator=gen)[: max(1, max_samples // v.shape[0]) * 4]
+                    v = v[:, keep]
+            else:
+                v = v.reshape(-1)
+                if v.numel() > max_samples:
+                    v = v[torch.randperm(v.numel(), generator=gen)[:max_samples]]
+            samples[site].append(v)
+        seen += 1
+        bar.update(1)
+    bar.close()
+    if seen == 0:
+        raise DataError("the calibration loader is empty: it yielded no batch. QCFS thresholds "
+                        "are set from data; pass a loader with at least one batch.")
+    q = percentile / 100.0
+    out = {}
+    for site, chunks in samples.items():
+        if per_channel:
+            v = torch.cat(chunks, dim=1)
+            lam = torch.quantile(v, q, dim=1) if v.shape[1] <= 16_000_000 else v.max(dim=1).values
+        else:
+            v = torch.cat(chunks)
+            lam = torch.quantile(v[: 16_000_000], q)
+        out[site] = lam.clamp_min(1e-3)
+    return out
+
+
+def _check_finite(x: torch.Tensor, where: str) -> None:
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise DataError(f"{where} holds {bad} NaN/inf value(s); clean the data before converting")
+
+
+@dataclass(frozen=True)
+class QCFSTrainConfig:
+    """QCFS-aware ANN training settings (validated on construction)."""
+
+    epochs: int = 0
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    lambda_lr: float | None = None
+    weight_decay: float = 5e-4
+    momentum: float = 0.9
+    label_smoothing: float = 0.0
+    val_fraction: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.epochs < 0 or int(self.epochs) != self.epochs:
+            raise ValueError(f"epochs must be a non-negative integer, got {self.epochs}")
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if self.lr <= 0 or (self.lambda_lr is not None and self.lambda_lr <= 0):
+            raise ValueError(f"learning rates must be positive, got lr={self.lr}, lambda_lr={self.lambda_lr}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+
+
+def make_optimizer(model: nn.Module, name: str, lr: float, *, weight_decay: float,
+                   momentum: float = 0.9, threshold_lr: float | None = None,
+                   threshold_params: Iterable[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """SGD (Nesterov) or AdamW; weight decay only on weight tensors, never on thresholds/biases."""
+    thresholds = {id(p) for p in threshold_params}
+    decay, no_decay, thr = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in thresholds:
+            thr.append(p)
+        elif p.dim() > 1:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if thr:
+        groups.append({"params": thr, "weight_decay": 0.0, "lr": threshold_lr or lr})
+    groups = [g for g in groups if g["params"]]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
+                progress: bool) -> list[dict[str, float]]:
+    train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
+    lams = [m.lam for m in qcfs_sites(gm).values()]
+    opt = make_optimizer(gm, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
+                         momentum=cfg.momentum, threshold_lr=cfg.lambda_lr, threshold_params=lams)
+    steps = cfg.epochs * max(1, len(train)) if hasattr(train, "__len__") else None
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if steps else 1.0)
+    history = []
+    best = (-1.0, None)
+    torch.manual_seed(cfg.seed)
+    for epoch in range(cfg.epochs):
+        gm.train()
+        loss_sum = n = correct = 0
+        bar = tqdm(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
+        for batch in bar:
+            x, y = split_batch(batch, where="training loader")
+            if y is None:
+                raise DataError("QCFS training needs labels, but the loader yields inputs only. "
+                                "Pass a loader of (x, y) batches, or qcfs_epochs=0 to calibrate only.")
+            x, y = x.to(device), y.to(device)
+            out = gm(x)
+            loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                for lam in lams:
+                    lam.clamp_(min=1e-3)
+            loss_sum += loss.item() * len(y)
+            correct += (out.argmax(1) == y).sum().item()
+            n += len(y)
+            bar.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{100 * correct / n:.1f}")
+        gm.eval()
+        record = {"epoch": epoch + 1, "loss": loss_sum / max(n, 1), "train_acc": 100.0 * correct / max(n, 1)}
+        if val is not None:
+            record["val_acc"] = evaluate(gm, val, device)
+            if record["val_acc"] > best[0]:
+                best = (record["val_acc"], copy.deepcopy(gm.state_dict()))
+        history.append(record)
+    if best[1] is not None:
+        gm.load_state_dict(best[1])
+    gm.eval()
+    return history
+
+
+def calibrate_qcfs(
+    model: nn.Module,
+    loader: Iterable,
+    *,
+    L: int = 8,
+    percentile: float = 99.9,
+    per_channel: bool = False,
+    num_batches: int = 10,
+    maxpool: str = "error",
+    train: QCFSTrainConfig | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> fx.GraphModule:
+    """Replace every ReLU call site of a BatchNorm-free ``model`` with its own calibrated QCFS.
+
+    lambda starts at the ``percentile`` of each site's pre-activation over ``num_batches`` batches
+    (per layer, or per channel), then ``train`` optionally runs QCFS-aware training (labels
+    needed; validation split from ``loader``). Works on a copy; returns a GraphModule whose
+    ``meta["qcfs"]`` records lambda per site and the training history.
+
+    Raises:
+        BatchNormRemainsError: the model still holds BatchNorm (fold it first).
+        UnsupportedLayerError: another activation (GELU, SiLU, ...), or max-pooling without
+            ``maxpool="avg"``.
+        DataError: empty loader, NaN/inf data, or training without labels.
+    """
+    if maxpool not in ("error", "avg"):
+        raise ValueError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    device = torch.device(device)
+    gm = prepare(model)
+    assert_no_batchnorm(gm, stage="before QCFS calibration")
+    _check_activations(gm, maxpool)
+    pooled = _replace_maxpool(gm) if maxpool == "avg" else []
+    gm.recompile()
+    gm.to(device)
+    sites = relu_sites(gm)
+    lams = _percentiles(gm, loader, sites, percentile=percentile, per_channel=per_channel,
+                        num_batches=num_batches, device=device, progress=progress)
+    used: set[str] = set(n for n, _ in gm.named_modules())
+    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled}
+    for node in sites:
+        name = _site_name(node, used)
+        gm.add_submodule(name, QCFS(L, lams[node.name]).to(device))
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module(name, (node.args[0],))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        record["sites"][name] = {"replaces": describe_node(node), "lambda_init": lams[node.name].tolist()}
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    if train is not None and train.epochs > 0:
+        record["history"] = _train_qcfs(gm, loader, train, device, progress)
+    for name, q in qcfs_sites(gm).items():
+        record["sites"][name]["lambda"] = q.lam.detach().cpu().tolist()
+    gm.meta["qcfs"] = record
+    return gm

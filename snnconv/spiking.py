@@ -1,0 +1,440 @@
+"""Stage 3: replace every QCFS with a soft-reset integrate-and-fire neuron.
+
+Semantics (pinned here, used by every executor)::
+
+    h[t] = v[t-1] + x[t] / theta        (the membrane is kept in units of theta)
+    s[t] = 1 if h[t] >= 1 else 0        (spikingjelly's Heaviside: fires on equality)
+    v[t] = h[t] - s[t]                  (reset by subtraction)
+    v[0] = 1/2                          (i.e. theta / 2)
+
+Each neuron emits binary spikes; its output scale theta is folded into the weights of the
+Conv/Linear layers that consume it (through pooling, dropout and flatten), or carried by an
+explicit :class:`Scale` where no such layer exists (an identity shortcut into an add).
+
+Time is folded into the batch: inside the network a tensor is ``[T*B, ...]`` (t major). Layers
+that see only the static input (before the first neuron) run once on ``[B, ...]`` and are
+expanded over time by :class:`TimeExpand`, so direct encoding costs one pass of the first layer.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+import os
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from spikingjelly.activation_based import neuron, surrogate
+
+from .errors import CheckpointError, StageOrderError, UnsupportedModelError
+from .graph import describe_node, module_of, prepare, set_module
+from .guards import assert_no_batchnorm
+from .qcfs import QCFS, relu_sites
+
+__all__ = ["IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "neurons"]
+
+FORMAT = "snnconv.spiking"
+FORMAT_VERSION = 1
+
+
+def _channel_view(theta: torch.Tensor, ndim: int, channel_dim: int = 1) -> torch.Tensor:
+    if theta.dim() == 0:
+        return theta
+    shape = [1] * ndim
+    shape[channel_dim] = -1
+    return theta.reshape(shape)
+
+
+class IFNeuron(nn.Module):
+    """Multi-step soft-reset IF neuron with threshold ``theta`` and ``v[0] = theta / 2``.
+
+    Wraps spikingjelly's :class:`HalfThresholdIFNode` (threshold 1) on the input divided by
+    ``theta``, so theta may be per layer (shape ``[]``) or per channel (``[C]``, dim 1) and
+    trainable. The state is reset at every call, so a call is a pure function of its input.
+
+    Shape:
+        input ``[T*B, C, ...]`` (time-major), output: same, values in {0, 1}.
+    """
+
+    def __init__(self, theta: float | torch.Tensor, T: int = 8, *, alpha: float = 2.0,
+                 detach_reset: bool = False):
+        super().__init__()
+        theta = torch.as_tensor(theta, dtype=torch.float32).detach().clone()
+        if theta.dim() > 1 or (theta <= 0).any() or not torch.isfinite(theta).all():
+            raise ValueError(f"IF threshold must be positive and finite, shape [] or [C]; got {theta}")
+        self.theta = nn.Parameter(theta, requires_grad=False)
+        self.T = int(T)
+        self.alpha = float(alpha)
+        self.detach_reset = bool(detach_reset)
+        self.node = neuron.HalfThresholdIFNode(
+            v_threshold=1.0, surrogate_function=surrogate.ATan(alpha=self.alpha),
+            detach_reset=self.detach_reset, step_mode="m")
+
+    def set_surrogate(self, alpha: float | None = None, detach_reset: bool | None = None) -> None:
+        """Change the surrogate sharpness or ``detach_reset`` (used by fine-tuning)."""
+        if alpha is not None:
+            self.alpha = float(alpha)
+            self.node.surrogate_function = surrogate.ATan(alpha=self.alpha)
+        if detach_reset is not None:
+            self.detach_reset = bool(detach_reset)
+            self.node.detach_reset = self.detach_reset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        TB = x.shape[0]
+        if TB % self.T:
+            raise ValueError(f"IFNeuron got a batch of {TB}, not a multiple of T={self.T}")
+        seq = x.reshape(self.T, TB // self.T, *x.shape[1:])
+        theta = _channel_view(self.theta, seq.dim(), channel_dim=2)
+        self.node.reset()
+        spikes = self.node(seq / theta)
+        self.node.reset()
+        return spikes.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        kind = "per-layer" if self.theta.dim() == 0 else f"per-channel[{self.theta.numel()}]"
+        return f"theta={kind}, T={self.T}, alpha={self.alpha}, detach_reset={self.detach_reset}"
+
+
+class Scale(nn.Module):
+    """Multiply by ``theta`` (per layer, or per channel on dim 1): a spike train back to values."""
+
+    def __init__(self, theta: float | torch.Tensor):
+        super().__init__()
+        self.theta = nn.Parameter(torch.as_tensor(theta, dtype=torch.float32).detach().clone(),
+                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _channel_view(self.theta, x.dim())
+
+
+class TimeExpand(nn.Module):
+    """``[B, ...] -> [T*B, ...]``: the static input presented at each of T steps."""
+
+    def __init__(self, T: int = 8):
+        super().__init__()
+        self.T = int(T)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0).expand(self.T, *x.shape).reshape(self.T * x.shape[0], *x.shape[1:])
+
+
+def neurons(model: nn.Module) -> dict[str, IFNeuron]:
+    """The IF neurons of ``model`` by qualified name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, IFNeuron)}
+
+
+# --- absorbing theta into the consumers -----------------------------------------------------
+
+_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+          nn.AdaptiveAvgPool3d, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity)
+_POOL_FUNCTIONS = {F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
+                   F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.dropout, torch.avg_pool1d}
+_FLATTENS_FN = {torch.flatten}
+_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def _is_flatten_from_1(gm: fx.GraphModule, node: fx.Node) -> bool:
+    mod = module_of(gm, node)
+    if isinstance(mod, nn.Flatten):
+        return mod.start_dim == 1 and mod.end_dim == -1
+    if (node.op == "call_function" and node.target in _FLATTENS_FN) or (
+            node.op == "call_method" and node.target == "flatten"):
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        return start == 1 and end == -1
+    return False
+
+
+def _passes_scale(gm: fx.GraphModule, node: fx.Node) -> bool:
+    mod = module_of(gm, node)
+    if mod is not None:
+        return isinstance(mod, _POOLS)
+    return node.op == "call_function" and node.target in _POOL_FUNCTIONS
+
+
+def _absorb_target(gm: fx.GraphModule, user: fx.Node, src: fx.Node, sites: dict[str, int]):
+    """Follow a chain of scale-commuting single-use ops from ``src`` to a Conv/Linear consumer."""
+    prev, node, flattened = src, user, False
+    while True:
+        if node.args[:1] != (prev,) or any(a is prev for a in list(node.args[1:]) + list(node.kwargs.values())):
+            return None
+        mod = module_of(gm, node)
+        if isinstance(mod, _LAYERS):
+            if sites.get(str(node.target), 0) != 1:
+                return None
+            return node, flattened
+        if not (_passes_scale(gm, node) or _is_flatten_from_1(gm, node)) or len(node.users) != 1:
+            return None
+        if _is_flatten_from_1(gm, node):
+            if flattened:
+                return None
+            flattened = True
+        prev, node = node, next(iter(node.users))
+
+
+def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool) -> torch.Tensor | None:
+    """A tensor broadcasting against ``layer.weight`` that multiplies each input column by theta."""
+    w = layer.weight
+    if theta.dim() == 0:
+        return theta
+    C = theta.numel()
+    if isinstance(layer, nn.Linear):
+        n_in = w.shape[1]
+        if n_in % C:
+            return None
+        per = n_in // C
+        if not flattened and per != 1:
+            return None
+        return theta.repeat_interleave(per).reshape(1, n_in)
+    groups = layer.groups
+    if layer.in_channels != C or flattened:
+        return None
+    in_pg, out_pg = layer.in_channels // groups, layer.out_channels // groups
+    g = torch.arange(layer.out_channels) // out_pg
+    idx = g.unsqueeze(1) * in_pg + torch.arange(in_pg).unsqueeze(0)
+    return theta[idx].reshape(layer.out_channels, in_pg, *([1] * (w.dim() - 2)))
+
+
+def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: dict[str, int]) -> dict:
+    absorbed, scaled = [], []
+    scale_node = None
+    for user in list(if_node.users):
+        hit = _absorb_target(gm, user, if_node, sites)
+        factor = None
+        if hit is not None:
+            layer = module_of(gm, hit[0])
+            factor = _input_scale(layer, theta, hit[1])
+        if factor is not None:
+            layer = module_of(gm, hit[0])
+            with torch.no_grad():
+                w = (layer.weight.double() * factor.double()).to(layer.weight.dtype)
+            layer.weight = nn.Parameter(w, requires_grad=True)
+            absorbed.append(str(hit[0].target))
+            continue
+        if scale_node is None:
+            name = f"{if_node.target}_scale"
+            gm.add_submodule(name, Scale(theta))
+            with gm.graph.inserting_after(if_node):
+                scale_node = gm.graph.call_module(name, (if_node,))
+        user.replace_input_with(if_node, scale_node)
+        scaled.append(user.name)
+    return {"absorbed_into": absorbed, "explicit_scale_for": scaled}
+
+
+# --- time expansion -------------------------------------------------------------------------
+
+_SHAPE_METHODS = {"size", "dim", "numel", "shape"}
+
+
+def _insert_time_expand(gm: fx.GraphModule, T: int) -> list[str]:
+    kind: dict[fx.Node, str] = {}
+    for node in gm.graph.nodes:
+        ins = node.all_input_nodes
+        if node.op == "placeholder":
+            kind[node] = "static"
+        elif node.op == "get_attr":
+            kind[node] = "const"
+        elif isinstance(module_of(gm, node), IFNeuron) or any(kind.get(i) == "dynamic" for i in ins):
+            kind[node] = "dynamic"
+        elif (node.op == "call_method" and node.target in _SHAPE_METHODS) or (
+                node.op == "call_function" and node.target in (getattr, builtins.len)):
+            kind[node] = "dynamic"
+        elif any(kind.get(i) == "static" for i in ins):
+            kind[node] = "static"
+        else:
+            kind[node] = "const"
+    expanded: dict[fx.Node, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if kind.get(node) not in ("dynamic",) and node.op != "output":
+            continue
+        for inp in node.all_input_nodes:
+            if kind.get(inp) != "static":
+                continue
+            if inp not in expanded:
+                name = f"time_expand_{inp.name}"
+                gm.add_submodule(name, TimeExpand(T))
+                with gm.graph.inserting_after(inp):
+                    expanded[inp] = gm.graph.call_module(name, (inp,))
+            node.replace_input_with(inp, expanded[inp])
+    return [n.name for n in expanded]
+
+
+def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
+               detach_reset: bool = False) -> "SpikingNetwork":
+    """Replace each QCFS(lambda) of a calibrated ANN by an IF neuron with threshold lambda.
+
+    Spikes between layers are binary; lambda moves into the consuming layers' weights (or an
+    explicit :class:`Scale`). Works on a copy; ``result.meta`` records what was absorbed where.
+
+    Raises:
+        BatchNormRemainsError: the graph still holds BatchNorm.
+        StageOrderError: the graph still holds a bare ReLU (run ``calibrate_qcfs`` first).
+    """
+    _check_T(T)
+    gm = prepare(model, leaf_types=(QCFS,))
+    assert_no_batchnorm(gm, stage="before IF replacement")
+    bare = relu_sites(gm)
+    if bare:
+        listing = ", ".join(describe_node(n) for n in bare)
+        raise StageOrderError(
+            f"{len(bare)} bare ReLU call site(s) remain: {listing}. IF neurons replace QCFS "
+            "activations, whose thresholds come from calibration; run snnconv.calibrate_qcfs "
+            "(or snnconv.convert) first.")
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    if not isinstance(out_node.args[0], fx.Node):
+        raise UnsupportedModelError(
+            f"the model returns {type(out_node.args[0]).__name__}, not one tensor; the spiking "
+            "network averages a single readout over time. Return one tensor from forward().")
+    sites = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            sites[str(node.target)] = sites.get(str(node.target), 0) + 1
+    record = {}
+    for node in list(gm.graph.nodes):
+        q = module_of(gm, node)
+        if not isinstance(q, QCFS):
+            continue
+        theta = q.lam.detach().clone().float()
+        name = str(node.target).replace("qcfs_", "if_", 1) if str(node.target).startswith("qcfs_") else f"if_{node.name}"
+        gm.add_submodule(name, IFNeuron(theta, T, alpha=alpha, detach_reset=detach_reset))
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module(name, (node.args[0],))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        record[name] = _absorb(gm, new, theta, sites)
+        record[name]["theta"] = theta.tolist()
+    expanded = _insert_time_expand(gm, T)
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    snn = SpikingNetwork(gm, T)
+    snn.meta = {"neurons": record, "time_expanded": expanded}
+    assert_no_batchnorm(snn, stage="IF replacement")
+    return snn
+
+
+def _check_T(T: Any) -> None:
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(f"T (number of time steps) must be an integer >= 1, got {T!r}")
+
+
+class SpikingNetwork(nn.Module):
+    """A converted SNN: direct encoding, IF neurons, readout averaged over ``T`` steps.
+
+    ``snn(x)`` takes a static batch ``[B, ...]``, presents it at every step and returns the
+    readout averaged over T, ``[B, classes]``. ``snn.run(x)`` returns per-step readouts
+    ``[T, B, ...]`` (and per-layer spike counts on request). Neuron state starts fresh at
+    every call.
+    """
+
+    def __init__(self, net: fx.GraphModule, T: int = 8):
+        super().__init__()
+        self.net = net
+        self.meta: dict[str, Any] = {}
+        self.T = T
+
+    @property
+    def T(self) -> int:
+        return self._T
+
+    @T.setter
+    def T(self, value: int) -> None:
+        _check_T(value)
+        self._T = value
+        for m in self.net.modules():
+            if isinstance(m, (IFNeuron, TimeExpand)):
+                m.T = value
+
+    def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        old = self.T
+        self.T = T
+        try:
+            out = self.net(x)
+        finally:
+            self.T = old
+        return out.reshape(T, x.shape[0], *out.shape[1:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._steps(x, self.T).mean(0)
+
+    def run(self, x: torch.Tensor, T: int | None = None, *, spike_counts: bool = False):
+        """Per-step readouts ``[T, B, ...]``; with ``spike_counts``, also ``{layer: [T] counts}``.
+
+        The counts are the number of spikes each IF layer emitted at each step, summed over
+        the batch and the layer's neurons.
+        """
+        T = self.T if T is None else T
+        _check_T(T)
+        counts: dict[str, torch.Tensor] = {}
+        handles = []
+        if spike_counts:
+            for name, m in neurons(self.net).items():
+                def hook(mod, inp, out, name=name):
+                    counts[name] = out.detach().reshape(mod.T, -1).sum(1)
+                handles.append(m.register_forward_hook(hook))
+        try:
+            out = self._steps(x, T)
+        finally:
+            for h in handles:
+                h.remove()
+        return (out, counts) if spike_counts else out
+
+    def thresholds(self) -> dict[str, torch.Tensor]:
+        """Each IF layer's threshold theta."""
+        return {n: m.theta.detach().clone() for n, m in neurons(self.net).items()}
+
+    # --- save / load (weights_only, no pickled code) ---
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write weights, thresholds, graph and T to ``path`` atomically (loadable with weights_only)."""
+        from .serialize import graph_to_dict
+
+        payload = {"format": FORMAT, "version": FORMAT_VERSION, "T": self.T,
+                   "graph": graph_to_dict(self.net), "state_dict": self.net.state_dict()}
+        _atomic_torch_save(payload, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SpikingNetwork":
+        """Read a network written by :meth:`save` (``torch.load(weights_only=True)``)."""
+        from .serialize import graph_from_dict
+
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {path} as a saved SpikingNetwork: {exc}") from exc
+        if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+            raise CheckpointError(f"{path} is not a saved snnconv SpikingNetwork (format "
+                                  f"{payload.get('format') if isinstance(payload, dict) else type(payload).__name__})")
+        if payload.get("version") != FORMAT_VERSION:
+            raise CheckpointError(f"{path} has format version {payload.get('version')}; this "
+                                  f"snnconv reads version {FORMAT_VERSION}")
+        net = graph_from_dict(payload["graph"])
+        try:
+            net.load_state_dict(payload["state_dict"], strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path}: weights do not match its graph: {exc}") from exc
+        return cls(net, payload["T"])
+
+
+def _atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    import tempfile
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pt")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
