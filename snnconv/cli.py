@@ -35,7 +35,12 @@ def _load_model(path: str, model_name: str | None, num_classes: int, in_channels
         raise SnnconvError(
             f"{path}: give --model NAME (one of {models.names()}) to load a state dict safely, or "
             "--trust-pickle to unpickle a whole saved module (this runs code from the file).")
-    model = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        model = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        raise SnnconvError(f"cannot unpickle {path} ({type(exc).__name__}: {exc})") from exc
     if not isinstance(model, torch.nn.Module):
         raise SnnconvError(f"{path} holds a {type(model).__name__}, not an nn.Module")
     return model

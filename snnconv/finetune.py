@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import itertools
 import math
 import os
 import time
@@ -82,6 +83,14 @@ class FinetuneConfig:
             bad(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.alpha <= 0:
             bad(f"alpha must be positive, got {self.alpha}")
+        if not 0 <= self.label_smoothing < 1:
+            bad(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if self.weight_decay < 0:
+            bad(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.momentum < 1:
+            bad(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.grad_clip < 0:
+            bad(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
         if self.activation_checkpointing not in (None, "block", "neuron"):
             bad(f"activation_checkpointing must be None, 'block' or 'neuron', got "
                 f"{self.activation_checkpointing!r}")
@@ -171,11 +180,16 @@ def _write_checkpoint(path: str, payload: dict) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    with open(tmp, "wb") as fh:
-        fh.write(_MAGIC + digest + b"\n" + data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(_MAGIC + digest + b"\n" + data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def read_checkpoint(path: str) -> dict:
@@ -197,40 +211,110 @@ def read_checkpoint(path: str) -> dict:
 
 # --- training -------------------------------------------------------------------------------
 
+# Settings that decide the training trajectory: a checkpoint written under other values cannot
+# continue this run (activation checkpointing, checkpoint cadence and paths change nothing).
+_RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
+                "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
+                "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp")
+
+
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
+def _launched_distributed() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available()
+
+
 def _maybe_init_distributed(device: torch.device) -> bool:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available() and not dist.is_initialized():
+    if _launched_distributed() and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return True
     return False
 
 
-def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int):
+def _local_device(device: torch.device) -> torch.device:
+    """Under torchrun, a bare ``"cuda"`` means this process's GPU (``LOCAL_RANK``), not GPU 0."""
+    if device.type == "cuda" and device.index is None and _launched_distributed():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
+def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum ``t`` over processes (on ``device``: NCCL reduces GPU tensors only)."""
+    out = t.to(device)
+    dist.all_reduce(out)
+    return out.to(t.device)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@dataclass
+class _Data:
+    train: Iterable
+    val: Iterable | None
+    sampler: DistributedSampler | None = None
+    generator: torch.Generator | None = None  # the train loader's own (worker seeds)
+    global_batch: int | None = None
+
+    def start_epoch(self, epoch: int, seed: int) -> None:
+        """Fix this epoch's order and worker seeds from (seed, epoch) alone, never from the
+        global RNG, so an epoch replays identically after a resume."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
+        if self.generator is not None:
+            self.generator.manual_seed(seed * 1_000_003 + epoch)
+
+
+def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int) -> _Data:
     if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
         if world > 1:
             raise DataError("distributed fine-tuning needs a torch DataLoader over a sized dataset")
         from .data import split_loader
 
         train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
-        return train, val, None
+        return _Data(train, val)
     if cfg.val_fraction > 0:
         train_set, val_set = split_dataset(loader.dataset, cfg.val_fraction, seed=cfg.seed)
     else:
         train_set, val_set = loader.dataset, None
-    batch = cfg.batch_size or loader.batch_size or 1
+    batch = cfg.batch_size or loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    if not batch:
+        raise DataError("cannot tell the batch size of a DataLoader without automatic batching; "
+                        "pass batch_size= to finetune()")
     if batch % world:
         raise DataError(f"the global batch size {batch} is not divisible by {world} processes")
+    # Every process count draws the same global batches: a DistributedSampler over the seeded
+    # permutation gives rank r the samples r, r + world, ... of it, so with one process it is
+    # the permutation itself and the union over ranks of batch k is always the same set.
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn)
-    train = DataLoader(train_set, batch_size=batch // world, sampler=sampler, drop_last=True, **common)
-    val = DataLoader(val_set, batch_size=batch, shuffle=False, **common) if val_set is not None else None
-    return train, val, sampler
+    common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                  pin_memory=loader.pin_memory)
+    # own generators: creating an iterator then draws from them, not from the global RNG
+    generator = torch.Generator()
+    train = DataLoader(train_set, batch_size=batch // world, sampler=sampler, drop_last=True,
+                       generator=generator, **common)
+    val = None
+    if val_set is not None:
+        val = DataLoader(val_set, batch_size=batch, shuffle=False,
+                         generator=torch.Generator().manual_seed(cfg.seed), **common)
+    return _Data(train, val, sampler, generator, batch)
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -258,6 +342,7 @@ def finetune(
 
     Works on a copy of ``snn``. The validation split is taken from ``train_loader`` and picks
     the best epoch. ``options`` override fields of ``config`` (see :class:`FinetuneConfig`).
+    The result depends on ``seed`` only: the caller's global RNG is neither read nor changed.
 
     Returns:
         ``(snn, history)``: the fine-tuned network (at the same T as given) and one record per
@@ -266,7 +351,8 @@ def finetune(
     Raises:
         StageOrderError: ``snn`` is not a SpikingNetwork.
         DataError: the loader has no labels, or is empty.
-        CheckpointError: a checkpoint to resume is corrupted or from another model.
+        CheckpointError: a checkpoint to resume is corrupted, from another model, or from a
+            run with other settings.
     """
     if not isinstance(snn, SpikingNetwork):
         raise StageOrderError(
@@ -282,14 +368,35 @@ def finetune(
         if unknown:
             raise TypeError(f"finetune() got unknown options {sorted(unknown)}")
         cfg = replace(cfg, **options)
-    device = torch.device(device)
+    device = _local_device(torch.device(device))
     started_dist = _maybe_init_distributed(device)
     rank, world = _rank_world()
+    rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
     try:
-        return _finetune(snn, train_loader, cfg, device, progress and rank == 0, rank, world)
+        with torch.random.fork_rng(devices=rng_devices):
+            return _finetune(snn, train_loader, cfg, device, progress and rank == 0, rank, world)
     finally:
         if started_dist:
             dist.destroy_process_group()
+
+
+def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConfig,
+                     global_batch: int | None) -> None:
+    if state.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"{path} was written for another model (parameter names/shapes differ); "
+            "point checkpoint_dir elsewhere or delete the file")
+    saved = state.get("config", {})
+    now = asdict(cfg)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in _RESUME_KEYS
+             if saved.get(k) != now[k]]
+    if state.get("global_batch") != global_batch:
+        diffs.append(f"global batch: checkpoint {state.get('global_batch')}, now {global_batch}")
+    if diffs:
+        raise CheckpointError(
+            f"{path} was written by a run with other settings ({'; '.join(diffs)}); resume with "
+            "the same settings, or point checkpoint_dir elsewhere to start a new run")
 
 
 def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
@@ -303,8 +410,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
         m.set_surrogate(alpha=cfg.alpha, detach_reset=cfg.detach_reset)
         m.theta.requires_grad_(cfg.train_thresholds)
     thresholds = [m.theta for m in neurons(model).values()] if cfg.train_thresholds else []
-    train, val, sampler = _loaders(loader, cfg, rank, world)
-    steps_per_epoch = len(train) if hasattr(train, "__len__") else None
+    data = _loaders(loader, cfg, rank, world)
+    steps_per_epoch = len(data.train) if hasattr(data.train, "__len__") else None
     if steps_per_epoch == 0:
         raise DataError("the fine-tuning loader yields no full batch after the validation split")
     if cfg.max_steps_per_epoch and steps_per_epoch:
@@ -312,7 +419,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
     opt = make_optimizer(model, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
                          momentum=cfg.momentum, threshold_lr=cfg.threshold_lr,
                          threshold_params=thresholds)
-    total = cfg.epochs * (steps_per_epoch or 1)
+    # an unsized loader has no known length to anneal over: constant rate after warm-up
+    total = cfg.epochs * steps_per_epoch if steps_per_epoch else 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup_steps))
     # ``model`` owns the parameters (state dicts, checkpoints, evaluation); ``runner`` computes
     # the training forward (a checkpointed view and/or a DDP wrapper sharing those parameters)
@@ -330,49 +438,57 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
     fingerprint = _fingerprint(model)
     history: list[dict[str, float]] = []
     start_epoch, start_step, best_val, best_state = 0, 0, -1.0, None
+    resume_rng, resume_partial = None, None
     if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
         state = read_checkpoint(ckpt_path)
-        if state.get("fingerprint") != fingerprint:
-            raise CheckpointError(
-                f"{ckpt_path} was written for another model (parameter names/shapes differ); "
-                "point checkpoint_dir elsewhere or delete the file")
+        _check_resumable(ckpt_path, state, fingerprint, cfg, data.global_batch)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
         start_epoch, start_step = state["epoch"], state["step"]
         history = list(state["history"])
         best_val, best_state = state["best_val"], state["best_state"]
+        _set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
+        if start_step:
+            # mid-epoch: replaying the epoch's first batches may draw random numbers (dataset
+            # transforms), so the state is set again once they are passed
+            resume_rng = state["rng"]
+            # the sums so far are global (all ranks); rank 0 carries them, the others restart
+            if rank == 0:
+                resume_partial = state["partial"]
 
-    def save(epoch: int, step: int) -> None:
+    def save(epoch: int, step: int, partial: list[float] | None = None) -> None:
         if ckpt_path is None or rank != 0:
             return
         _write_checkpoint(ckpt_path, {
-            "fingerprint": fingerprint, "config": asdict(cfg), "epoch": epoch, "step": step,
+            "fingerprint": fingerprint, "config": asdict(cfg), "global_batch": data.global_batch,
+            "epoch": epoch, "step": step, "partial": partial,
             "model": model.state_dict(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
-            "rng": torch.get_rng_state(), "history": history, "best_val": best_val,
+            "rng": _rng_state(device), "history": history, "best_val": best_val,
             "best_state": best_state})
 
     for epoch in range(start_epoch, cfg.epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
+        data.start_epoch(epoch, cfg.seed)
         skip = start_step if epoch == start_epoch else 0
         model.train()
         runner.train()
         t0 = time.perf_counter()
         sums = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
-        if skip and "partial" in (history[-1] if history else {}):
-            sums = torch.tensor(history.pop()["partial"], dtype=torch.float64)
+        if skip and resume_partial is not None:
+            sums = torch.tensor(resume_partial, dtype=torch.float64)
         bar = tqdm(total=steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
                    disable=not progress, leave=False)
-        step = 0
-        for step, batch in enumerate(train):
-            if cfg.max_steps_per_epoch and step >= cfg.max_steps_per_epoch:
-                step -= 1
-                break
+        batches = iter(data.train)
+        if cfg.max_steps_per_epoch:
+            batches = itertools.islice(batches, cfg.max_steps_per_epoch)
+        seen = 0
+        for step, batch in enumerate(batches):
+            seen = step + 1
             if step < skip:
+                if step == skip - 1:
+                    _set_rng_state(resume_rng, device)
                 continue
             x, y = split_batch(batch, where="fine-tuning loader")
             if y is None:
@@ -390,7 +506,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
             scaler.step(opt)
             scaler.update()
             sched.step()
-            if thresholds or cfg.train_thresholds:
+            if thresholds:
                 with torch.no_grad():
                     for m in neurons(model).values():
                         m.theta.clamp_(min=1e-3)
@@ -400,17 +516,24 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
             bar.update(1)
             bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{100 * sums[1] / sums[2]:.1f}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                history.append({"partial": sums.tolist()})
-                save(epoch, step + 1)
-                history.pop()
+                partial = _all_reduce_sum(sums, device) if world > 1 else sums
+                save(epoch, step + 1, partial.tolist())
         bar.close()
+        if seen < skip:
+            raise CheckpointError(
+                f"{ckpt_path} stopped after step {skip} of epoch {epoch + 1}, but the loader now "
+                f"yields only {seen} batches per epoch; resume with the same data")
         if world > 1:
-            dist.all_reduce(sums)
-        record = {"epoch": epoch + 1, "loss": float(sums[0] / max(sums[2], 1)),
-                  "train_acc": float(100 * sums[1] / max(sums[2], 1)),
+            sums = _all_reduce_sum(sums, device)
+        if sums[2] == 0:
+            raise DataError(
+                f"the fine-tuning loader yielded no batch in epoch {epoch + 1}; a one-shot iterator "
+                "(a generator) can be read only once: pass a DataLoader or a list of batches")
+        record = {"epoch": epoch + 1, "loss": float(sums[0] / sums[2]),
+                  "train_acc": float(100 * sums[1] / sums[2]),
                   "seconds": time.perf_counter() - t0}
-        if val is not None:
-            record["val_acc"] = evaluate(model, val, device)
+        if data.val is not None:
+            record["val_acc"] = evaluate(model, data.val, device)
             if record["val_acc"] > best_val:
                 best_val = record["val_acc"]
                 best_state = copy.deepcopy(model.state_dict())

@@ -25,6 +25,10 @@ __all__ = ["FoldedPair", "fold_weights", "folded_producer", "fold_batchnorm", "f
 #: Layers a BatchNorm can be folded into.
 PRODUCERS: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
+#: Rank of a producer's batched output whose dim 1 holds its output channels (what BN normalises).
+_OUTPUT_RANK: tuple[tuple[type[nn.Module], int], ...] = (
+    (nn.Conv1d, 3), (nn.Conv2d, 4), (nn.Conv3d, 5), (nn.Linear, 2))
+
 _FUNCTIONAL_BN = {F.batch_norm, torch.batch_norm}
 _ADDS = {operator.add, torch.add, operator.iadd}
 
@@ -66,7 +70,8 @@ def fold_weights(
     dtype = weight.dtype
     w = weight.detach().double()
     out = w.shape[0]
-    b = bias.detach().double() if bias is not None else torch.zeros(out, dtype=torch.float64)
+    b = (bias.detach().double() if bias is not None
+         else torch.zeros(out, dtype=torch.float64, device=w.device))
     mean = running_mean.detach().double()
     var = running_var.detach().double()
     g = gamma.detach().double() if gamma is not None else torch.ones_like(mean)
@@ -103,15 +108,37 @@ def _bn_problem(bn: _BatchNorm) -> str | None:
     return None
 
 
-def _producer_problem(gm: fx.GraphModule, bn_node: fx.Node, src: fx.Node, bn: _BatchNorm) -> str | None:
-    """Why ``src`` cannot absorb ``bn`` (None when it can)."""
+def _rank_problem(name: str, producer: nn.Module, bn: _BatchNorm, rank: int | None) -> str | None:
+    """Why ``bn`` does not normalise ``producer``'s output channels (None when it does).
+
+    BatchNorm normalises dim 1; a producer's output channels are on dim 1 only for a batched
+    output (a Linear's features are on its last dim, so only a 2-d Linear output qualifies).
+    ``rank`` is the output rank seen on an example batch, None when unknown.
+    """
+    expected = next(r for t, r in _OUTPUT_RANK if isinstance(producer, t))
+    kind = type(producer).__name__
+    if rank is not None and rank != expected:
+        return (f"its producer '{name}' ({kind}) gives a {rank}-d output here, so the BatchNorm "
+                f"normalises dim 1, which is not the {kind}'s output channels (that needs a "
+                f"{expected}-d output); folding would change the function")
+    if rank is None and isinstance(producer, nn.Linear) and isinstance(bn, (nn.BatchNorm2d, nn.BatchNorm3d)):
+        return (f"its producer '{name}' is a Linear, whose features are on the last dim, but "
+                f"{type(bn).__name__} normalises dim 1 of a {4 if isinstance(bn, nn.BatchNorm2d) else 5}-d "
+                "tensor; folding would change the function")
+    return None
+
+
+def _producer_problem(gm: fx.GraphModule, bn_node: fx.Node, src: fx.Node, bn: _BatchNorm,
+                      rank: int | None = None) -> str | None:
+    """Why ``src`` cannot absorb ``bn`` (None when it can); ``rank``: output rank if known."""
     if src.op == "placeholder":
         return (f"it is applied to the model input '{src.name}', with no layer before it to "
                 "absorb it; keep it as an explicit affine preprocessing step outside the model")
     producer = module_of(gm, src)
     if not isinstance(producer, PRODUCERS):
-        what = type(producer).__name__ if producer is not None else describe_node(src)
-        return (f"it is fed by {what} (fx node '{src.name}'), not by a Conv1d/2d/3d or Linear; "
+        what = (f"{type(producer).__name__} (fx node '{src.name}')" if producer is not None
+                else describe_node(src))
+        return (f"it is fed by {what}, not by a Conv1d/2d/3d or Linear; "
                 "folding across an activation, pooling or concatenation would change the "
                 "function. Move the BatchNorm directly after a convolution or linear layer")
     if len(src.users) > 1:
@@ -125,10 +152,10 @@ def _producer_problem(gm: fx.GraphModule, bn_node: fx.Node, src: fx.Node, bn: _B
     if producer.weight.shape[0] != bn.num_features:
         return (f"its producer '{src.target}' has {producer.weight.shape[0]} output channels but "
                 f"the BatchNorm normalises {bn.num_features}")
-    return None
+    return _rank_problem(str(src.target), producer, bn, rank)
 
 
-def _fold_one(gm: fx.GraphModule, bn_node: fx.Node) -> FoldedPair:
+def _fold_one(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None = None) -> FoldedPair:
     bn = module_of(gm, bn_node)
     name = str(bn_node.target)
     problem = _bn_problem(bn)
@@ -142,7 +169,12 @@ def _fold_one(gm: fx.GraphModule, bn_node: fx.Node) -> FoldedPair:
     if src.op == "call_function" and src.target in _ADDS and len(src.users) == 1:
         addends = [a for a in src.args if isinstance(a, fx.Node)]
         if len(addends) == len(src.args) and not src.kwargs:
-            problems = [_producer_problem(gm, src, a, bn) for a in addends]
+            if len(set(addends)) < len(addends):
+                raise FoldError(f"cannot fold BatchNorm '{name}' after an add: the add sums the same "
+                                f"value '{addends[0].name}' more than once, so no single producer "
+                                "can absorb it. Write the sum as one layer (e.g. scale the weights) "
+                                "or give each addend its own producer.")
+            problems = [_producer_problem(gm, src, a, bn, rank) for a in addends]
             if all(p is None for p in problems):
                 for i, a in enumerate(addends):
                     new = folded_producer(module_of(gm, a), bn, add_shift=(i == 0))
@@ -154,7 +186,7 @@ def _fold_one(gm: fx.GraphModule, bn_node: fx.Node) -> FoldedPair:
             raise FoldError(f"cannot fold BatchNorm '{name}' after an add: one addend cannot absorb "
                             f"it because {reason}.")
 
-    problem = _producer_problem(gm, bn_node, src, bn)
+    problem = _producer_problem(gm, bn_node, src, bn, rank)
     if problem is not None:
         raise FoldError(f"cannot fold BatchNorm '{name}' ({type(bn).__name__}): {problem}.")
     set_module(gm, str(src.target), folded_producer(module_of(gm, src), bn))
@@ -187,7 +219,8 @@ def fold_graph(gm: fx.GraphModule, example_inputs: tuple | None = None) -> list[
     sources = {}
     for bn_node in bn_nodes:
         bn_name, src_name = bn_node.name, bn_node.args[0].name if isinstance(bn_node.args[0], fx.Node) else None
-        pairs.append(_fold_one(gm, bn_node))
+        rank = reference[bn_name].dim() if reference is not None else None
+        pairs.append(_fold_one(gm, bn_node, rank))
         sources[bn_name] = src_name
     gm.graph.lint()
     gm.delete_all_unused_submodules()
@@ -205,6 +238,8 @@ def fold_batchnorm(model: nn.Module, example_input: torch.Tensor | None = None) 
 
     The copy computes the same function (in eval mode, running statistics) with no BatchNorm
     left; the caller's model is not changed. A model without BatchNorm comes back unchanged.
+    Without ``example_input`` a Linear -> BatchNorm1d pair is assumed to see a 2-d
+    ``[batch, features]`` tensor; with it, every pair's output rank is checked.
 
     Args:
         model: a traceable ``nn.Module``.
@@ -216,7 +251,9 @@ def fold_batchnorm(model: nn.Module, example_input: torch.Tensor | None = None) 
 
     Raises:
         FoldError: a BatchNorm without running statistics, fed by something that is not a
-            single-use Conv/Linear (an activation, an add, a concat, the input), or functional.
+            single-use Conv/Linear (an activation, an add, a concat, the input), applied to
+            a dim that is not the producer's output channels (a 3-d Linear output), or
+            functional.
         UnsupportedModelError: torch.fx cannot trace the model.
     """
     gm = prepare(model)

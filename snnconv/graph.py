@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import traceback
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,8 +31,20 @@ def _restore_flags(model: nn.Module, flags: dict[str, bool]) -> None:
             module.training = flags[name]
 
 
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _runs_torch_forward(m: nn.Module) -> bool:
+    """True when ``m``'s ``forward`` is a torch.nn layer's own (a subclass that does not override it)."""
+    for cls in type(m).__mro__:
+        if "forward" in vars(cls):
+            return cls.__module__.startswith(("torch.nn.", "torch.ao.nn."))
+    return False
+
+
 class _Tracer(fx.Tracer):
-    """Traces torch.nn modules into the graph and keeps the given module types as leaves."""
+    """Keeps torch.nn layers, their subclasses that keep the layer's ``forward`` (a user's
+    ``class MyBN(nn.BatchNorm2d)``), and the given module types as leaves of the graph."""
 
     def __init__(self, leaf_types: tuple[type, ...] = ()):
         super().__init__()
@@ -39,7 +53,24 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if self.leaf_types and isinstance(m, self.leaf_types):
             return True
+        if not isinstance(m, _CONTAINERS) and _runs_torch_forward(m):
+            return True
         return super().is_leaf_module(m, qualname)
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _user_frame(exc: BaseException) -> str:
+    """Where in the user's code tracing failed: ``' at FILE:LINE in FUNC: CODE'`` or ``''``."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_TORCH_DIR)
+              and os.path.abspath(f.filename) != os.path.abspath(__file__)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    code = f" `{f.line.strip()}`" if f.line else ""
+    return f" at {f.filename}:{f.lineno} in {f.name}(){code}"
 
 
 def trace(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
@@ -55,7 +86,8 @@ def trace(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule
         graph = tracer.trace(model)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError...
         raise UnsupportedModelError(
-            f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}. "
+            f"torch.fx cannot trace {type(model).__name__}{_user_frame(exc)}: "
+            f"{type(exc).__name__}: {exc}. "
             "Data-dependent control flow (if/for on tensor values), tensor-to-Python conversions "
             "(.item(), int(x), len(x)) or unsupported builtins break symbolic tracing. Move such "
             "logic out of forward(), wrap it in a function marked with torch.fx.wrap, or pass a "

@@ -32,6 +32,12 @@ def environment() -> dict[str, str]:
     return env
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
     path = os.fspath(path)
@@ -40,6 +46,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
         with os.fdopen(fd, "w") as fh:
+            # mkstemp creates the file 0600; give it the mode open() would give (0666 & ~umask)
+            os.fchmod(fh.fileno(), 0o666 & ~_umask())
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())

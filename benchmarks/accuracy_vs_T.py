@@ -1,0 +1,193 @@
+"""Accuracy vs T on Fashion-MNIST: snnconv against spikingjelly 2.0's converters, same ANN.
+
+    .venv/bin/python benchmarks/accuracy_vs_T.py            # full 10k test set, about 30 min
+
+Trains (or loads from results/cache) a BN ResNet-14, converts it with snnconv (QCFS, at most
+2 epochs of QCFS training, no BPTT) and with spikingjelly's RateCodingRecipe ('max', '99.9%')
+and LocalThresholdBalancingRecipe, and evaluates all of them at T = 1, 2, 4, 8, 16, 32 on the
+full test set. Also times convert() against spikingjelly's converter on the same calibration
+batches, and one SNN forward at T=8 against 8 ANN forwards. Writes results/accuracy_vs_T.json
+and results/accuracy_vs_T.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import logging
+import os
+import statistics
+import time
+
+import torch
+
+from common import RESULTS, loaders, trained_ann, write_json
+
+import snnconv
+from snnconv.metrics import accuracy_by_T, evaluate
+from snnconv.plots import plot_accuracy_vs_T
+
+TS = (1, 2, 4, 8, 16, 32)
+
+
+def sj_accuracy_by_T(net, loader, Ts, progress=True):
+    """spikingjelly's own evaluation loop: single-step, reset_net per batch, cumulative readout."""
+    from spikingjelly.activation_based import functional
+    from tqdm.auto import tqdm
+
+    T_max = max(Ts)
+    correct = {t: 0 for t in Ts}
+    total = 0
+    net.eval()
+    with torch.no_grad():
+        for x, y in tqdm(loader, desc="spikingjelly eval", disable=not progress, leave=False):
+            functional.reset_net(net)
+            out = 0
+            for t in range(1, T_max + 1):
+                out = out + net(x)
+                if t in correct:
+                    correct[t] += (out.argmax(1) == y).sum().item()
+            total += len(y)
+    return {t: 100.0 * c / total for t, c in correct.items()}
+
+
+def sj_convert(ann, recipe_name, calib):
+    from spikingjelly.activation_based import ann2snn
+
+    if recipe_name == "ltb":
+        recipe = ann2snn.LocalThresholdBalancingRecipe(dataloader=calib)
+    else:
+        recipe = ann2snn.RateCodingRecipe(dataloader=calib, mode=recipe_name)
+    t0 = time.perf_counter()
+    net = ann2snn.FXConverter(recipe=recipe, device="cpu").convert(copy.deepcopy(ann))
+    return net, time.perf_counter() - t0
+
+
+def median_time(fn, repeats=5):
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet14")
+    p.add_argument("--ann-epochs", type=int, default=3)
+    p.add_argument("--L", type=int, default=8)
+    p.add_argument("--qcfs-epochs", type=int, default=2)
+    p.add_argument("--qcfs-lr", type=float, default=0.01)
+    p.add_argument("--qcfs-optimizer", default="sgd")
+    p.add_argument("--lambda-lr", type=float, default=None)
+    p.add_argument("--per-channel", action="store_true")
+    p.add_argument("--percentile", type=float, default=99.9)
+    p.add_argument("--calib-batches", type=int, default=10)
+    p.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N test images only")
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(RESULTS, "accuracy_vs_T"))
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.getLogger("spikingjelly").setLevel(logging.ERROR)
+    progress = not args.quiet
+
+    ann, ann_info = trained_ann(args.model, args.ann_epochs, progress=progress)
+    train, test = loaders(batch_size=128)
+    if args.test_limit:
+        sub = torch.utils.data.Subset(test.dataset, range(args.test_limit))
+        test = torch.utils.data.DataLoader(sub, batch_size=500)
+    results = {"model": args.model, "ann_train": ann_info, "settings": vars(args),
+               "test_images": len(test.dataset), "accuracy": {}, "timing": {}}
+    results["accuracy"]["ann"] = evaluate(ann, test)
+    print(f"ANN: {results['accuracy']['ann']:.2f}%")
+
+    calib = list(itertools.islice(iter(torch.utils.data.DataLoader(
+        train.dataset, batch_size=256, shuffle=True, generator=torch.Generator().manual_seed(1))),
+        args.calib_batches))
+
+    # snnconv: calibration only (timed against spikingjelly on the same batches) ...
+    t0 = time.perf_counter()
+    snnconv.convert(ann, calib, T=8, L=args.L, percentile=args.percentile, per_channel=args.per_channel,
+                    calib_batches=args.calib_batches, progress=False)
+    results["timing"]["snnconv_convert_calibration_only_s"] = time.perf_counter() - t0
+
+    # ... and the full pipeline with QCFS training
+    qcfs = snnconv.QCFSTrainConfig(epochs=args.qcfs_epochs, optimizer=args.qcfs_optimizer,
+                                   lr=args.qcfs_lr, lambda_lr=args.lambda_lr) if args.qcfs_epochs else None
+    t0 = time.perf_counter()
+    snn, meta = snnconv.convert(ann, train, T=8, L=args.L, percentile=args.percentile,
+                                per_channel=args.per_channel, calib_batches=args.calib_batches,
+                                qcfs_train=qcfs, progress=progress)
+    results["timing"]["snnconv_convert_with_qcfs_training_s"] = time.perf_counter() - t0
+    qcfs_model = None
+    stage = meta.stage("qcfs")
+    results["qcfs_history"] = stage.changes.get("history", [])
+    acc = accuracy_by_T(snn, _progress(test, progress, "snnconv eval"), TS)
+    results["accuracy"]["snnconv"] = acc
+    print("snnconv:", {t: round(a, 2) for t, a in acc.items()})
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    meta.to_json(args.out + "_meta.json")
+    snn.save(args.out + "_snn.pt")
+
+    # cost of one SNN forward at T=8 against 8 ANN forwards on the same batch of 256
+    x = next(iter(torch.utils.data.DataLoader(test.dataset, batch_size=256)))[0]
+    folded = snnconv.fold_batchnorm(ann)
+    with torch.no_grad():
+        snn.T = 8
+        t_snn = median_time(lambda: snn(x))
+        t_ann = median_time(lambda: [folded(x) for _ in range(8)])
+    results["timing"]["snn_T8_over_8_ann_forwards"] = t_snn / t_ann
+    results["timing"]["snn_T8_forward_s"] = t_snn
+    results["timing"]["ann_8_forwards_s"] = t_ann
+
+    if not args.skip_peers:
+        for name, label in (("max", "spikingjelly RateCoding max"),
+                            ("99.9%", "spikingjelly RateCoding 99.9%"),
+                            ("ltb", "spikingjelly LocalThresholdBalancing")):
+            net, seconds = sj_convert(ann, name, calib)
+            results["timing"][f"{label} convert_s"] = seconds
+            results["accuracy"][label] = sj_accuracy_by_T(net, test, TS, progress)
+            print(label, {t: round(a, 2) for t, a in results["accuracy"][label].items()})
+            if name == "99.9%":
+                with torch.no_grad():
+                    from spikingjelly.activation_based import functional
+
+                    def sj_forward():
+                        functional.reset_net(net)
+                        for _ in range(8):
+                            net(x)
+                    results["timing"]["spikingjelly_T8_over_8_ann_forwards"] = median_time(sj_forward) / t_ann
+
+    write_json(results, args.out + ".json")
+    curves = {k: v for k, v in results["accuracy"].items() if isinstance(v, dict)}
+    plot_accuracy_vs_T(curves, args.out + ".png", references={"ANN": results["accuracy"]["ann"]},
+                       title=f"Fashion-MNIST {args.model}: accuracy vs T ({len(test.dataset)} test images)")
+    print(_table(results))
+
+
+def _progress(loader, progress, desc):
+    from tqdm.auto import tqdm
+
+    class _L:
+        def __iter__(self):
+            return iter(tqdm(loader, desc=desc, disable=not progress, leave=False))
+    return _L()
+
+
+def _table(results):
+    rows = [f"{'method':40}" + "".join(f"{f'T={t}':>8}" for t in TS)]
+    for name, acc in results["accuracy"].items():
+        if isinstance(acc, dict):
+            rows.append(f"{name:40}" + "".join(f"{acc[t]:8.2f}" for t in TS))
+        else:
+            rows.append(f"{name:40}{acc:8.2f} (ANN)")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

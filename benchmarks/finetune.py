@@ -1,0 +1,195 @@
+"""BPTT fine-tuning on Fashion-MNIST: accuracy by T before/after, time, memory.
+
+    .venv/bin/python benchmarks/finetune.py          # about 40 min on 2 cores
+
+Starts from the SNN of benchmarks/accuracy_vs_T.py (results/accuracy_vs_T_snn.pt, converted
+with QCFS, no BPTT), fine-tunes it at T=4 and (separately) at T=2 for at most 2 epochs, and
+evaluates at T = 1, 2, 4, 8 on the full 10k test set. Then measures the peak memory (RSS of a
+fresh process) and step time of one training step at T=4, batch 128, without and with
+activation checkpointing, against a plain spikingjelly multi-step network of the same
+architecture. Writes results/finetune.json and results/finetune.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common import RESULTS, loaders, trained_ann, write_json
+
+import snnconv
+from snnconv.metrics import accuracy_by_T, evaluate
+from snnconv.plots import plot_accuracy_vs_T
+
+TS = (1, 2, 4, 8)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def sj_resnet14():
+    """ResNet-14 written with spikingjelly's multi-step layers (the 'plain spikingjelly' peer)."""
+    from spikingjelly.activation_based import functional, layer, neuron, surrogate
+
+    def if_node():
+        return neuron.IFNode(v_reset=None, surrogate_function=surrogate.ATan(), step_mode="m")
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.c1 = layer.Conv2d(cin, cout, 3, stride, 1, step_mode="m")
+            self.n1 = if_node()
+            self.c2 = layer.Conv2d(cout, cout, 3, 1, 1, step_mode="m")
+            self.sc = (layer.Conv2d(cin, cout, 1, stride, step_mode="m")
+                       if stride != 1 or cin != cout else nn.Identity())
+            self.n2 = if_node()
+
+        def forward(self, x):
+            return self.n2(self.c2(self.n1(self.c1(x))) + self.sc(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = layer.Conv2d(1, 16, 3, 1, 1, step_mode="m")
+            self.n = if_node()
+            blocks, c = [], 16
+            for i, w in enumerate((16, 32, 64)):
+                for j in range(2):
+                    blocks.append(Block(c, w, 2 if (i and not j) else 1))
+                    c = w
+            self.blocks = nn.Sequential(*blocks)
+            self.pool = layer.AdaptiveAvgPool2d(1, step_mode="m")
+            self.fc = layer.Linear(64, 10, step_mode="m")
+
+        def forward(self, x_seq):
+            out = self.pool(self.blocks(self.n(self.stem(x_seq))))
+            return self.fc(out.flatten(2))
+
+    net = Net()
+    functional.set_step_mode(net, "m")
+    return net
+
+
+def probe(mode: str, T: int, batch: int, steps: int) -> dict:
+    """One process, one configuration: step time and peak RSS of BPTT training steps."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    x = torch.randn(batch, 1, 28, 28)
+    y = torch.randint(0, 10, (batch,))
+    if mode == "spikingjelly":
+        from spikingjelly.activation_based import functional
+
+        net = sj_resnet14()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+        def step():
+            functional.reset_net(net)
+            out = net(x.unsqueeze(0).repeat(T, 1, 1, 1, 1)).mean(0)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    else:
+        snn = snnconv.SpikingNetwork.load(os.path.join(RESULTS, "accuracy_vs_T_snn.pt"))
+        snn.T = T
+        from snnconv.finetune import checkpointed
+
+        runner = checkpointed(snn, mode) if mode != "none" else snn
+        runner.train()
+        opt = torch.optim.AdamW(snn.parameters(), lr=1e-4)
+
+        def step():
+            loss = F.cross_entropy(runner(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    base = _rss_mb()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"mode": mode, "T": T, "batch": batch, "step_s_median": statistics.median(times[1:] or times),
+            "peak_rss_mb": _rss_mb(), "rss_before_steps_mb": base,
+            "peak_rss_increase_mb": _rss_mb() - base}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--finetune-T", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--max-steps", type=int, default=None, help="steps per epoch (default: all)")
+    p.add_argument("--test-limit", type=int, default=0)
+    p.add_argument("--probe", help=argparse.SUPPRESS)
+    p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--out", default=os.path.join(RESULTS, "finetune"))
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args()
+    logging.getLogger("spikingjelly").setLevel(logging.ERROR)
+    if args.probe:
+        print(json.dumps(probe(args.probe, T=4, batch=128, steps=4)))
+        return
+    torch.set_num_threads(2)
+    progress = not args.quiet
+
+    ann, _ = trained_ann("resnet14", 3, progress=progress)
+    train, test = loaders(batch_size=128)
+    if args.test_limit:
+        test = torch.utils.data.DataLoader(torch.utils.data.Subset(test.dataset, range(args.test_limit)),
+                                           batch_size=500)
+    snn_path = os.path.join(RESULTS, "accuracy_vs_T_snn.pt")
+    if not os.path.exists(snn_path):
+        sys.exit(f"{snn_path} missing: run benchmarks/accuracy_vs_T.py first")
+    with open(os.path.join(RESULTS, "accuracy_vs_T_meta.json")) as fh:
+        convert_meta = json.load(fh)
+    convert_s = sum(s["seconds"] for s in convert_meta["stages"])
+    snn = snnconv.SpikingNetwork.load(snn_path)
+    results = {"settings": vars(args), "accuracy": {}, "timing": {"convert_s": convert_s}}
+    results["accuracy"]["ann"] = evaluate(ann, test)
+    results["accuracy"]["before fine-tuning"] = accuracy_by_T(snn, test, TS)
+    print("ANN", results["accuracy"]["ann"], "before", results["accuracy"]["before fine-tuning"])
+    for T in args.finetune_T:
+        t0 = time.perf_counter()
+        tuned, history = snnconv.finetune(
+            snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
+            max_steps_per_epoch=args.max_steps, checkpoint_dir=os.path.join(RESULTS, "cache", f"finetune_T{T}"),
+            progress=progress)
+        seconds = time.perf_counter() - t0
+        key = f"fine-tuned at T={T}"
+        results["accuracy"][key] = accuracy_by_T(tuned, test, TS)
+        results["timing"][f"finetune_T{T}_s"] = seconds
+        results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]
+        results["timing"][f"convert_plus_finetune_T{T}_s"] = convert_s + seconds
+        results[f"history_T{T}"] = history
+        print(key, results["accuracy"][key], f"{seconds:.0f} s")
+        write_json(results, args.out + ".json")
+    results["peak_rss_mb_main_process"] = _rss_mb()
+    if not args.skip_memory:
+        results["memory"] = []
+        for mode in ("none", "neuron", "block", "spikingjelly"):
+            out = subprocess.run([sys.executable, __file__, "--probe", mode], capture_output=True,
+                                 text=True, check=True)
+            results["memory"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(results["memory"][-1])
+    write_json(results, args.out + ".json")
+    curves = {k: v for k, v in results["accuracy"].items() if isinstance(v, dict)}
+    plot_accuracy_vs_T(curves, args.out + ".png", references={"ANN": results["accuracy"]["ann"]},
+                       title="Fashion-MNIST ResNet-14 SNN: BPTT fine-tuning")
+
+
+if __name__ == "__main__":
+    main()

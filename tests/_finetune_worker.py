@@ -1,0 +1,72 @@
+"""Runs snnconv.finetune in a separate process for test_resume.py and test_distributed.py.
+
+    python _finetune_worker.py SNN_PATH OUT_PREFIX CONFIG_JSON [--hang-after N]
+
+Loads the SpikingNetwork saved at SNN_PATH, fine-tunes it on scikit-learn digits (the training
+split of ``snnconv.data.digits(seed=0)``, the same data the tests use) with the FinetuneConfig
+fields in CONFIG_JSON, and writes ``{state, history}`` to ``OUT_PREFIX.rank<R>.pt``.
+
+``"{rank}"`` in ``checkpoint_dir`` is replaced by this process's rank. With ``--hang-after N``
+the dataset blocks forever at its N+1-th item: the parent kills the process there, mid-epoch,
+at a point it chose by reading the checkpoint (no timing race with the end of the epoch).
+Under ``torchrun`` finetune() itself joins the process group (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import threading
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+logging.getLogger("spikingjelly").setLevel(logging.ERROR)
+
+
+class HangingDataset(Dataset):
+    """``base`` until ``limit`` items have been read, then blocks forever."""
+
+    def __init__(self, base: Dataset, limit: int):
+        self.base, self.limit, self.count = base, limit, 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i):
+        self.count += 1
+        if self.count > self.limit:
+            threading.Event().wait()
+        return self.base[i]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("snn")
+    parser.add_argument("out")
+    parser.add_argument("config")
+    parser.add_argument("--hang-after", type=int, default=None)
+    args = parser.parse_args()
+
+    import snnconv
+    from snnconv.data import digits
+
+    rank = int(os.environ.get("RANK", "0"))
+    options = json.loads(args.config)
+    if options.get("checkpoint_dir"):
+        options["checkpoint_dir"] = options["checkpoint_dir"].replace("{rank}", str(rank))
+    snn = snnconv.SpikingNetwork.load(args.snn)
+    train_set, _ = digits(seed=0)
+    if args.hang_after is not None:
+        train_set = HangingDataset(train_set, args.hang_after)
+    loader = DataLoader(train_set, batch_size=options.pop("loader_batch_size", 64))
+    tuned, history = snnconv.finetune(snn, loader, progress=False, **options)
+    torch.save({"state": tuned.state_dict(), "history": history, "world": os.environ.get("WORLD_SIZE")},
+               f"{args.out}.rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

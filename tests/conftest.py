@@ -1,0 +1,93 @@
+"""Shared fixtures: real data (scikit-learn digits) and a small BN CNN trained on it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+logging.getLogger("spikingjelly").setLevel(logging.ERROR)
+torch.set_num_threads(1)  # two xdist workers on two cores
+
+
+@pytest.fixture(scope="session")
+def digits_data():
+    from snnconv.data import digits
+
+    return digits(seed=0)
+
+
+@pytest.fixture
+def digits_loaders(digits_data):
+    """(train, test) DataLoaders over scikit-learn digits, batch 64 / 256."""
+    train_set, test_set = digits_data
+    train = DataLoader(train_set, batch_size=64, shuffle=True,
+                       generator=torch.Generator().manual_seed(0))
+    return train, DataLoader(test_set, batch_size=256)
+
+
+@pytest.fixture(scope="session")
+def _trained_digits_cnn(digits_data):
+    from snnconv.demo import train_ann
+    from snnconv.models import small_cnn
+
+    torch.manual_seed(0)
+    train_set, _ = digits_data
+    loader = DataLoader(train_set, batch_size=64, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    return train_ann(small_cnn(num_classes=10, in_channels=1), loader, epochs=15, progress=False)
+
+
+@pytest.fixture
+def trained_digits_cnn(_trained_digits_cnn):
+    """A SmallCNN with BatchNorm trained on digits (about 98% test accuracy); a fresh copy."""
+    return copy.deepcopy(_trained_digits_cnn)
+
+
+FASHION_ROOT = os.environ.get("SNNCONV_FASHION_MNIST", "/usr/share/datasets/fashion-mnist")
+needs_fashion = pytest.mark.skipif(
+    not os.path.exists(os.path.join(FASHION_ROOT, "t10k-labels-idx1-ubyte.gz")),
+    reason="Debian's dataset-fashion-mnist is not installed (make data)")
+
+
+# --- fine-tuning tests (test_finetune.py, test_resume.py, test_distributed.py) ----------------
+
+@pytest.fixture(scope="session")
+def _small_digits_ann(digits_data):
+    """A width-8 SmallCNN (with BatchNorm) trained on digits for 8 epochs (built once)."""
+    from snnconv.demo import train_ann
+    from snnconv.models import small_cnn
+
+    torch.manual_seed(0)
+    train_set, _ = digits_data
+    loader = DataLoader(train_set, batch_size=64, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    return train_ann(small_cnn(num_classes=10, in_channels=1, width=8), loader, epochs=8, progress=False)
+
+
+@pytest.fixture
+def small_digits_ann(_small_digits_ann):
+    """A trained width-8 SmallCNN with BatchNorm; a fresh copy."""
+    return copy.deepcopy(_small_digits_ann)
+
+
+@pytest.fixture(scope="session")
+def _small_digits_snn(_small_digits_ann, digits_data):
+    import snnconv
+
+    train_set, _ = digits_data
+    loader = DataLoader(train_set, batch_size=64, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    snn, _ = snnconv.convert(copy.deepcopy(_small_digits_ann), loader, T=4, L=4, qcfs_epochs=1,
+                             progress=False)
+    return snn
+
+
+@pytest.fixture
+def small_digits_snn(_small_digits_snn):
+    """The width-8 digits SmallCNN converted at T=4, L=4 (per-layer thresholds); a fresh copy."""
+    return copy.deepcopy(_small_digits_snn)
