@@ -142,7 +142,7 @@ def cifar10(root: str, *, train: bool = True, download: bool = False, augment: b
     try:
         return torchvision.datasets.CIFAR10(root, train=train, download=download,
                                             transform=T.Compose(steps))
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:  # missing or corrupted files; a failed download
         raise DataError(
             f"CIFAR-10 not found in {root} ({exc}). Pass download=True where a network exists, or "
             "copy the 'cifar-10-batches-py' folder from https://www.cs.toronto.edu/~kriz/ there."

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .errors import FoldError
 from .graph import capture, describe_node, module_of, prepare, set_module
+from .guards import functional_batchnorm_calls
 
 __all__ = ["FoldedPair", "fold_weights", "folded_producer", "fold_batchnorm", "fold_graph"]
 
@@ -29,7 +29,6 @@ PRODUCERS: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Li
 _OUTPUT_RANK: tuple[tuple[type[nn.Module], int], ...] = (
     (nn.Conv1d, 3), (nn.Conv2d, 4), (nn.Conv3d, 5), (nn.Linear, 2))
 
-_FUNCTIONAL_BN = {F.batch_norm, torch.batch_norm}
 _ADDS = {operator.add, torch.add, operator.iadd}
 
 
@@ -204,12 +203,12 @@ def fold_graph(gm: fx.GraphModule, example_inputs: tuple | None = None) -> list[
     Raises:
         FoldError: a BatchNorm (module or functional) that cannot be folded; names it and why.
     """
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _FUNCTIONAL_BN:
-            raise FoldError(
-                f"cannot fold the functional batch_norm call {describe_node(node)}: snnconv folds "
-                "BatchNorm modules only. Replace F.batch_norm with an nn.BatchNorm module "
-                "directly after its convolution or linear layer.")
+    functional = functional_batchnorm_calls(gm)
+    if functional:
+        raise FoldError(
+            f"cannot fold the functional batch_norm call(s) {'; '.join(functional)}: snnconv folds "
+            "BatchNorm modules only. Replace F.batch_norm with an nn.BatchNorm module "
+            "directly after its convolution or linear layer.")
     bn_nodes = [n for n in gm.graph.nodes
                 if n.op == "call_module" and isinstance(module_of(gm, n), _BatchNorm)]
     reference = None
@@ -218,10 +217,10 @@ def fold_graph(gm: fx.GraphModule, example_inputs: tuple | None = None) -> list[
     pairs = []
     sources = {}
     for bn_node in bn_nodes:
-        bn_name, src_name = bn_node.name, bn_node.args[0].name if isinstance(bn_node.args[0], fx.Node) else None
+        bn_name, src = bn_node.name, bn_node.args[0]
         rank = reference[bn_name].dim() if reference is not None else None
         pairs.append(_fold_one(gm, bn_node, rank))
-        sources[bn_name] = src_name
+        sources[bn_name] = src.name  # _fold_one refused an input that is not a node
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()

@@ -13,16 +13,19 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .errors import BatchNormRemainsError, UnsupportedModelError
 from .graph import describe_node, trace
 
-__all__ = ["find_batchnorm", "assert_no_batchnorm"]
+__all__ = ["find_batchnorm", "assert_no_batchnorm", "functional_batchnorm_calls"]
 
-_FUNCTIONAL_BN = {F.batch_norm, torch.batch_norm, torch.native_batch_norm,
-                  torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit_no_training.default}
+#: Call targets that compute a batch norm inside a traced graph.
+FUNCTIONAL_BATCHNORM = {F.batch_norm, torch.batch_norm, torch.native_batch_norm,
+                  torch.ops.aten.batch_norm.default,
+                  torch.ops.aten._native_batch_norm_legit_no_training.default}
 
 
-def _graph_offenders(gm: fx.GraphModule, prefix: str) -> list[str]:
+def functional_batchnorm_calls(gm: fx.GraphModule, prefix: str = "") -> list[str]:
+    """One ``"where: what"`` string per functional ``batch_norm`` call in ``gm``'s own graph."""
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _FUNCTIONAL_BN:
+        if node.op == "call_function" and node.target in FUNCTIONAL_BATCHNORM:
             found.append(f"{prefix}{describe_node(node)}: functional batch_norm")
         elif node.op == "call_method" and node.target == "batch_norm":
             found.append(f"{prefix}{describe_node(node)}: Tensor.batch_norm")
@@ -51,7 +54,7 @@ def find_batchnorm(model: nn.Module, *, trace_graph: bool = True) -> list[str]:
             except UnsupportedModelError as exc:
                 warnings.warn(f"functional batch_norm calls were not checked: {exc}", stacklevel=2)
         for name, gm in graphs:
-            found.extend(_graph_offenders(gm, f"in '{name}' " if name else ""))
+            found.extend(functional_batchnorm_calls(gm, f"in '{name}' " if name else ""))
     return found
 
 

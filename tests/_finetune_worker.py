@@ -4,7 +4,9 @@
 
 Loads the SpikingNetwork saved at SNN_PATH, fine-tunes it on scikit-learn digits (the training
 split of ``snnconv.data.digits(seed=0)``, the same data the tests use) with the FinetuneConfig
-fields in CONFIG_JSON, and writes ``{state, history}`` to ``OUT_PREFIX.rank<R>.pt``.
+fields in CONFIG_JSON (one object, or a list of objects for several runs in a row), and writes
+``{state, history}`` of run i to ``OUT_PREFIX.rank<R>.pt`` (one run) or
+``OUT_PREFIX.<i>.rank<R>.pt`` (a list).
 
 ``"{rank}"`` in ``checkpoint_dir`` is replaced by this process's rank. With ``--hang-after N``
 the dataset blocks forever at its N+1-th item: the parent kills the process there, mid-epoch,
@@ -55,17 +57,20 @@ def main() -> None:
     from snnconv.data import digits
 
     rank = int(os.environ.get("RANK", "0"))
-    options = json.loads(args.config)
-    if options.get("checkpoint_dir"):
-        options["checkpoint_dir"] = options["checkpoint_dir"].replace("{rank}", str(rank))
+    runs = json.loads(args.config)
+    single = isinstance(runs, dict)
     snn = snnconv.SpikingNetwork.load(args.snn)
     train_set, _ = digits(seed=0)
     if args.hang_after is not None:
         train_set = HangingDataset(train_set, args.hang_after)
-    loader = DataLoader(train_set, batch_size=options.pop("loader_batch_size", 64))
-    tuned, history = snnconv.finetune(snn, loader, progress=False, **options)
-    torch.save({"state": tuned.state_dict(), "history": history, "world": os.environ.get("WORLD_SIZE")},
-               f"{args.out}.rank{rank}.pt")
+    for i, options in enumerate([runs] if single else runs):
+        if options.get("checkpoint_dir"):
+            options["checkpoint_dir"] = options["checkpoint_dir"].replace("{rank}", str(rank))
+        loader = DataLoader(train_set, batch_size=options.pop("loader_batch_size", 64))
+        tuned, history = snnconv.finetune(snn, loader, progress=False, **options)
+        out = f"{args.out}.rank{rank}.pt" if single else f"{args.out}.{i}.rank{rank}.pt"
+        torch.save({"state": tuned.state_dict(), "history": history,
+                    "world": int(os.environ.get("WORLD_SIZE", "1"))}, out)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_fashion_mnist_from_debian_idx_files(train, size):
     ds = data.fashion_mnist(train=train, normalize=False)
     x, y = ds.tensors
     assert x.shape == (size, 1, 28, 28) and x.dtype == torch.float32
-    assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
     assert y.dtype == torch.long and set(y.unique().tolist()) == set(range(10))
     assert torch.bincount(y).tolist() == [size // 10] * 10  # Fashion-MNIST is balanced
 
@@ -137,19 +137,23 @@ def test_fashion_mnist_missing_folder_says_how_to_install_it(tmp_path):
 
 
 def _write_cifar(root, per_batch=3):
-    """``cifar-10-batches-py`` with 5 train batches and a test batch; returns the md5 table."""
+    """``cifar-10-batches-py`` with 5 train batches and a test batch; returns the md5 table.
+
+    The real files are Python 2 pickles; torchvision reads them with ``encoding="latin1"``, so
+    their keys arrive as ``str`` ('data': uint8 [N, 3072], 'labels': list of int), as here.
+    """
     folder = root / "cifar-10-batches-py"
     folder.mkdir()
     rng = np.random.default_rng(0)
     md5 = {}
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for k, name in enumerate(names):
-        payload = {b"batch_label": name.encode(),
-                   b"data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
-                   b"labels": [(k + j) % 10 for j in range(per_batch)]}
-        (folder / name).write_bytes(pickle.dumps(payload))
-    meta = {b"label_names": [f"class{i}".encode() for i in range(10)], b"num_vis": 3072}
-    (folder / "batches.meta").write_bytes(pickle.dumps(meta))
+        payload = {"batch_label": name,
+                   "data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
+                   "labels": [(k + j) % 10 for j in range(per_batch)]}
+        (folder / name).write_bytes(pickle.dumps(payload, protocol=2))
+    meta = {"label_names": [f"class{i}" for i in range(10)], "num_vis": 3072}
+    (folder / "batches.meta").write_bytes(pickle.dumps(meta, protocol=2))
     for path in folder.iterdir():
         md5[path.name] = hashlib.md5(path.read_bytes()).hexdigest()
     return md5
@@ -177,7 +181,7 @@ def test_cifar10_loads_the_on_disk_format_normalised(tiny_cifar, train, size):
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32
     assert 0 <= y <= 9
     name = "data_batch_1" if train else "test_batch"
-    raw = pickle.loads((tiny_cifar / "cifar-10-batches-py" / name).read_bytes())[b"data"][0]
+    raw = pickle.loads((tiny_cifar / "cifar-10-batches-py" / name).read_bytes())["data"][0]
     pixels = torch.tensor(raw, dtype=torch.float32).reshape(3, 32, 32) / 255.0
     mean = torch.tensor(data.CIFAR_MEAN).view(3, 1, 1)
     std = torch.tensor(data.CIFAR_STD).view(3, 1, 1)

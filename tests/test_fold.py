@@ -231,8 +231,8 @@ def test_zoo_model_folds_without_batchnorm_and_leaves_the_caller_model_untouched
     assert ok, f"{name}: max abs diff {diff:.3g} > {bound:.3g}"
     records = folded.meta["folded"]
     assert len(records) == _batchnorm_count(model)
-    for rec in records:
-        assert rec["max_abs_diff"] is not None and rec["max_abs_diff"] < 1e-3, rec
+    for rec in records:  # float32 rounding of activations up to O(10)
+        assert rec["max_abs_diff"] is not None and rec["max_abs_diff"] < 1e-4, rec
     after = _snapshot(model)
     assert after[1] == before[1], "training flags of the caller's model changed"
     assert after[0].keys() == before[0].keys()
@@ -474,7 +474,7 @@ def test_linear_on_a_3d_tensor_is_refused_when_an_example_shows_it():
     x = torch.randn(3, 5)
     folded = snnconv.fold_batchnorm(model, example_input=x)
     with torch.no_grad():
-        ok, diff, bound = _close_enough(folded(x), model.eval()(x))
+        ok, diff, _ = _close_enough(folded(x), model.eval()(x))
     assert ok, diff
 
 
@@ -530,7 +530,7 @@ def test_batchnorm_after_an_add_of_two_linears_folds_into_both():
     with torch.no_grad():
         ref = model.eval()(x, y)
         out = snnconv.fold_batchnorm(model)(x, y)
-    ok, diff, bound = _close_enough(out, ref)
+    ok, diff, _ = _close_enough(out, ref)
     assert ok, diff
 
 
@@ -562,7 +562,7 @@ def test_subclasses_of_conv_and_batchnorm_fold():
         folded = snnconv.fold_batchnorm(model)
         out = folded(x)
     assert _batchnorm_count(folded) == 0
-    ok, diff, bound = _close_enough(out, ref)
+    ok, diff, _ = _close_enough(out, ref)
     assert ok, diff
 
 
@@ -571,3 +571,19 @@ def test_a_conv_subclass_with_its_own_forward_is_not_folded_into():
     with pytest.raises(FoldError) as info:
         snnconv.fold_batchnorm(model)
     assert "'1'" in str(info.value)
+
+
+def test_a_native_batch_norm_call_is_refused_too():
+    class Native(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.register_buffer("mean", torch.zeros(4))
+            self.register_buffer("var", torch.ones(4))
+
+        def forward(self, x):
+            return torch.native_batch_norm(self.conv(x), None, None, self.mean, self.var,
+                                           False, 0.1, 1e-5)[0]
+
+    with pytest.raises(FoldError, match="native_batch_norm"):
+        snnconv.fold_batchnorm(Native())

@@ -58,7 +58,7 @@ def test_meta_writes_tensors_as_lists():
 def test_stage_lookup_names_the_stages_that_ran():
     meta = _meta()
     assert meta.stage("fold").changes["folded"][0]["batchnorm"] == "bn1"
-    with pytest.raises(KeyError, match="finetune.*prepare"):
+    with pytest.raises(KeyError, match=r"finetune.*prepare"):
         meta.stage("finetune")
 
 

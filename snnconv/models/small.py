@@ -40,5 +40,5 @@ class SmallCNN(nn.Module):
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1, width: int = 32) -> SmallCNN:
-    """The demo network (about 60k parameters at width 32)."""
+    """The demo network (about 33k parameters at width 32)."""
     return SmallCNN(num_classes, in_channels, width)

@@ -25,7 +25,8 @@ class VGG(nn.Module):
             if v == "P":
                 layers.append(nn.AvgPool2d(2))
             else:
-                layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), nn.BatchNorm2d(v), nn.ReLU(inplace=True)]
+                layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), nn.BatchNorm2d(v),
+                           nn.ReLU(inplace=True)]
                 c = v
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
