@@ -9,6 +9,7 @@ Runs under ``torchrun`` with DistributedDataParallel (gloo on CPU, NCCL on GPUs)
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import io
@@ -228,25 +229,34 @@ def _launched_distributed() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available()
 
 
-def _maybe_init_distributed(device: torch.device) -> bool:
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _maybe_init_distributed(device: torch.device) -> None:
+    """Join the process group torchrun set up, once per process; it lives until exit.
+
+    Destroying it after each call and creating it again on the next one can deadlock (gloo
+    and DDP under torch 2.14), so a script may call finetune() any number of times.
+    """
     if _launched_distributed() and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return True
-    return False
+        atexit.register(_destroy_process_group)
 
 
 def _local_device(device: torch.device) -> torch.device:
     """Under torchrun, a bare ``"cuda"`` means this process's GPU (``LOCAL_RANK``), not GPU 0."""
-    if device.type == "cuda" and device.index is None and _launched_distributed():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and _launched_distributed():
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)  # NCCL and DDP use the current device
     return device
 
 
 def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum ``t`` over processes (on ``device``: NCCL reduces GPU tensors only)."""
-    out = t.to(device)
+    """Sum ``t`` over processes into a new tensor (on ``device``: NCCL reduces GPU tensors only)."""
+    out = t.to(device, copy=True)
     dist.all_reduce(out)
     return out.to(t.device)
 
@@ -305,7 +315,7 @@ def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int) -> _D
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
     common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                  pin_memory=loader.pin_memory)
+                  pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn)
     # own generators: creating an iterator then draws from them, not from the global RNG
     generator = torch.Generator()
     train = DataLoader(train_set, batch_size=batch // world, sampler=sampler, drop_last=True,
@@ -369,16 +379,12 @@ def finetune(
             raise TypeError(f"finetune() got unknown options {sorted(unknown)}")
         cfg = replace(cfg, **options)
     device = _local_device(torch.device(device))
-    started_dist = _maybe_init_distributed(device)
+    _maybe_init_distributed(device)
     rank, world = _rank_world()
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=rng_devices):
-            return _finetune(snn, train_loader, cfg, device, progress and rank == 0, rank, world)
-    finally:
-        if started_dist:
-            dist.destroy_process_group()
+    with torch.random.fork_rng(devices=rng_devices):
+        return _finetune(snn, train_loader, cfg, device, progress and rank == 0, rank, world)
 
 
 def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConfig,

@@ -53,17 +53,21 @@ def accuracy_by_T(snn: nn.Module, loader: Iterable, Ts: Iterable[int],
     T_max = Ts[-1]
     correct = {t: 0 for t in Ts}
     total = 0
+    was = snn.training
     snn.eval()
-    with torch.no_grad():
-        for batch in loader:
-            x, y = split_batch(batch, where="evaluation loader")
-            if y is None:
-                raise DataError("evaluation needs labels: the loader yielded inputs only")
-            steps = snn.run(x.to(device), T=T_max).cpu()
-            cum = steps.cumsum(0)
-            for t in Ts:
-                correct[t] += (cum[t - 1].argmax(1) == y).sum().item()
-            total += len(y)
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                x, y = split_batch(batch, where="evaluation loader")
+                if y is None:
+                    raise DataError("evaluation needs labels: the loader yielded inputs only")
+                steps = snn.run(x.to(device), T=T_max).cpu()
+                cum = steps.cumsum(0)
+                for t in Ts:
+                    correct[t] += (cum[t - 1].argmax(1) == y.cpu()).sum().item()
+                total += len(y)
+    finally:
+        snn.train(was)
     if total == 0:
         raise DataError("the evaluation loader is empty: it yielded no batch")
     return {t: 100.0 * c / total for t, c in correct.items()}

@@ -5,7 +5,9 @@ prepare -> fold -> guard -> QCFS -> guard -> IF -> guard [-> BPTT fine-tune -> g
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import numbers
 import random
 import time
 from typing import Any, Iterable, Iterator
@@ -113,6 +115,17 @@ def convert(
     """
     from .finetune import FinetuneConfig, finetune
 
+    eval_T = tuple(eval_T)
+    T = int(T) if isinstance(T, numbers.Integral) and not isinstance(T, bool) else T
+    for name, value in [("T", T), *(("eval_T", t) for t in eval_T)]:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} (time steps) must hold integers >= 1, got {value!r}")
+    for name, data in (("loader", loader), ("eval_loader", eval_loader)):
+        if isinstance(data, collections.abc.Iterator):
+            raise DataError(
+                f"{name} is a one-shot iterator ({type(data).__name__}); convert() reads it more "
+                "than once (checks, calibration, training, evaluation). Pass a DataLoader or a "
+                "list of batches instead.")
     seed_everything(seed)
     device = torch.device(device)
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,

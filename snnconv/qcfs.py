@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -42,7 +41,9 @@ _UNSUPPORTED_FUNCTIONS = {F.gelu, F.silu, F.leaky_relu, F.leaky_relu_, torch.sig
                           torch.tanh, F.tanh, F.elu, F.elu_, F.selu, F.celu, F.hardswish,
                           F.hardsigmoid, F.relu6, F.hardtanh, F.hardtanh_, F.softplus, F.mish,
                           F.prelu, F.rrelu, F.glu, F.softsign, F.logsigmoid, F.threshold}
-_UNSUPPORTED_METHODS = {"sigmoid", "sigmoid_", "tanh", "tanh_"}
+_UNSUPPORTED_FUNCTIONS |= {torch.selu, torch.celu, torch.special.expit, torch.softmax,
+                           torch.log_softmax, F.softmax, F.log_softmax, F.softmin}
+_UNSUPPORTED_METHODS = {"sigmoid", "sigmoid_", "tanh", "tanh_", "softmax", "log_softmax"}
 _MAXPOOL_TO_AVG = {nn.MaxPool1d: nn.AvgPool1d, nn.MaxPool2d: nn.AvgPool2d, nn.MaxPool3d: nn.AvgPool3d}
 _ADAPTIVE_MAX_TO_AVG = {nn.AdaptiveMaxPool1d: nn.AdaptiveAvgPool1d,
                         nn.AdaptiveMaxPool2d: nn.AdaptiveAvgPool2d,
@@ -115,12 +116,30 @@ def relu_sites(gm: fx.GraphModule) -> list[fx.Node]:
     return sites
 
 
+def _relu_input(node: fx.Node) -> Any:
+    """The tensor a ReLU call site reads (``F.relu(input=x)`` passes it by keyword)."""
+    return node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+
+
+def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a ReLU call site overwrites its input (``inplace=True``, ``relu_``)."""
+    mod = module_of(gm, node)
+    if mod is not None:
+        return bool(getattr(mod, "inplace", False))
+    if node.op == "call_method":
+        return node.target == "relu_"
+    if node.target in (torch.relu_, F.relu_):
+        return True
+    return bool(node.args[1] if len(node.args) > 1 else node.kwargs.get("inplace", False))
+
+
 def qcfs_sites(model: nn.Module) -> dict[str, QCFS]:
     """The QCFS modules of ``model`` by qualified name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, QCFS)}
 
 
-def _check_activations(gm: fx.GraphModule, maxpool: str) -> None:
+def _check_activations(gm: fx.GraphModule, maxpool: str, *, stage: str = "QCFS calibration") -> None:
+    """Refuse activations other than ReLU, and max-pooling unless ``maxpool == "avg"``."""
     for node in gm.graph.nodes:
         mod = module_of(gm, node)
         bad = None
@@ -132,17 +151,20 @@ def _check_activations(gm: fx.GraphModule, maxpool: str) -> None:
             bad = describe_node(node)
         if bad:
             raise UnsupportedLayerError(
-                f"unsupported activation {bad}: only ReLU maps onto integrate-and-fire neurons "
-                "(QCFS). Replace it with nn.ReLU and retrain the ANN before converting.")
+                f"unsupported activation {bad} found at {stage}: only ReLU maps onto "
+                "integrate-and-fire neurons (QCFS). Replace it with nn.ReLU and retrain the ANN "
+                "before converting.")
         is_max = (mod is not None and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}) or (
             node.op == "call_function" and node.target in _MAXPOOL_FUNCTIONS)
         if is_max and (maxpool != "avg" or mod is None):
-            hint = ("pass maxpool='avg' to replace it with average pooling (retraining or QCFS "
-                    "training recovers the accuracy)") if mod is not None else (
-                "replace the functional call with an nn.MaxPool module or nn.AvgPool2d")
+            if mod is not None:
+                hint = ("pass maxpool='avg' to calibrate_qcfs/convert to replace it with average "
+                        "pooling (retraining or QCFS training recovers the accuracy)")
+            else:
+                hint = "replace the functional call with an nn.MaxPool module or nn.AvgPool2d"
             raise UnsupportedLayerError(
-                f"max-pooling at {describe_node(node)}: a max over spike trains is not the spike "
-                f"train of the max, so it has no exact IF equivalent; {hint}.")
+                f"max-pooling at {describe_node(node)} found at {stage}: a max over spike trains "
+                f"is not the spike train of the max, so it has no exact IF equivalent; {hint}.")
 
 
 def _replace_maxpool(gm: fx.GraphModule) -> list[str]:
@@ -179,7 +201,7 @@ def _site_name(node: fx.Node, used: set[str]) -> str:
 def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, percentile: float,
                  per_channel: bool, num_batches: int, device: torch.device,
                  progress: bool, max_samples: int = 1 << 18) -> dict[str, torch.Tensor]:
-    inputs = {s.name: s.args[0].name for s in sites}
+    inputs = {s.name: _relu_input(s).name for s in sites}
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
     seen = 0
@@ -280,6 +302,8 @@ def make_optimizer(model: nn.Module, name: str, lr: float, *, weight_decay: floa
 def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
                 progress: bool) -> list[dict[str, float]]:
     train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
+    if val is not None and hasattr(val, "__len__") and len(val) == 0:
+        val = None  # too few batches to hold any out: train without best-epoch selection
     lams = [m.lam for m in qcfs_sites(gm).values()]
     opt = make_optimizer(gm, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
                          momentum=cfg.momentum, threshold_lr=cfg.lambda_lr, threshold_params=lams)
@@ -355,8 +379,12 @@ def calibrate_qcfs(
         raise ValueError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    if isinstance(L, bool) or int(L) != L or L < 1:
+        raise ValueError(f"L (QCFS quantisation levels) must be an integer >= 1, got {L!r}")
+    if isinstance(num_batches, bool) or int(num_batches) != num_batches or num_batches < 1:
+        raise ValueError(f"num_batches must be an integer >= 1, got {num_batches!r}")
     device = torch.device(device)
-    gm = prepare(model)
+    gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before QCFS calibration")
     _check_activations(gm, maxpool)
     pooled = _replace_maxpool(gm) if maxpool == "avg" else []
@@ -367,12 +395,20 @@ def calibrate_qcfs(
                         num_batches=num_batches, device=device, progress=progress)
     used: set[str] = set(n for n, _ in gm.named_modules())
     record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sites:
         name = _site_name(node, used)
+        src = _relu_input(node)
+        inplace = _is_inplace(gm, node)
         gm.add_submodule(name, QCFS(L, lams[node.name]).to(device))
         with gm.graph.inserting_after(node):
-            new = gm.graph.call_module(name, (node.args[0],))
+            new = gm.graph.call_module(name, (src,))
         node.replace_all_uses_with(new)
+        if inplace and isinstance(src, fx.Node):
+            # an in-place ReLU also rewrote its input: later readers of it saw the activation
+            for user in list(src.users):
+                if user is not new and order.get(user, -1) > order[node]:
+                    user.replace_input_with(src, new)
         gm.graph.erase_node(node)
         record["sites"][name] = {"replaces": describe_node(node), "lambda_init": lams[node.name].tolist()}
     gm.graph.lint()
@@ -381,6 +417,7 @@ def calibrate_qcfs(
     if train is not None and train.epochs > 0:
         record["history"] = _train_qcfs(gm, loader, train, device, progress)
     for name, q in qcfs_sites(gm).items():
-        record["sites"][name]["lambda"] = q.lam.detach().cpu().tolist()
+        site = record["sites"].setdefault(name, {"replaces": "an existing QCFS module (kept)"})
+        site["lambda"] = q.lam.detach().cpu().tolist()
     gm.meta["qcfs"] = record
     return gm

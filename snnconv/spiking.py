@@ -19,9 +19,9 @@ expanded over time by :class:`TimeExpand`, so direct encoding costs one pass of 
 from __future__ import annotations
 
 import builtins
-import operator
+import numbers
 import os
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from spikingjelly.activation_based import neuron, surrogate
 
 from .errors import CheckpointError, StageOrderError, UnsupportedModelError
-from .graph import describe_node, module_of, prepare, set_module
+from .graph import describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
-from .qcfs import QCFS, relu_sites
+from .qcfs import QCFS, _check_activations, relu_sites
 
 __all__ = ["IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "neurons"]
 
@@ -126,6 +126,15 @@ def neurons(model: nn.Module) -> dict[str, IFNeuron]:
     return {n: m for n, m in model.named_modules() if isinstance(m, IFNeuron)}
 
 
+def _unique_name(base: str, used: set[str]) -> str:
+    """``base``, or ``base_1``, ``base_2``... whichever is not yet a submodule name in ``used``."""
+    name, k = base, 1
+    while name in used:
+        name, k = f"{base}_{k}", k + 1
+    used.add(name)
+    return name
+
+
 # --- absorbing theta into the consumers -----------------------------------------------------
 
 _POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
@@ -159,7 +168,8 @@ def _absorb_target(gm: fx.GraphModule, user: fx.Node, src: fx.Node, sites: dict[
     """Follow a chain of scale-commuting single-use ops from ``src`` to a Conv/Linear consumer."""
     prev, node, flattened = src, user, False
     while True:
-        if node.args[:1] != (prev,) or any(a is prev for a in list(node.args[1:]) + list(node.kwargs.values())):
+        others = list(node.args[1:]) + list(node.kwargs.values())
+        if node.args[:1] != (prev,) or any(a is prev for a in others):
             return None
         mod = module_of(gm, node)
         if isinstance(mod, _LAYERS):
@@ -198,7 +208,8 @@ def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool) -> torc
     return theta[idx].reshape(layer.out_channels, in_pg, *([1] * (w.dim() - 2)))
 
 
-def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: dict[str, int]) -> dict:
+def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: dict[str, int],
+            used: set[str]) -> dict:
     absorbed, scaled = [], []
     scale_node = None
     for user in list(if_node.users):
@@ -215,7 +226,7 @@ def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: di
             absorbed.append(str(hit[0].target))
             continue
         if scale_node is None:
-            name = f"{if_node.target}_scale"
+            name = _unique_name(f"{if_node.target}_scale", used)
             gm.add_submodule(name, Scale(theta))
             with gm.graph.inserting_after(if_node):
                 scale_node = gm.graph.call_module(name, (if_node,))
@@ -229,7 +240,7 @@ def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: di
 _SHAPE_METHODS = {"size", "dim", "numel", "shape"}
 
 
-def _insert_time_expand(gm: fx.GraphModule, T: int) -> list[str]:
+def _insert_time_expand(gm: fx.GraphModule, T: int, used: set[str]) -> list[str]:
     kind: dict[fx.Node, str] = {}
     for node in gm.graph.nodes:
         ins = node.all_input_nodes
@@ -254,7 +265,7 @@ def _insert_time_expand(gm: fx.GraphModule, T: int) -> list[str]:
             if kind.get(inp) != "static":
                 continue
             if inp not in expanded:
-                name = f"time_expand_{inp.name}"
+                name = _unique_name(f"time_expand_{inp.name}", used)
                 gm.add_submodule(name, TimeExpand(T))
                 with gm.graph.inserting_after(inp):
                     expanded[inp] = gm.graph.call_module(name, (inp,))
@@ -274,6 +285,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
         StageOrderError: the graph still holds a bare ReLU (run ``calibrate_qcfs`` first).
     """
     _check_T(T)
+    T = int(T)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before IF replacement")
     bare = relu_sites(gm)
@@ -283,6 +295,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
             f"{len(bare)} bare ReLU call site(s) remain: {listing}. IF neurons replace QCFS "
             "activations, whose thresholds come from calibration; run snnconv.calibrate_qcfs "
             "(or snnconv.convert) first.")
+    _check_activations(gm, "error", stage="IF replacement")
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     if not isinstance(out_node.args[0], fx.Node):
         raise UnsupportedModelError(
@@ -293,31 +306,34 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
         if node.op == "call_module":
             sites[str(node.target)] = sites.get(str(node.target), 0) + 1
     record = {}
+    used = {n for n, _ in gm.named_modules()}
     for node in list(gm.graph.nodes):
         q = module_of(gm, node)
         if not isinstance(q, QCFS):
             continue
         theta = q.lam.detach().clone().float()
-        name = str(node.target).replace("qcfs_", "if_", 1) if str(node.target).startswith("qcfs_") else f"if_{node.name}"
+        target = str(node.target)
+        base = target.replace("qcfs_", "if_", 1) if target.startswith("qcfs_") else f"if_{node.name}"
+        name = _unique_name(base.replace(".", "_"), used)
         gm.add_submodule(name, IFNeuron(theta, T, alpha=alpha, detach_reset=detach_reset))
         with gm.graph.inserting_after(node):
             new = gm.graph.call_module(name, (node.args[0],))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        record[name] = _absorb(gm, new, theta, sites)
+        record[name] = _absorb(gm, new, theta, sites, used)
         record[name]["theta"] = theta.tolist()
-    expanded = _insert_time_expand(gm, T)
+    expanded = _insert_time_expand(gm, T, used)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
-    snn = SpikingNetwork(gm, T)
+    snn = SpikingNetwork(gm, T).eval()
     snn.meta = {"neurons": record, "time_expanded": expanded}
     assert_no_batchnorm(snn, stage="IF replacement")
     return snn
 
 
 def _check_T(T: Any) -> None:
-    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+    if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
         raise ValueError(f"T (number of time steps) must be an integer >= 1, got {T!r}")
 
 
@@ -343,6 +359,7 @@ class SpikingNetwork(nn.Module):
     @T.setter
     def T(self, value: int) -> None:
         _check_T(value)
+        value = int(value)
         self._T = value
         for m in self.net.modules():
             if isinstance(m, (IFNeuron, TimeExpand)):
@@ -368,6 +385,7 @@ class SpikingNetwork(nn.Module):
         """
         T = self.T if T is None else T
         _check_T(T)
+        T = int(T)
         counts: dict[str, torch.Tensor] = {}
         handles = []
         if spike_counts:
@@ -393,12 +411,13 @@ class SpikingNetwork(nn.Module):
         from .serialize import graph_to_dict
 
         payload = {"format": FORMAT, "version": FORMAT_VERSION, "T": self.T,
-                   "graph": graph_to_dict(self.net), "state_dict": self.net.state_dict()}
+                   "graph": graph_to_dict(self.net), "state_dict": self.net.state_dict(),
+                   "meta": _plain(self.meta)}
         _atomic_torch_save(payload, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SpikingNetwork":
-        """Read a network written by :meth:`save` (``torch.load(weights_only=True)``)."""
+        """Read a network written by :meth:`save` (``torch.load(weights_only=True)``), in eval mode."""
         from .serialize import graph_from_dict
 
         try:
@@ -408,17 +427,42 @@ class SpikingNetwork(nn.Module):
         except Exception as exc:
             raise CheckpointError(f"cannot read {path} as a saved SpikingNetwork: {exc}") from exc
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-            raise CheckpointError(f"{path} is not a saved snnconv SpikingNetwork (format "
-                                  f"{payload.get('format') if isinstance(payload, dict) else type(payload).__name__})")
+            found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+            raise CheckpointError(f"{path} is not a saved snnconv SpikingNetwork (format {found})")
         if payload.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"{path} has format version {payload.get('version')}; this "
                                   f"snnconv reads version {FORMAT_VERSION}")
-        net = graph_from_dict(payload["graph"])
+        try:
+            net = graph_from_dict(payload["graph"])
+        except CheckpointError:
+            raise
+        except Exception as exc:  # KeyError, TypeError, RuntimeError from fx on a damaged graph
+            raise CheckpointError(f"{path}: the saved graph cannot be rebuilt: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         try:
             net.load_state_dict(payload["state_dict"], strict=True)
-        except RuntimeError as exc:
+        except (KeyError, TypeError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: weights do not match its graph: {exc}") from exc
-        return cls(net, payload["T"])
+        try:
+            snn = cls(net, payload.get("T"))
+        except ValueError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
+        meta = payload.get("meta", {})
+        snn.meta = meta if isinstance(meta, dict) else {}
+        return snn.eval()  # freshly built modules start in training mode (dropout would be live)
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` with tensors as lists and tuples as lists: loadable with ``weights_only=True``."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
 
 
 def _atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

@@ -186,6 +186,35 @@ def test_the_global_rng_does_not_decide_the_result(small_digits_snn, digits_load
     _assert_bit_identical(_state(a), _state(b))
 
 
+def test_the_callers_global_rng_is_left_as_it_was(small_digits_snn, digits_loaders):
+    torch.manual_seed(11)
+    state = torch.get_rng_state()
+    finetune(small_digits_snn, digits_loaders[0], T=2, **QUICK)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+class Unsized:
+    """A re-iterable loader without ``__len__`` (a streaming source)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_an_unsized_loader_trains_at_every_step(small_digits_snn, digits_data):
+    """Without a known epoch length there is nothing to anneal over: the rate stays at lr."""
+    x, y = digits_data[0].tensors
+    batches = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 4 * 64, 64)]
+    common = dict(T=2, epochs=1, optimizer="sgd", momentum=0.0, lr=1e-2, val_fraction=0.0,
+                  progress=False)
+    one, _ = finetune(small_digits_snn, Unsized(batches[:1]), **common)
+    four, history = finetune(small_digits_snn, Unsized(batches), **common)
+    assert _weights_changed(_state(one), _state(four)), "steps 2-4 moved the weights"
+    assert history[0]["train_acc"] >= 0 and math.isfinite(history[0]["loss"])
+
+
 # --- thresholds and weight decay ------------------------------------------------------------
 
 def test_thresholds_are_frozen_by_default(small_digits_snn, digits_loaders):

@@ -24,6 +24,8 @@ from snnconv.errors import CheckpointError
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
+# Not a speed bound: without it a worker that never checkpoints would hang the suite for ever.
+HANG_GUARD_S = 900
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,8 +147,11 @@ def test_a_killed_run_resumes_bit_identical_to_an_uninterrupted_one(small_digits
     log = open(tmp_path / "worker.log", "wb")
     proc = subprocess.Popen([sys.executable, WORKER, snn_path, str(tmp_path / "out"), json.dumps(config),
                              "--hang-after", str(4 * 64)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + HANG_GUARD_S
     try:
         while True:
+            if time.monotonic() > deadline:
+                pytest.fail("no mid-epoch checkpoint appeared: " + (tmp_path / "worker.log").read_text())
             if proc.poll() is not None:
                 pytest.fail(f"the worker exited with {proc.returncode} before the kill:\n"
                             + (tmp_path / "worker.log").read_text())
