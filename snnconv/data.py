@@ -222,7 +222,7 @@ def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tup
     if len(batches) < 2:
         raise DataError(f"the training loader yielded {len(batches)} batch(es); at least 2 are "
                         "needed to hold out a validation split. Pass val_fraction=0 or more data.")
-    k = max(2, int(round(1.0 / val_fraction)))
+    k = max(2, min(len(batches), int(round(1.0 / val_fraction))))
     val = [b for i, b in enumerate(batches) if i % k == k - 1]
     train = [b for i, b in enumerate(batches) if i % k != k - 1]
     return _BatchList(train), _BatchList(val)

@@ -30,12 +30,11 @@ from tqdm.auto import tqdm
 
 from .data import split_batch, split_dataset
 from .errors import CheckpointError, DataError, StageOrderError
-from .meta import atomic_write_text
 from .metrics import evaluate
 from .qcfs import make_optimizer
 from .spiking import IFNeuron, SpikingNetwork, neurons
 
-__all__ = ["FinetuneConfig", "finetune", "checkpointed", "CHECKPOINT_NAME"]
+__all__ = ["FinetuneConfig", "finetune", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "finetune.ckpt"
 _MAGIC = b"SNNCONV-CKPT-1\n"
@@ -145,7 +144,8 @@ def checkpointed(snn: SpikingNetwork, mode: str) -> SpikingNetwork:
         view = fx.GraphModule(gm, copy.deepcopy(gm.graph), "CheckpointedNeurons")
         for name, m in neurons(gm).items():
             if "." in name:
-                raise ValueError(f"neuron '{name}' is nested; 'neuron' checkpointing needs root-level neurons")
+                raise ValueError(f"neuron '{name}' is nested; 'neuron' checkpointing needs "
+                                 "root-level neurons")
             setattr(view, name, _Checkpointed(m))
         return SpikingNetwork(view, snn.T)
     if mode != "block":

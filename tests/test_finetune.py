@@ -305,7 +305,8 @@ def test_warmup_scales_the_first_step(small_digits_snn, digits_loaders):
         d_warm = _state(warm)[k] - start[k]
         # d = (w + lr*g) - w is exact up to one ulp of w, hence the absolute tolerance
         assert d_full.abs().max() > 1e-4
-        torch.testing.assert_close(d_warm, d_full / 4, rtol=1e-3, atol=4 * torch.finfo().eps * start[k].abs().max().item())
+        ulp = torch.finfo().eps * start[k].abs().max().item()
+        torch.testing.assert_close(d_warm, d_full / 4, rtol=1e-3, atol=4 * ulp)
 
 
 def test_a_single_epoch_limit_caps_the_steps(small_digits_snn, digits_data):
