@@ -131,6 +131,12 @@ def convert(
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
                     calib_batches=calib_batches, maxpool=maxpool, qcfs_epochs=qcfs_epochs,
                     finetune_epochs=finetune_epochs, device=str(device))
+    if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
+        raise ValueError(f"qcfs_epochs={qcfs_epochs} disagrees with qcfs_train.epochs="
+                         f"{qcfs_train.epochs}; give one of them")
+    if finetune_config is not None and finetune_epochs and finetune_epochs != finetune_config.epochs:
+        raise ValueError(f"finetune_epochs={finetune_epochs} disagrees with finetune_config.epochs="
+                         f"{finetune_config.epochs}; give one of them")
     if qcfs_train is None and qcfs_epochs:
         qcfs_train = QCFSTrainConfig(epochs=qcfs_epochs, seed=seed)
     if finetune_config is None and finetune_epochs:
