@@ -11,6 +11,7 @@ demo: $(STAMP)
 	$(BIN)/snnconv demo --out runs/demo
 
 test: $(STAMP) data
+	$(BIN)/snnconv check --zoo --fold
 	$(BIN)/python -m pytest -n 2 -q
 
 setup: $(STAMP)

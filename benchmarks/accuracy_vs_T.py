@@ -86,6 +86,8 @@ def main():
     p.add_argument("--per-channel", action="store_true")
     p.add_argument("--percentile", type=float, default=99.9)
     p.add_argument("--calib-batches", type=int, default=10)
+    p.add_argument("--bias-calibration-T", type=int, default=0,
+                   help="shift biases to match the QCFS-ANN at this T (0: off)")
     p.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N test images only")
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--threads", type=int, default=2)
@@ -122,9 +124,10 @@ def main():
     t0 = time.perf_counter()
     snn, meta = snnconv.convert(ann, train, T=8, L=args.L, percentile=args.percentile,
                                 per_channel=args.per_channel, calib_batches=args.calib_batches,
-                                qcfs_train=qcfs, progress=progress)
+                                qcfs_train=qcfs, bias_calibration=bool(args.bias_calibration_T),
+                                bias_calibration_T=args.bias_calibration_T or None,
+                                progress=progress)
     results["timing"]["snnconv_convert_with_qcfs_training_s"] = time.perf_counter() - t0
-    qcfs_model = None
     stage = meta.stage("qcfs")
     results["qcfs_history"] = stage.changes.get("history", [])
     acc = accuracy_by_T(snn, _progress(test, progress, "snnconv eval"), TS)

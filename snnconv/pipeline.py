@@ -24,7 +24,7 @@ from .guards import assert_no_batchnorm
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
 from .qcfs import QCFSTrainConfig, calibrate_qcfs
-from .spiking import SpikingNetwork, to_spiking
+from .spiking import SpikingNetwork, calibrate_bias, to_spiking
 
 __all__ = ["convert", "seed_everything"]
 
@@ -84,6 +84,8 @@ def convert(
     per_channel: bool = False,
     calib_batches: int = 10,
     maxpool: str = "error",
+    bias_calibration: bool = False,
+    bias_calibration_T: int | None = None,
     qcfs_epochs: int = 0,
     qcfs_train: QCFSTrainConfig | None = None,
     finetune_epochs: int = 0,
@@ -109,6 +111,10 @@ def convert(
         eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
             it is never used to choose anything.
         eval_T: extra T values at which to record SNN accuracy.
+        bias_calibration: after IF replacement, shift biases so that each layer's mean output
+            over ``bias_calibration_T`` steps (default ``T``) matches the QCFS-ANN on
+            calibration batches (:func:`snnconv.spiking.calibrate_bias`). Raises accuracy at
+            every T on deep networks; see the benchmarks.
 
     Returns:
         ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
@@ -129,6 +135,7 @@ def convert(
     seed_everything(seed)
     device = torch.device(device)
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
+                    bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
                     calib_batches=calib_batches, maxpool=maxpool, qcfs_epochs=qcfs_epochs,
                     finetune_epochs=finetune_epochs, device=str(device))
     if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
@@ -176,6 +183,8 @@ def convert(
 
     with _stage(meta, "spiking") as rec:
         snn = to_spiking(qgm, T=T)
+        if bias_calibration:
+            snn = calibrate_bias(snn, qgm, loader, T=bias_calibration_T or T)
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")
         rec.changes = snn.meta

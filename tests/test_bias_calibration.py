@@ -1,0 +1,92 @@
+"""calibrate_bias: each IF layer's mean output over T moves towards its QCFS-ANN reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import snnconv
+from snnconv.errors import DataError, StageOrderError
+from snnconv.qcfs import QCFS
+from snnconv.spiking import IFNeuron, calibrate_bias
+
+
+def _layer_means(model, x, kind, T=None):
+    """Per-channel mean output of every ``kind`` module (IF outputs as theta * rate over T)."""
+    means, hooks = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, kind):
+            def hook(mod, inp, out, name=name):
+                if isinstance(mod, IFNeuron):
+                    out = out.reshape(mod.T, -1, *out.shape[1:]).mean(0)
+                    th = mod.theta if mod.theta.dim() == 0 else mod.theta.reshape(1, -1, *[1] * (out.dim() - 2))
+                    out = out * th
+                means[name] = out.double().mean(dim=[d for d in range(out.dim()) if d != 1])
+            hooks.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return means
+
+
+@pytest.fixture
+def qcfs_and_snn(trained_digits_cnn, digits_loaders):
+    train, _ = digits_loaders
+    folded = snnconv.fold_batchnorm(trained_digits_cnn)
+    qcfs = snnconv.calibrate_qcfs(folded, train, L=8, per_channel=True, progress=False)
+    return qcfs, snnconv.to_spiking(qcfs, T=4), train
+
+
+def test_bias_calibration_brings_every_layer_mean_towards_the_qcfs_reference(qcfs_and_snn):
+    qcfs, snn, train = qcfs_and_snn
+    x = torch.cat([b[0] for _, b in zip(range(4), train)])
+    calibrated = calibrate_bias(snn, qcfs, [(x,)], T=4, num_batches=1)
+    ref = _layer_means(qcfs, x, QCFS)
+    before = _layer_means(snn.net, x, IFNeuron)
+    after = _layer_means(calibrated.net, x, IFNeuron)
+    sources = {n: r["source"] for n, r in snn.meta["neurons"].items()}
+    err_before = sum((before[n] - ref[s]).abs().sum().item() for n, s in sources.items())
+    err_after = sum((after[n] - ref[s]).abs().sum().item() for n, s in sources.items())
+    assert err_after < 0.5 * err_before
+    assert set(calibrated.meta["bias_calibration"]["mean_abs_shift"]) == set(sources)
+
+
+def test_bias_calibration_works_on_a_copy_and_keeps_T(qcfs_and_snn):
+    qcfs, snn, train = qcfs_and_snn
+    state = copy.deepcopy(snn.state_dict())
+    calibrated = calibrate_bias(snn, qcfs, train, T=16)
+    assert all(torch.equal(state[k], v) for k, v in snn.state_dict().items())
+    assert calibrated.T == snn.T == 4
+    assert calibrated.meta["bias_calibration"]["T"] == 16
+    assert not all(torch.equal(state[k], v) for k, v in calibrated.state_dict().items())
+
+
+def test_bias_calibration_does_not_lower_accuracy_at_its_T(qcfs_and_snn, digits_loaders):
+    qcfs, snn, train = qcfs_and_snn
+    _, test = digits_loaders
+    calibrated = calibrate_bias(snn, qcfs, train, T=4)
+    from snnconv.metrics import accuracy_by_T
+
+    assert accuracy_by_T(calibrated, test, [4])[4] >= accuracy_by_T(snn, test, [4])[4] - 1.0
+
+
+def test_bias_calibration_refusals(qcfs_and_snn):
+    qcfs, snn, train = qcfs_and_snn
+    with pytest.raises(DataError, match="empty"):
+        calibrate_bias(snn, qcfs, [])
+    with pytest.raises(StageOrderError, match="to_spiking"):
+        calibrate_bias(qcfs, qcfs, train)
+    with pytest.raises(ValueError, match="T"):
+        calibrate_bias(snn, qcfs, train, T=0)
+
+
+def test_convert_with_bias_calibration_records_it(trained_digits_cnn, digits_loaders):
+    train, test = digits_loaders
+    snn, meta = snnconv.convert(trained_digits_cnn, train, T=4, L=8, bias_calibration=True,
+                                bias_calibration_T=8, eval_loader=test, progress=False)
+    record = meta.stage("spiking").changes["bias_calibration"]
+    assert record["T"] == 8 and record["batches"] == 4
+    assert meta.accuracy["snn"]["4"] > 50.0
