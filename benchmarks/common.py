@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -15,11 +14,9 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import snnconv  # noqa: E402
 from snnconv import models  # noqa: E402
 from snnconv.data import fashion_mnist  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
-from snnconv.metrics import evaluate  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CACHE = os.path.join(RESULTS, "cache")

@@ -154,9 +154,8 @@ def main():
     snn_path = os.path.join(RESULTS, "accuracy_vs_T_snn.pt")
     if not os.path.exists(snn_path):
         sys.exit(f"{snn_path} missing: run benchmarks/accuracy_vs_T.py first")
-    with open(os.path.join(RESULTS, "accuracy_vs_T_meta.json")) as fh:
-        convert_meta = json.load(fh)
-    convert_s = sum(s["seconds"] for s in convert_meta["stages"])
+    with open(os.path.join(RESULTS, "accuracy_vs_T.json")) as fh:
+        convert_s = json.load(fh)["timing"]["snnconv_pipeline_with_qcfs_training_s"]
     snn = snnconv.SpikingNetwork.load(snn_path)
     results = {"settings": vars(args), "accuracy": {}, "timing": {"convert_s": convert_s}}
     results["accuracy"]["ann"] = evaluate(ann, test)
@@ -166,7 +165,8 @@ def main():
         t0 = time.perf_counter()
         tuned, history = snnconv.finetune(
             snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
-            max_steps_per_epoch=args.max_steps, checkpoint_dir=os.path.join(RESULTS, "cache", f"finetune_T{T}"),
+            max_steps_per_epoch=args.max_steps,
+            checkpoint_dir=os.path.join(RESULTS, "cache", f"finetune_T{T}"),
             progress=progress)
         seconds = time.perf_counter() - t0
         key = f"fine-tuned at T={T}"

@@ -14,7 +14,6 @@ from tqdm.auto import tqdm
 from .data import digits
 from .fold import fold_batchnorm
 from .guards import find_batchnorm
-from .metrics import evaluate
 from .models import small_cnn
 from .pipeline import convert, seed_everything
 from .plots import plot_accuracy_vs_T

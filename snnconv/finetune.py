@@ -42,7 +42,17 @@ _MAGIC = b"SNNCONV-CKPT-1\n"
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """BPTT fine-tuning settings (validated on construction)."""
+    """BPTT fine-tuning settings (validated on construction).
+
+    The main ones: ``epochs`` and ``T`` (steps unrolled), ``optimizer`` ("sgd" | "adamw"),
+    ``lr`` with ``warmup_steps`` of linear warm-up then cosine decay, ``grad_clip`` (0: off),
+    ``alpha`` (ATan surrogate sharpness) and ``detach_reset``, ``train_thresholds`` (with
+    ``threshold_lr``; never weight-decayed, kept positive), ``val_fraction`` of the training
+    data held out to pick the best epoch, ``checkpoint_dir``/``checkpoint_every``/``resume``,
+    ``activation_checkpointing`` (None | "block" | "neuron"), ``amp`` (CUDA only), and
+    ``horizons``: step counts h <= T whose running-average readouts each get a cross-entropy
+    term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too).
+    """
 
     epochs: int = 1
     T: int = 4
@@ -66,6 +76,7 @@ class FinetuneConfig:
     resume: bool = False
     activation_checkpointing: str | None = None
     amp: bool = True
+    horizons: tuple[int, ...] | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -100,6 +111,11 @@ class FinetuneConfig:
             bad(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_steps_per_epoch is not None and self.max_steps_per_epoch < 1:
             bad(f"max_steps_per_epoch must be >= 1, got {self.max_steps_per_epoch}")
+        if self.horizons is not None:
+            if not self.horizons or any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= self.T
+                                        for h in self.horizons):
+                bad(f"horizons must be step counts in [1, T={self.T}], got {self.horizons!r}")
+            object.__setattr__(self, "horizons", tuple(sorted(set(self.horizons))))
 
 
 # --- activation checkpointing ---------------------------------------------------------------
@@ -502,8 +518,15 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
                                 "(x, y) batches")
             x, y = x.to(device), y.to(device)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                out = runner(x)
-                loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
+                if cfg.horizons:
+                    # anytime readout: cross-entropy of the running average after each horizon
+                    cum = runner(x, per_step=True).float().cumsum(0)
+                    out = cum[-1] / cfg.T
+                    loss = sum(F.cross_entropy(cum[h - 1] / h, y, label_smoothing=cfg.label_smoothing)
+                               for h in cfg.horizons) / len(cfg.horizons)
+                else:
+                    out = runner(x)
+                    loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if cfg.grad_clip > 0:

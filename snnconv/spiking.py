@@ -441,7 +441,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         for x in batches:
             s = _value_at(gm, x.to(device), node.name)
             rate = s.reshape(T, -1, *s.shape[1:]).mean(0)
-            mean = mean + _channel_mean(rate * _channel_view(neuron_mod.theta.detach(), rate.dim())) / len(batches)
+            theta = _channel_view(neuron_mod.theta.detach(), rate.dim())
+            mean = mean + _channel_mean(rate * theta) / len(batches)
         delta = (target_mean[source] - mean).to(layer.weight.dtype)
         with torch.no_grad():
             if layer.bias is None:
@@ -497,8 +498,10 @@ class SpikingNetwork(nn.Module):
             self.T = old
         return out.reshape(T, x.shape[0], *out.shape[1:])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._steps(x, self.T).mean(0)
+    def forward(self, x: torch.Tensor, per_step: bool = False) -> torch.Tensor:
+        """The readout averaged over T steps, ``[B, ...]`` (``per_step=True``: ``[T, B, ...]``)."""
+        steps = self._steps(x, self.T)
+        return steps if per_step else steps.mean(0)
 
     def run(self, x: torch.Tensor, T: int | None = None, *, spike_counts: bool = False):
         """Per-step readouts ``[T, B, ...]``; with ``spike_counts``, also ``{layer: [T] counts}``.

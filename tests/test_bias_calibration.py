@@ -21,7 +21,9 @@ def _layer_means(model, x, kind, T=None):
             def hook(mod, inp, out, name=name):
                 if isinstance(mod, IFNeuron):
                     out = out.reshape(mod.T, -1, *out.shape[1:]).mean(0)
-                    th = mod.theta if mod.theta.dim() == 0 else mod.theta.reshape(1, -1, *[1] * (out.dim() - 2))
+                    th = mod.theta
+                    if th.dim():
+                        th = th.reshape(1, -1, *[1] * (out.dim() - 2))
                     out = out * th
                 means[name] = out.double().mean(dim=[d for d in range(out.dim()) if d != 1])
             hooks.append(m.register_forward_hook(hook))

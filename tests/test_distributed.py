@@ -62,7 +62,7 @@ def _free_port() -> int:
 
 
 def _torchrun(args: list[str], log_path) -> subprocess.CompletedProcess:
-    for attempt in range(2):  # a port taken between _free_port() and torchrun: try another
+    for _attempt in range(2):  # a port taken between _free_port() and torchrun: try another
         with open(log_path, "wb") as log:
             proc = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",

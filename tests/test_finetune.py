@@ -481,3 +481,22 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
 def test_convert_without_finetune_epochs_has_no_stage_4(small_digits_ann, digits_loaders):
     _, meta = snnconv.convert(small_digits_ann, digits_loaders[0], T=2, L=4, progress=False)
     assert "finetune" not in [s.name for s in meta.stages]
+
+
+def test_horizons_of_T_alone_equal_the_plain_loss(small_digits_snn, digits_loaders):
+    train, _ = digits_loaders
+    plain, _ = snnconv.finetune(small_digits_snn, train, T=2, epochs=1, max_steps_per_epoch=3,
+                                progress=False)
+    same, _ = snnconv.finetune(small_digits_snn, train, T=2, epochs=1, max_steps_per_epoch=3,
+                               horizons=(2,), progress=False)
+    other, _ = snnconv.finetune(small_digits_snn, train, T=2, epochs=1, max_steps_per_epoch=3,
+                                horizons=(1, 2), progress=False)
+    a, b, c = plain.state_dict(), same.state_dict(), other.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+@pytest.mark.parametrize("horizons", [(), (0,), (5,), (2, 9)])
+def test_horizons_outside_1_to_T_are_refused(horizons):
+    with pytest.raises(ValueError, match="horizons"):
+        snnconv.FinetuneConfig(T=4, horizons=horizons)
