@@ -132,6 +132,9 @@ def main():
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--finetune-T", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--horizons", type=int, nargs="*", default=[2],
+                   help="extra anytime-readout horizons (steps) added to the loss when <= T")
+    p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--max-steps", type=int, default=None, help="steps per epoch (default: all)")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--probe", help=argparse.SUPPRESS)
@@ -163,13 +166,17 @@ def main():
     print("ANN", results["accuracy"]["ann"], "before", results["accuracy"]["before fine-tuning"])
     for T in args.finetune_T:
         t0 = time.perf_counter()
+        horizons = tuple(sorted({h for h in args.horizons if h < T} | {T})) if args.horizons else None
+        if horizons == (T,):
+            horizons = None
         tuned, history = snnconv.finetune(
             snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
+            horizons=horizons, warmup_steps=args.warmup,
             max_steps_per_epoch=args.max_steps,
             checkpoint_dir=os.path.join(RESULTS, "cache", f"finetune_T{T}"),
             progress=progress)
         seconds = time.perf_counter() - t0
-        key = f"fine-tuned at T={T}"
+        key = f"fine-tuned at T={T}" + (f" (horizons {horizons})" if horizons else "")
         results["accuracy"][key] = accuracy_by_T(tuned, test, TS)
         results["timing"][f"finetune_T{T}_s"] = seconds
         results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]

@@ -232,7 +232,7 @@ def read_checkpoint(path: str) -> dict:
 # continue this run (activation checkpointing, checkpoint cadence and paths change nothing).
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
-                "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp")
+                "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons")
 
 
 def _rank_world() -> tuple[int, int]:

@@ -84,7 +84,7 @@ def convert(
     per_channel: bool = False,
     calib_batches: int = 10,
     maxpool: str = "error",
-    bias_calibration: bool = False,
+    bias_calibration: bool = True,
     bias_calibration_T: int | None = None,
     qcfs_epochs: int = 0,
     qcfs_train: QCFSTrainConfig | None = None,

@@ -594,6 +594,8 @@ def _plain(obj: Any) -> Any:
 def _atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     import tempfile
 
+    from .meta import _umask
+
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -603,6 +605,7 @@ def _atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         torch.save(obj, tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
+from snnconv.spiking import calibrate_bias
 from snnconv import models
 from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
@@ -78,6 +79,18 @@ def test_snn_agrees_with_its_qcfs_ann_on_digits_at_T64(trained_digits_cnn, digit
     assert agreement >= 0.99, f"SNN/QCFS-ANN agreement {agreement:.4f} on {len(labels)} images"
 
 
+def test_convert_without_bias_calibration_is_fold_calibrate_replace(trained_digits_cnn, digits_data):
+    train_set, test_set = digits_data
+    loader = DataLoader(train_set, batch_size=64)
+    x = test_set.tensors[0][:64]
+    snn, _ = snnconv.convert(trained_digits_cnn, loader, T=8, L=8, calib_batches=4,
+                             bias_calibration=False, progress=False)
+    qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn), loader, L=8, num_batches=4,
+                                  progress=False)
+    with torch.no_grad():
+        assert torch.equal(snn(x), snnconv.to_spiking(qann, T=8)(x))
+
+
 def test_convert_is_fold_calibrate_replace(trained_digits_cnn, digits_data):
     """convert() gives the network the three public stages give, on the same data."""
     train_set, test_set = digits_data
@@ -87,7 +100,7 @@ def test_convert_is_fold_calibrate_replace(trained_digits_cnn, digits_data):
     x0 = next(iter(loader))[0]
     qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn, x0), loader, L=8,
                                   num_batches=4, progress=False)
-    manual = snnconv.to_spiking(qann, T=8)
+    manual = calibrate_bias(snnconv.to_spiking(qann, T=8), qann, loader, T=8)
     assert isinstance(snn, SpikingNetwork) and snn.T == 8
     assert snn.thresholds().keys() == manual.thresholds().keys()
     assert all(torch.equal(a, b) for a, b in zip(snn.thresholds().values(), manual.thresholds().values()))
