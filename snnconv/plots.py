@@ -40,6 +40,11 @@ def plot_accuracy_vs_T(curves: Mapping[str, Mapping[int, float]], path: str | os
     for i, (name, value) in enumerate((references or {}).items()):
         ax.axhline(value, linestyle="--", color=f"C{(i + len(curves)) % 10}", label=f"{name} ({value:.1f}%)")
     ax.set_xscale("log", base=2)
+    all_T = sorted({int(t) for points in curves.values() for t in points})
+    if all_T:
+        ax.set_xticks(all_T)
+        ax.set_xticklabels([str(t) for t in all_T])
+        ax.minorticks_off()
     ax.set_xlabel("time steps T")
     ax.set_ylabel("top-1 accuracy (%)")
     ax.set_title(title)
