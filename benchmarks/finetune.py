@@ -135,7 +135,8 @@ def main():
     p.add_argument("--horizons", type=int, nargs="*", default=[2],
                    help="extra anytime-readout horizons (steps) added to the loss when <= T")
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--max-steps", type=int, default=None, help="steps per epoch (default: all)")
+    p.add_argument("--max-steps", type=int, nargs="*", default=[],
+                   help="steps per epoch for each --finetune-T in order (default: all)")
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--skip-memory", action="store_true")
@@ -164,7 +165,8 @@ def main():
     results["accuracy"]["ann"] = evaluate(ann, test)
     results["accuracy"]["before fine-tuning"] = accuracy_by_T(snn, test, TS)
     print("ANN", results["accuracy"]["ann"], "before", results["accuracy"]["before fine-tuning"])
-    for T in args.finetune_T:
+    for i, T in enumerate(args.finetune_T):
+        max_steps = args.max_steps[i] if i < len(args.max_steps) else None
         t0 = time.perf_counter()
         horizons = tuple(sorted({h for h in args.horizons if h < T} | {T})) if args.horizons else None
         if horizons == (T,):
@@ -172,7 +174,7 @@ def main():
         tuned, history = snnconv.finetune(
             snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
             horizons=horizons, warmup_steps=args.warmup,
-            max_steps_per_epoch=args.max_steps,
+            max_steps_per_epoch=max_steps,
             checkpoint_dir=os.path.join(RESULTS, "cache", f"finetune_T{T}"),
             progress=progress)
         seconds = time.perf_counter() - t0
@@ -182,6 +184,7 @@ def main():
         results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]
         results["timing"][f"convert_plus_finetune_T{T}_s"] = convert_s + seconds
         results[f"history_T{T}"] = history
+        results["timing"][f"finetune_T{T}_steps_per_epoch"] = max_steps or len(train)
         print(key, results["accuracy"][key], f"{seconds:.0f} s")
         write_json(results, args.out + ".json")
     results["peak_rss_mb_main_process"] = _rss_mb()
