@@ -36,6 +36,12 @@ TS = (1, 2, 4, 8)
 
 
 def _rss_mb() -> float:
+    """Peak resident memory of this process (VmHWM; unlike ru_maxrss it is not inherited
+    from the parent across fork + exec)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
@@ -126,6 +132,17 @@ def probe(mode: str, T: int, batch: int, steps: int) -> dict:
             "peak_rss_increase_mb": _rss_mb() - base}
 
 
+def _memory() -> list[dict]:
+    """Each configuration in a fresh process: its peak memory is its own."""
+    out = []
+    for mode in ("none", "neuron", "block", "spikingjelly"):
+        proc = subprocess.run([sys.executable, __file__, "--probe", mode], capture_output=True,
+                              text=True, check=True)
+        out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(out[-1], flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2)
@@ -140,6 +157,8 @@ def main():
     p.add_argument("--test-limit", type=int, default=0)
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only (re)measure memory and step time, into the existing finetune.json")
     p.add_argument("--out", default=os.path.join(RESULTS, "finetune"))
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
@@ -149,6 +168,12 @@ def main():
         return
     torch.set_num_threads(2)
     progress = not args.quiet
+    if args.memory_only:
+        with open(args.out + ".json") as fh:
+            results = json.load(fh)
+        results["memory"] = _memory()
+        write_json(results, args.out + ".json")
+        return
 
     ann, _ = trained_ann("resnet14", 3, progress=progress)
     train, test = loaders(batch_size=128)
@@ -189,12 +214,7 @@ def main():
         write_json(results, args.out + ".json")
     results["peak_rss_mb_main_process"] = _rss_mb()
     if not args.skip_memory:
-        results["memory"] = []
-        for mode in ("none", "neuron", "block", "spikingjelly"):
-            out = subprocess.run([sys.executable, __file__, "--probe", mode], capture_output=True,
-                                 text=True, check=True)
-            results["memory"].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(results["memory"][-1])
+        results["memory"] = _memory()
     write_json(results, args.out + ".json")
     curves = {k: v for k, v in results["accuracy"].items() if isinstance(v, dict)}
     plot_accuracy_vs_T(curves, args.out + ".png", references={"ANN": results["accuracy"]["ann"]},
