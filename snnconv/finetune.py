@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from .data import split_batch, split_dataset
 from .errors import CheckpointError, DataError, StageOrderError
+from .meta import atomic_write_bytes
 from .metrics import evaluate
 from .qcfs import make_optimizer
 from .spiking import IFNeuron, SpikingNetwork, neurons
@@ -194,19 +195,7 @@ def _write_checkpoint(path: str, payload: dict) -> None:
     torch.save(payload, buf)
     data = buf.getvalue()
     digest = hashlib.sha256(data).hexdigest().encode()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(_MAGIC + digest + b"\n" + data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, _MAGIC + digest + b"\n" + data)
 
 
 def read_checkpoint(path: str) -> dict:

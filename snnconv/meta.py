@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["StageRecord", "ConversionMeta", "environment", "atomic_write_text"]
+__all__ = ["StageRecord", "ConversionMeta", "environment", "atomic_write_text", "atomic_write_bytes"]
 
 
 def environment() -> dict[str, str]:
@@ -39,16 +39,21 @@ def _umask() -> int:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (never half-written)."""
+    """Write ``text`` (UTF-8) to ``path`` atomically; see :func:`atomic_write_bytes`."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (never half-written)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
     try:
-        with os.fdopen(fd, "w") as fh:
+        with os.fdopen(fd, "wb") as fh:
             # mkstemp creates the file 0600; give it the mode open() would give (0666 & ~umask)
             os.fchmod(fh.fileno(), 0o666 & ~_umask())
-            fh.write(text)
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

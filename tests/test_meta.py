@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from snnconv.meta import ConversionMeta, StageRecord, atomic_write_text
+from snnconv.meta import ConversionMeta, StageRecord, atomic_write_bytes, atomic_write_text
 
 
 def _meta() -> ConversionMeta:
@@ -74,7 +74,7 @@ def test_atomic_write_that_fails_keeps_the_old_content(tmp_path):
     path = tmp_path / "meta.json"
     path.write_text("old\n")
     with pytest.raises(TypeError):
-        atomic_write_text(path, b"bytes are not text")  # the write itself fails
+        atomic_write_bytes(path, "text, not bytes")  # the write itself fails
     assert path.read_text() == "old\n"
     assert os.listdir(tmp_path) == ["meta.json"]
 
