@@ -148,6 +148,14 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--train-thresholds", action="store_true")
+    p.add_argument("--threshold-lr", type=float, default=None)
+    p.add_argument("--label-smoothing", type=float, default=0.0)
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight of distillation from the ANN (0: cross-entropy only)")
+    p.add_argument("--distill-temperature", type=float, default=2.0)
+    p.add_argument("--augment", action="store_true", help="random horizontal flips while fine-tuning")
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--finetune-T", type=int, nargs="+", default=[4, 2])
     p.add_argument("--horizons", type=int, nargs="*", default=[2],
                    help="extra anytime-readout horizons (steps) added to the loss when <= T")
@@ -166,7 +174,7 @@ def main():
     if args.probe:
         print(json.dumps(probe(args.probe, T=4, batch=128, steps=4)))
         return
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     progress = not args.quiet
     if args.memory_only:
         with open(args.out + ".json") as fh:
@@ -176,7 +184,7 @@ def main():
         return
 
     ann, _ = trained_ann("resnet14", 3, progress=progress)
-    train, test = loaders(batch_size=128)
+    train, test = loaders(batch_size=128, augment=args.augment)
     if args.test_limit:
         test = torch.utils.data.DataLoader(torch.utils.data.Subset(test.dataset, range(args.test_limit)),
                                            batch_size=500)
@@ -199,8 +207,12 @@ def main():
         tuned, history = snnconv.finetune(
             snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
             horizons=horizons, warmup_steps=args.warmup,
+            train_thresholds=args.train_thresholds, threshold_lr=args.threshold_lr,
+            label_smoothing=args.label_smoothing,
+            distill=args.distill, distill_temperature=args.distill_temperature,
+            teacher=ann if args.distill else None,
             max_steps_per_epoch=max_steps,
-            checkpoint_dir=os.path.join(RESULTS, "cache", f"finetune_T{T}"),
+            checkpoint_dir=os.path.join(RESULTS, "cache", os.path.basename(args.out) + f"_T{T}"),
             progress=progress)
         seconds = time.perf_counter() - t0
         key = f"fine-tuned at T={T}" + (f" (horizons {horizons})" if horizons else "")

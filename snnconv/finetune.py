@@ -53,6 +53,9 @@ class FinetuneConfig:
     ``activation_checkpointing`` (None | "block" | "neuron"), ``amp`` (CUDA only), and
     ``horizons``: step counts h <= T whose running-average readouts each get a cross-entropy
     term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too).
+    ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
+    that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
+    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau).
     """
 
     epochs: int = 1
@@ -78,6 +81,8 @@ class FinetuneConfig:
     activation_checkpointing: str | None = None
     amp: bool = True
     horizons: tuple[int, ...] | None = None
+    distill: float = 0.0
+    distill_temperature: float = 2.0
 
     def __post_init__(self):
         def bad(msg):
@@ -97,6 +102,10 @@ class FinetuneConfig:
             bad(f"alpha must be positive, got {self.alpha}")
         if not 0 <= self.label_smoothing < 1:
             bad(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not 0 <= self.distill <= 1:
+            bad(f"distill must be in [0, 1], got {self.distill}")
+        if self.distill_temperature <= 0:
+            bad(f"distill_temperature must be positive, got {self.distill_temperature}")
         if self.weight_decay < 0:
             bad(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.momentum < 1:
@@ -221,7 +230,8 @@ def read_checkpoint(path: str) -> dict:
 # continue this run (activation checkpointing, checkpoint cadence and paths change nothing).
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
-                "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons")
+                "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
+                "distill", "distill_temperature")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -349,6 +359,7 @@ def finetune(
     T: int | None = None,
     epochs: int | None = None,
     config: FinetuneConfig | None = None,
+    teacher: nn.Module | None = None,
     device: str | torch.device = "cpu",
     progress: bool = True,
     **options: Any,
@@ -357,6 +368,8 @@ def finetune(
 
     Works on a copy of ``snn``. The validation split is taken from ``train_loader`` and picks
     the best epoch. ``options`` override fields of ``config`` (see :class:`FinetuneConfig`).
+    ``teacher`` (an ANN mapping the same inputs to the same classes; used on a copy, in eval
+    mode) is required when ``distill > 0``.
     The result depends on ``seed`` only: the caller's global RNG is neither read nor changed.
 
     Returns:
@@ -383,13 +396,19 @@ def finetune(
         if unknown:
             raise TypeError(f"finetune() got unknown options {sorted(unknown)}")
         cfg = replace(cfg, **options)
+    if (teacher is None) != (cfg.distill == 0):
+        raise ValueError(
+            f"distillation needs both a teacher and distill > 0; got teacher="
+            f"{type(teacher).__name__ if teacher is not None else None} and distill={cfg.distill}")
+    if teacher is not None and not isinstance(teacher, nn.Module):
+        raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
     device = _local_device(torch.device(device))
     _maybe_init_distributed(device)
     rank, world = _rank_world()
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
-        return _finetune(snn, train_loader, cfg, device, progress and rank == 0, rank, world)
+        return _finetune(snn, train_loader, cfg, teacher, device, progress and rank == 0, rank, world)
 
 
 def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConfig,
@@ -410,13 +429,26 @@ def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConf
             "the same settings, or point checkpoint_dir elsewhere to start a new run")
 
 
-def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
+def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None,
+                  cfg: FinetuneConfig) -> torch.Tensor:
+    """Cross-entropy of one readout, mixed with distillation from the teacher's ``soft`` targets."""
+    ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+    if soft is None:
+        return ce
+    tau = cfg.distill_temperature
+    kd = F.kl_div(F.log_softmax(logits / tau, dim=1), soft, reduction="batchmean") * tau * tau
+    return (1 - cfg.distill) * ce + cfg.distill * kd
+
+
+def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank, world):
     from .plots import plot_history
 
     torch.manual_seed(cfg.seed)
     original_T = snn.T
     model = copy.deepcopy(snn).to(device)
     model.T = cfg.T
+    if teacher is not None:
+        teacher = copy.deepcopy(teacher).to(device).eval().requires_grad_(False)
     for m in neurons(model).values():
         m.set_surrogate(alpha=cfg.alpha, detach_reset=cfg.detach_reset)
         m.theta.requires_grad_(cfg.train_thresholds)
@@ -506,16 +538,20 @@ def _finetune(snn, loader, cfg: FinetuneConfig, device, progress, rank, world):
                 raise DataError("fine-tuning needs labels, but the loader yields inputs only; pass "
                                 "(x, y) batches")
             x, y = x.to(device), y.to(device)
+            soft = None
+            if teacher is not None:
+                with torch.no_grad():
+                    soft = F.softmax(teacher(x).float() / cfg.distill_temperature, dim=1)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
                 if cfg.horizons:
                     # anytime readout: cross-entropy of the running average after each horizon
                     cum = runner(x, per_step=True).float().cumsum(0)
                     out = cum[-1] / cfg.T
-                    loss = sum(F.cross_entropy(cum[h - 1] / h, y, label_smoothing=cfg.label_smoothing)
+                    loss = sum(_readout_loss(cum[h - 1] / h, y, soft, cfg)
                                for h in cfg.horizons) / len(cfg.horizons)
                 else:
                     out = runner(x)
-                    loss = F.cross_entropy(out.float(), y, label_smoothing=cfg.label_smoothing)
+                    loss = _readout_loss(out.float(), y, soft, cfg)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if cfg.grad_clip > 0:

@@ -115,6 +115,8 @@ def convert(
             over ``bias_calibration_T`` steps (default ``T``) matches the QCFS-ANN on
             calibration batches (:func:`snnconv.spiking.calibrate_bias`). Raises accuracy at
             every T on deep networks; see the benchmarks.
+        finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
+            ``model`` is the teacher.
 
     Returns:
         ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
@@ -191,8 +193,10 @@ def convert(
 
     if finetune_config is not None and finetune_config.epochs > 0:
         with _stage(meta, "finetune") as rec:
-            snn, history = finetune(snn, loader, config=finetune_config, device=device,
-                                    progress=progress)
+            # distillation learns from the caller's ANN (finetune() works on its own copy)
+            teacher = model if finetune_config.distill > 0 else None
+            snn, history = finetune(snn, loader, config=finetune_config, teacher=teacher,
+                                    device=device, progress=progress)
             assert_no_batchnorm(snn, stage="finetune")
             rec.changes = {"history": history}
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from typing import Mapping, Sequence
 
 import matplotlib
@@ -11,22 +11,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .meta import atomic_write_bytes  # noqa: E402
+
 __all__ = ["plot_accuracy_vs_T", "plot_history"]
 
 
 def _save(fig, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".png")
-    os.close(fd)
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-        os.replace(tmp, path)
+        fig.savefig(buf, dpi=120, bbox_inches="tight", format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def plot_accuracy_vs_T(curves: Mapping[str, Mapping[int, float]], path: str | os.PathLike, *,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import io
 import numbers
 import operator
 import os
@@ -34,6 +35,7 @@ from spikingjelly.activation_based import neuron, surrogate
 from .errors import CheckpointError, DataError, StageOrderError, UnsupportedModelError
 from .graph import capture, describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
+from .meta import atomic_write_bytes
 from .qcfs import QCFS, _check_activations, relu_sites
 
 __all__ = ["IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "calibrate_bias", "neurons"]
@@ -539,7 +541,9 @@ class SpikingNetwork(nn.Module):
         payload = {"format": FORMAT, "version": FORMAT_VERSION, "T": self.T,
                    "graph": graph_to_dict(self.net), "state_dict": self.net.state_dict(),
                    "meta": _plain(self.meta)}
-        _atomic_torch_save(payload, path)
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        atomic_write_bytes(path, buf.getvalue())  # never half-written
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SpikingNetwork":
@@ -589,25 +593,3 @@ def _plain(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return str(obj)
-
-
-def _atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    import tempfile
-
-    from .meta import _umask
-
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".pt")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

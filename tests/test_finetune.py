@@ -500,3 +500,72 @@ def test_horizons_of_T_alone_equal_the_plain_loss(small_digits_snn, digits_loade
 def test_horizons_outside_1_to_T_are_refused(horizons):
     with pytest.raises(ValueError, match="horizons"):
         snnconv.FinetuneConfig(T=4, horizons=horizons)
+
+
+# --- distillation from the ANN --------------------------------------------------------------
+
+def test_first_step_loss_mixes_cross_entropy_and_distillation(small_digits_snn, small_digits_ann,
+                                                              digits_data):
+    train_set, _ = digits_data
+    x, y = _first_batch(train_set, 64, seed=0)
+    ref = copy.deepcopy(small_digits_snn)
+    ref.T = 2
+    teacher = copy.deepcopy(small_digits_ann).eval()
+    with torch.no_grad():
+        out, t_out = ref(x), teacher(x)
+    w, tau = 0.3, 3.0
+    ce = F.cross_entropy(out, y)
+    kl = (F.softmax(t_out / tau, 1) * (F.log_softmax(t_out / tau, 1) - F.log_softmax(out / tau, 1))
+          ).sum(1).mean()
+    _, history = finetune(small_digits_snn, DataLoader(train_set, batch_size=64), T=2, epochs=1,
+                          max_steps_per_epoch=1, distill=w, distill_temperature=tau,
+                          teacher=small_digits_ann, progress=False)
+    assert history[0]["loss"] == pytest.approx(((1 - w) * ce + w * tau ** 2 * kl).item(), rel=1e-5)
+
+
+def test_distillation_moves_the_snn_towards_the_teacher_and_leaves_the_teacher_alone(
+        small_digits_snn, small_digits_ann, digits_loaders):
+    train, test = digits_loaders
+    teacher = small_digits_ann.train()  # a teacher in train mode (BatchNorm) stays in train mode
+    before = copy.deepcopy(teacher.state_dict())
+    x = torch.cat([b[0] for b in test])
+    with torch.no_grad():
+        target = teacher.eval()(x).argmax(1)
+    teacher.train()
+
+    def agreement(snn):
+        snn.T = 2
+        with torch.no_grad():
+            return (snn(x).argmax(1) == target).float().mean().item()
+
+    options = dict(T=2, epochs=1, lr=3e-3, progress=False)
+    plain, _ = finetune(small_digits_snn, train, **options)
+    taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
+    assert agreement(taught) > agreement(plain), (agreement(taught), agreement(plain))
+    assert teacher.training
+    assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
+
+
+def test_distill_needs_a_teacher_and_a_teacher_needs_distill(small_digits_snn, small_digits_ann,
+                                                            digits_loaders):
+    train, _ = digits_loaders
+    with pytest.raises(ValueError, match="teacher"):
+        finetune(small_digits_snn, train, distill=0.5, **QUICK)
+    with pytest.raises(ValueError, match="distill"):
+        finetune(small_digits_snn, train, teacher=small_digits_ann, **QUICK)
+
+
+@pytest.mark.parametrize("field, value", [("distill", 1.5), ("distill", -0.1),
+                                          ("distill_temperature", 0.0)])
+def test_config_rejects_bad_distillation_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        FinetuneConfig(**{field: value})
+
+
+def test_convert_distills_from_the_callers_model(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    cfg = FinetuneConfig(T=2, epochs=1, max_steps_per_epoch=2, distill=0.5)
+    snn, meta = snnconv.convert(small_digits_ann, train, T=2, L=4, finetune_config=cfg,
+                                progress=False)
+    assert meta.stages[-1].name == "finetune"
+    assert meta.settings["finetune"]["distill"] == 0.5
