@@ -61,7 +61,7 @@ class FinetuneConfig:
     epochs: int = 1
     T: int = 4
     optimizer: str = "adamw"
-    lr: float = 1e-4
+    lr: float = 1e-3  # AdamW; measured on the Fashion-MNIST ResNet-14: 1e-3 >> 1e-4 in 2 epochs
     weight_decay: float = 0.0
     momentum: float = 0.9
     warmup_steps: int = 0

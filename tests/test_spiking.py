@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -472,3 +474,38 @@ def test_numpy_integers_are_accepted_as_T(resnet8_snn):
     snn, (x, _) = resnet8_snn
     with torch.no_grad():
         assert snn.run(x, T=np.int64(2)).shape == (2, 4, 10)
+
+
+@pytest.mark.parametrize("chunk_size", [6, 12, 18, 1])
+def test_chunked_inference_equals_the_whole_batch(resnet8_snn, chunk_size):
+    """Without gradients the batch is cut into chunks of chunk_size // T inputs (at least 1):
+    readouts and spike counts are those of one pass over the whole batch."""
+    snn, (x, _) = resnet8_snn
+    snn = copy.deepcopy(snn)
+    with torch.no_grad():
+        snn.chunk_size = 0
+        whole, whole_counts = snn.run(x, spike_counts=True)
+        snn.chunk_size = chunk_size
+        calls = []
+        handle = snn.net.register_forward_hook(lambda m, inp, out: calls.append(inp[0].shape[0]))
+        try:
+            chunked, counts = snn.run(x, spike_counts=True)
+        finally:
+            handle.remove()
+    assert calls == [len(part) for part in torch.arange(4).split(max(1, chunk_size // 6))]
+    assert torch.allclose(chunked, whole, rtol=0, atol=1e-5)
+    assert set(counts) == set(whole_counts)
+    assert all(torch.equal(counts[k], whole_counts[k]) for k in counts)
+
+
+def test_with_gradients_the_batch_is_never_chunked(resnet8_snn):
+    snn, (x, _) = resnet8_snn
+    snn = copy.deepcopy(snn)
+    snn.chunk_size = 6
+    calls = []
+    handle = snn.net.register_forward_hook(lambda m, inp, out: calls.append(inp[0].shape[0]))
+    try:
+        snn(x.requires_grad_(True)).sum().backward()
+    finally:
+        handle.remove()
+    assert calls == [4]
