@@ -171,6 +171,7 @@ def main():
     p.add_argument("--convert-T", type=int, default=0,
                    help="start from convert(T=this, per-channel L=8, 2 QCFS epochs, bias "
                         "calibration at this T) instead of the accuracy benchmark's SNN")
+    p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--finetune-T", type=int, nargs="+", default=[4, 2])
     p.add_argument("--horizons", type=int, nargs="*", default=[2],
@@ -228,7 +229,7 @@ def main():
             horizons = None
         tuned, history = snnconv.finetune(
             snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
-            horizons=horizons, warmup_steps=args.warmup,
+            horizons=horizons, warmup_steps=args.warmup, batch_size=args.batch_size,
             train_thresholds=args.train_thresholds, threshold_lr=args.threshold_lr,
             label_smoothing=args.label_smoothing,
             distill=args.distill, distill_temperature=args.distill_temperature,
