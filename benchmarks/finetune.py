@@ -159,7 +159,7 @@ def converted(ann, train, T: int, progress: bool) -> snnconv.SpikingNetwork:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--train-thresholds", action="store_true")
     p.add_argument("--threshold-lr", type=float, default=None)
