@@ -167,6 +167,7 @@ def main():
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of distillation from the ANN (0: cross-entropy only)")
     p.add_argument("--distill-temperature", type=float, default=2.0)
+    p.add_argument("--ema", type=float, default=0.0, help="weight-average decay (0: off)")
     p.add_argument("--augment", action="store_true", help="random horizontal flips while fine-tuning")
     p.add_argument("--convert-T", type=int, default=0,
                    help="start from convert(T=this, per-channel L=8, 2 QCFS epochs, bias "
@@ -232,7 +233,7 @@ def main():
             horizons=horizons, warmup_steps=args.warmup, batch_size=args.batch_size,
             train_thresholds=args.train_thresholds, threshold_lr=args.threshold_lr,
             label_smoothing=args.label_smoothing,
-            distill=args.distill, distill_temperature=args.distill_temperature,
+            distill=args.distill, distill_temperature=args.distill_temperature, ema=args.ema,
             teacher=ann if args.distill else None,
             max_steps_per_epoch=max_steps,
             checkpoint_dir=os.path.join(RESULTS, "cache", os.path.basename(args.out) + f"_T{T}"),
@@ -244,7 +245,9 @@ def main():
         results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]
         results["timing"][f"convert_plus_finetune_T{T}_s"] = convert_s + seconds
         results[f"history_T{T}"] = history
-        results["timing"][f"finetune_T{T}_steps_per_epoch"] = max_steps or len(train)
+        n = len(train.dataset)
+        steps = (n - round(n * 0.1)) // args.batch_size  # finetune()'s 10% split, full batches
+        results["timing"][f"finetune_T{T}_steps_per_epoch"] = min(max_steps or steps, steps)
         print(key, results["accuracy"][key], f"{seconds:.0f} s")
         write_json(results, args.out + ".json")
     results["peak_rss_mb_main_process"] = _rss_mb()

@@ -193,15 +193,17 @@ def _dropout_snn(digits_data):
     return snn
 
 
-@pytest.mark.parametrize("stop_after_batches, checkpoint_every", [(3, 1), (5, 2), (8, 1)],
-                         ids=["epoch0-step3", "epoch0-step4", "epoch1-step2"])
+@pytest.mark.parametrize("stop_after_batches, checkpoint_every, ema", [
+    (3, 1, 0.0), (5, 2, 0.0), (8, 1, 0.0), (5, 2, 0.9), (8, 1, 0.9)],
+    ids=["epoch0-step3", "epoch0-step4", "epoch1-step2", "epoch0-step4-ema", "epoch1-step2-ema"])
 def test_an_interrupted_run_with_dropout_resumes_bit_identical(digits_data, tmp_path,
-                                                               stop_after_batches, checkpoint_every):
-    """The random state is restored where the interrupted run left it (dropout masks match)."""
+                                                               stop_after_batches, checkpoint_every, ema):
+    """The random state is restored where the interrupted run left it (dropout masks match),
+    and so is the weight average when there is one."""
     train_set, _ = digits_data
     snn = _dropout_snn(digits_data)
     run = dict(T=2, epochs=2, max_steps_per_epoch=6, lr=1e-2, seed=1, checkpoint_every=checkpoint_every,
-               progress=False)
+               ema=ema, progress=False)
     crashing = DataLoader(InterruptingDataset(train_set, stop_after_batches * 64), batch_size=64)
     with pytest.raises(Interrupt):
         finetune(snn, crashing, checkpoint_dir=str(tmp_path / "a"), **run)
