@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from common import RESULTS, loaders, trained_ann, write_json
 
 import snnconv
+from snnconv.finetune import blend
 from snnconv.metrics import accuracy_by_T, evaluate
 from snnconv.plots import plot_accuracy_vs_T
 
@@ -156,6 +157,24 @@ def converted(ann, train, T: int, progress: bool) -> snnconv.SpikingNetwork:
     return snnconv.SpikingNetwork.load(path)
 
 
+def choose_wise(start, tuned, grid, at, progress):
+    """The WiSE-FT weight with the best mean validation accuracy over the time steps ``at``
+    (fine-tuning's own 10% validation split of the training set, never the test set); all of
+    T = 2, 4, 8 and ``at`` are recorded."""
+    from torch.utils.data import DataLoader
+
+    from snnconv.data import fashion_mnist, split_dataset
+
+    _, val = split_dataset(fashion_mnist(train=True), 0.1, seed=0)
+    val = DataLoader(val, batch_size=500)
+    scores = {}
+    for w in grid:
+        scores[w] = accuracy_by_T(blend(start, tuned, w), val, sorted({2, 4, 8, *at}))
+        if progress:
+            print("WiSE", w, "validation", scores[w])
+    return max(grid, key=lambda w: statistics.mean(scores[w][t] for t in at)), scores
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=2)
@@ -168,6 +187,15 @@ def main():
                    help="weight of distillation from the ANN (0: cross-entropy only)")
     p.add_argument("--distill-temperature", type=float, default=2.0)
     p.add_argument("--ema", type=float, default=0.0, help="weight-average decay (0: off)")
+    p.add_argument("--wise", type=float, nargs="*", default=[],
+                   help="WiSE-FT weights of the start to try (e.g. 0 0.1 0.2 0.3): each blend is "
+                        "scored on the validation split (mean accuracy at --wise-T), the best is "
+                        "evaluated on the test set")
+    p.add_argument("--wise-T", type=int, nargs="+", default=None,
+                   help="time steps the WiSE weight is chosen for (default: T and 2T, the "
+                        "fine-tuning T and the next doubling)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue (or, when finished, just reload) the run in the checkpoint folder")
     p.add_argument("--augment", action="store_true", help="random horizontal flips while fine-tuning")
     p.add_argument("--convert-T", type=int, default=0,
                    help="start from convert(T=this, per-channel L=8, 2 QCFS epochs, bias "
@@ -235,7 +263,7 @@ def main():
             label_smoothing=args.label_smoothing,
             distill=args.distill, distill_temperature=args.distill_temperature, ema=args.ema,
             teacher=ann if args.distill else None,
-            max_steps_per_epoch=max_steps,
+            max_steps_per_epoch=max_steps, resume=args.resume,
             checkpoint_dir=os.path.join(RESULTS, "cache", os.path.basename(args.out) + f"_T{T}"),
             progress=progress)
         seconds = time.perf_counter() - t0
@@ -250,6 +278,18 @@ def main():
         results["timing"][f"finetune_T{T}_steps_per_epoch"] = min(max_steps or steps, steps)
         print(key, results["accuracy"][key], f"{seconds:.0f} s")
         write_json(results, args.out + ".json")
+        if args.wise:
+            at = tuple(args.wise_T or (T, 2 * T))
+            wise, val_acc = choose_wise(snn, tuned, args.wise, at, progress)
+            results[f"wise_T{T}"] = {"chosen": wise, "val_accuracy": val_acc,
+                                     "criterion": f"mean validation accuracy at T={at}"}
+            results["accuracy"][f"{key}, WiSE {wise}"] = accuracy_by_T(
+                blend(snn, tuned, wise), test, TS)
+            print(f"WiSE {wise}", results["accuracy"][f"{key}, WiSE {wise}"])
+            plot_accuracy_vs_T({f"WiSE {w}": a for w, a in val_acc.items()},
+                               args.out + f"_wise_T{T}.png",
+                               title=f"Validation accuracy of (1 - w) * fine-tuned(T={T}) + w * start")
+            write_json(results, args.out + ".json")
     results["peak_rss_mb_main_process"] = _rss_mb()
     if not args.skip_memory:
         results["memory"] = _memory()

@@ -35,7 +35,7 @@ from .metrics import evaluate
 from .qcfs import make_optimizer
 from .spiking import IFNeuron, SpikingNetwork, neurons
 
-__all__ = ["FinetuneConfig", "finetune", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
+__all__ = ["FinetuneConfig", "finetune", "blend", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "finetune.ckpt"
 _MAGIC = b"SNNCONV-CKPT-1\n"
@@ -87,6 +87,7 @@ class FinetuneConfig:
     distill: float = 0.0
     distill_temperature: float = 2.0
     ema: float = 0.0
+    wise: float = 0.0
 
     def __post_init__(self):
         def bad(msg):
@@ -112,6 +113,8 @@ class FinetuneConfig:
             bad(f"distill_temperature must be positive, got {self.distill_temperature}")
         if not 0 <= self.ema < 1:
             bad(f"ema must be a decay in [0, 1) (0: off), got {self.ema}")
+        if not 0 <= self.wise < 1:
+            bad(f"wise must be the start's weight in [0, 1), got {self.wise}")
         if self.weight_decay < 0:
             bad(f"weight_decay must be >= 0, got {self.weight_decay}")
         if not 0 <= self.momentum < 1:
@@ -446,6 +449,24 @@ def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | No
     return (1 - cfg.distill) * ce + cfg.distill * kd
 
 
+def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingNetwork:
+    """A copy of ``tuned`` with weights ``(1 - wise) * tuned + wise * start`` (WiSE-FT).
+
+    Both must be the same network (same parameter names and shapes); thresholds blend too and
+    stay positive. Integer buffers are taken from ``tuned``.
+    """
+    a, b = start.state_dict(), tuned.state_dict()
+    if _fingerprint(start) != _fingerprint(tuned):
+        raise ValueError("blend() needs two versions of the same network (parameter names and "
+                         "shapes differ)")
+    if not 0 <= wise <= 1:
+        raise ValueError(f"wise must be in [0, 1], got {wise}")
+    out = copy.deepcopy(tuned)
+    out.load_state_dict({k: torch.lerp(v, a[k].to(v), wise) if v.is_floating_point() else v
+                         for k, v in b.items()})
+    return out
+
+
 def _ema_update(ema: dict[str, torch.Tensor], model: nn.Module, decay: float, n: int) -> None:
     """One step of the weight average: ``ema <- d * ema + (1 - d) * weights``, d warmed up."""
     d = min(decay, (1 + n) / (10 + n))
@@ -628,6 +649,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
     if best_state is not None:
         model.load_state_dict(best_state)
+    if cfg.wise:
+        model = blend(snn, model, cfg.wise)
     model.eval()
     for m in neurons(model).values():
         m.theta.requires_grad_(False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import snnconv
 from snnconv import FinetuneConfig, finetune
 from snnconv.data import split_dataset
 from snnconv.errors import DataError, StageOrderError
-from snnconv.finetune import checkpointed
+from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
 from snnconv.metrics import accuracy_by_T, evaluate
 from snnconv.spiking import IFNeuron, neurons
 
@@ -436,7 +437,7 @@ def test_an_unknown_option_is_a_type_error(small_digits_snn, digits_loaders):
     ("val_fraction", 1.0), ("alpha", 0.0), ("activation_checkpointing", "layer"),
     ("checkpoint_every", -1), ("warmup_steps", -2), ("batch_size", 0), ("max_steps_per_epoch", 0),
     ("label_smoothing", 1.0), ("label_smoothing", -0.1), ("weight_decay", -1e-4),
-    ("momentum", 1.0), ("grad_clip", -1.0), ("ema", 1.0), ("ema", -0.1),
+    ("momentum", 1.0), ("grad_clip", -1.0), ("ema", 1.0), ("ema", -0.1), ("wise", 1.0), ("wise", -0.1),
 ])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
@@ -598,3 +599,39 @@ def test_ema_is_what_gets_validated_and_returned(small_digits_snn, digits_loader
     val_loader = DataLoader(val, batch_size=128)
     averaged.T = 2
     assert evaluate(averaged, val_loader) == pytest.approx(history[0]["val_acc"])
+
+
+# --- weight-space ensembling with the start (WiSE-FT) ---------------------------------------
+
+def test_blend_mixes_every_weight_and_threshold_and_leaves_both_inputs_alone(small_digits_snn,
+                                                                              digits_loaders):
+    tuned, _ = finetune(small_digits_snn, digits_loaders[0], T=2, train_thresholds=True, lr=1e-2, **QUICK)
+    start, end = _state(small_digits_snn), _state(tuned)
+    mixed = _state(blend(small_digits_snn, tuned, 0.3))
+    assert _weights_changed(start, end) and any(not torch.equal(start[k], end[k]) for k in start
+                                                if k.endswith("theta"))
+    for k in start:
+        torch.testing.assert_close(mixed[k], 0.7 * end[k] + 0.3 * start[k], rtol=1e-6, atol=1e-7)
+    _assert_bit_identical(_state(blend(small_digits_snn, tuned, 0.0)), end)
+    _assert_bit_identical(_state(blend(small_digits_snn, tuned, 1.0)), start)
+    _assert_bit_identical(_state(small_digits_snn), start)
+    _assert_bit_identical(_state(tuned), end)
+
+
+def test_blend_refuses_two_different_networks(small_digits_snn, digits_data):
+    with pytest.raises(ValueError, match="same network"):
+        blend(small_digits_snn, _tiny_resnet_snn(digits_data), 0.5)
+    with pytest.raises(ValueError, match="wise"):
+        blend(small_digits_snn, small_digits_snn, 1.5)
+
+
+def test_wise_returns_the_blend_and_a_finished_run_reblends_without_training(small_digits_snn,
+                                                                             digits_loaders, tmp_path):
+    run = dict(T=2, lr=1e-2, checkpoint_dir=str(tmp_path), **QUICK)
+    tuned, history = finetune(small_digits_snn, digits_loaders[0], **run)
+    stamp = os.stat(tmp_path / CHECKPOINT_NAME).st_mtime_ns
+    mixed, h_mixed = finetune(small_digits_snn, digits_loaders[0], wise=0.4, resume=True, **run)
+    assert os.stat(tmp_path / CHECKPOINT_NAME).st_mtime_ns == stamp, "nothing was trained again"
+    assert h_mixed == history
+    _assert_bit_identical(_state(mixed), _state(blend(small_digits_snn, tuned, 0.4)))
+    assert mixed.T == small_digits_snn.T and not mixed.training
