@@ -428,8 +428,10 @@ def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConf
             "point checkpoint_dir elsewhere or delete the file")
     saved = state.get("config", {})
     now = asdict(cfg)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {now[k]!r}" for k in _RESUME_KEYS
-             if saved.get(k) != now[k]]
+    # a setting added after the checkpoint was written had its default value in that run
+    then = {k: saved.get(k, FinetuneConfig.__dataclass_fields__[k].default) for k in _RESUME_KEYS}
+    diffs = [f"{k}: checkpoint {then[k]!r}, now {now[k]!r}" for k in _RESUME_KEYS
+             if then[k] != now[k]]
     if state.get("global_batch") != global_batch:
         diffs.append(f"global batch: checkpoint {state.get('global_batch')}, now {global_batch}")
     if diffs:

@@ -312,6 +312,29 @@ def test_a_checkpoint_of_a_run_with_other_settings_is_refused(small_digits_snn, 
     finetune(copy.deepcopy(small_digits_snn), train, resume=True, checkpoint_every=5, **run)
 
 
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(small_digits_snn,
+                                                                            digits_loaders, tmp_path):
+    """A checkpoint written before ``ema`` was a setting: that run had the default (off)."""
+    from snnconv.finetune import _write_checkpoint
+
+    train, _ = digits_loaders
+    run = dict(T=2, epochs=2, max_steps_per_epoch=2, checkpoint_every=1, checkpoint_dir=str(tmp_path),
+               progress=False)
+    with pytest.raises(Interrupt):  # in the second batch, after the checkpoint of the first
+        finetune(small_digits_snn, DataLoader(InterruptingDataset(train.dataset, 64), batch_size=64),
+                 **run)
+    path = str(tmp_path / CHECKPOINT_NAME)
+    state = read_checkpoint(path)
+    assert (state["epoch"], state["step"]) == (0, 1)
+    del state["config"]["ema"]
+    _write_checkpoint(path, state)
+    resumed, _ = finetune(small_digits_snn, train, resume=True, **run)
+    reference, _ = finetune(small_digits_snn, train, **{**run, "checkpoint_dir": str(tmp_path / "ref")})
+    _assert_bit_identical(_state(reference), _state(resumed))
+    with pytest.raises(CheckpointError, match="ema: checkpoint 0.0, now 0.9"):
+        finetune(small_digits_snn, train, resume=True, ema=0.9, **run)
+
+
 def test_without_resume_an_existing_checkpoint_is_replaced(small_digits_snn, digits_loaders, tmp_path):
     train, _ = digits_loaders
     path = tmp_path / CHECKPOINT_NAME
