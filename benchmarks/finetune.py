@@ -186,7 +186,6 @@ def main():
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of distillation from the ANN (0: cross-entropy only)")
     p.add_argument("--distill-temperature", type=float, default=2.0)
-    p.add_argument("--ema", type=float, default=0.0, help="weight-average decay (0: off)")
     p.add_argument("--wise", type=float, nargs="*", default=[],
                    help="WiSE-FT weights of the start to try (e.g. 0 0.1 0.2 0.3): each blend is "
                         "scored on the validation split (mean accuracy at --wise-T), the best is "
@@ -261,7 +260,7 @@ def main():
             horizons=horizons, warmup_steps=args.warmup, batch_size=args.batch_size,
             train_thresholds=args.train_thresholds, threshold_lr=args.threshold_lr,
             label_smoothing=args.label_smoothing,
-            distill=args.distill, distill_temperature=args.distill_temperature, ema=args.ema,
+            distill=args.distill, distill_temperature=args.distill_temperature,
             teacher=ann if args.distill else None,
             max_steps_per_epoch=max_steps, resume=args.resume,
             checkpoint_dir=os.path.join(RESULTS, "cache", os.path.basename(args.out) + f"_T{T}"),

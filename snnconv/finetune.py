@@ -56,9 +56,6 @@ class FinetuneConfig:
     ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
     that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
     KL(teacher || snn)`` at temperature ``distill_temperature`` (tau).
-    ``ema`` in [0, 1): with a decay d > 0, an exponential moving average of the weights
-    (decay ``min(d, (1 + n) / (10 + n))`` after n updates, so the converted start fades out
-    quickly) is what gets validated, selected and returned.
     """
 
     epochs: int = 1
@@ -86,7 +83,6 @@ class FinetuneConfig:
     horizons: tuple[int, ...] | None = None
     distill: float = 0.0
     distill_temperature: float = 2.0
-    ema: float = 0.0
     wise: float = 0.0
 
     def __post_init__(self):
@@ -111,8 +107,6 @@ class FinetuneConfig:
             bad(f"distill must be in [0, 1], got {self.distill}")
         if self.distill_temperature <= 0:
             bad(f"distill_temperature must be positive, got {self.distill_temperature}")
-        if not 0 <= self.ema < 1:
-            bad(f"ema must be a decay in [0, 1) (0: off), got {self.ema}")
         if not 0 <= self.wise < 1:
             bad(f"wise must be the start's weight in [0, 1), got {self.wise}")
         if self.weight_decay < 0:
@@ -240,7 +234,7 @@ def read_checkpoint(path: str) -> dict:
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
                 "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
-                "distill", "distill_temperature", "ema")
+                "distill", "distill_temperature")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -469,17 +463,6 @@ def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingN
     return out
 
 
-def _ema_update(ema: dict[str, torch.Tensor], model: nn.Module, decay: float, n: int) -> None:
-    """One step of the weight average: ``ema <- d * ema + (1 - d) * weights``, d warmed up."""
-    d = min(decay, (1 + n) / (10 + n))
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if v.is_floating_point():
-                ema[k].lerp_(v.detach(), 1 - d)
-            else:
-                ema[k].copy_(v)
-
-
 def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank, world):
     from .plots import plot_history
 
@@ -522,9 +505,6 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     history: list[dict[str, float]] = []
     start_epoch, start_step, best_val, best_state = 0, 0, -1.0, None
     resume_rng, resume_partial = None, None
-    # the weight average (``ema``) and how many updates it has seen
-    ema = {k: v.detach().clone() for k, v in model.state_dict().items()} if cfg.ema else None
-    ema_updates = 0
     if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
         state = read_checkpoint(ckpt_path)
         _check_resumable(ckpt_path, state, fingerprint, cfg, data.global_batch)
@@ -535,8 +515,6 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         start_epoch, start_step = state["epoch"], state["step"]
         history = list(state["history"])
         best_val, best_state = state["best_val"], state["best_state"]
-        if ema is not None:
-            ema, ema_updates = state["ema"], state["ema_updates"]
         _set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
         if start_step:
             # mid-epoch: replaying the epoch's first batches may draw random numbers (dataset
@@ -555,7 +533,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             "model": model.state_dict(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
             "rng": _rng_state(device), "history": history, "best_val": best_val,
-            "best_state": best_state, "ema": ema, "ema_updates": ema_updates})
+            "best_state": best_state})
 
     for epoch in range(start_epoch, cfg.epochs):
         data.start_epoch(epoch, cfg.seed)
@@ -609,9 +587,6 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                 with torch.no_grad():
                     for m in neurons(model).values():
                         m.theta.clamp_(min=1e-3)
-            if ema is not None:
-                _ema_update(ema, model, cfg.ema, ema_updates)
-                ema_updates += 1
             with torch.no_grad():
                 sums += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
                                      dtype=torch.float64)
@@ -634,17 +609,11 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         record = {"epoch": epoch + 1, "loss": float(sums[0] / sums[2]),
                   "train_acc": float(100 * sums[1] / sums[2]),
                   "seconds": time.perf_counter() - t0}
-        judged = model  # the weights this epoch yields: the running ones, or their average
-        if ema is not None:
-            judged = copy.deepcopy(model)
-            judged.load_state_dict(ema)
         if data.val is not None:
-            record["val_acc"] = evaluate(judged, data.val, device)
+            record["val_acc"] = evaluate(model, data.val, device)
             if record["val_acc"] > best_val:
                 best_val = record["val_acc"]
-                best_state = copy.deepcopy(judged.state_dict())
-        elif ema is not None:
-            best_state = copy.deepcopy(ema)  # nothing to choose by: the latest average
+                best_state = copy.deepcopy(model.state_dict())
         history.append(record)
         save(epoch + 1, 0)
         if ckpt_path and rank == 0:

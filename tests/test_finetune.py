@@ -437,7 +437,7 @@ def test_an_unknown_option_is_a_type_error(small_digits_snn, digits_loaders):
     ("val_fraction", 1.0), ("alpha", 0.0), ("activation_checkpointing", "layer"),
     ("checkpoint_every", -1), ("warmup_steps", -2), ("batch_size", 0), ("max_steps_per_epoch", 0),
     ("label_smoothing", 1.0), ("label_smoothing", -0.1), ("weight_decay", -1e-4),
-    ("momentum", 1.0), ("grad_clip", -1.0), ("ema", 1.0), ("ema", -0.1), ("wise", 1.0), ("wise", -0.1),
+    ("momentum", 1.0), ("grad_clip", -1.0), ("wise", 1.0), ("wise", -0.1),
 ])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
@@ -570,35 +570,6 @@ def test_convert_distills_from_the_callers_model(small_digits_ann, digits_loader
                                 progress=False)
     assert meta.stages[-1].name == "finetune"
     assert meta.settings["finetune"]["distill"] == 0.5
-
-
-# --- weight averaging -----------------------------------------------------------------------
-
-@pytest.mark.parametrize("decay, d", [(0.999, 0.1), (0.05, 0.05)])
-def test_ema_returns_the_warmed_up_average_of_start_and_trained_weights(small_digits_snn, digits_loaders,
-                                                                        decay, d):
-    """One step: the average is ``d * start + (1 - d) * trained``, d = min(decay, 1/10)."""
-    run = dict(T=2, epochs=1, max_steps_per_epoch=1, val_fraction=0.0, lr=1e-2, progress=False)
-    start = _state(small_digits_snn)
-    plain, _ = finetune(small_digits_snn, digits_loaders[0], **run)
-    averaged, _ = finetune(small_digits_snn, digits_loaders[0], ema=decay, **run)
-    trained, got = _state(plain), _state(averaged)
-    assert _weights_changed(start, trained)
-    for k in start:
-        torch.testing.assert_close(got[k], d * start[k] + (1 - d) * trained[k], rtol=1e-6, atol=1e-7)
-
-
-def test_ema_is_what_gets_validated_and_returned(small_digits_snn, digits_loaders):
-    """With a validation split the returned network is the average whose accuracy was recorded."""
-    train, _ = digits_loaders
-    run = dict(T=2, epochs=1, max_steps_per_epoch=4, lr=1e-2, progress=False)
-    averaged, history = finetune(small_digits_snn, train, ema=0.5, **run)
-    plain, _ = finetune(small_digits_snn, train, **run)
-    assert _weights_changed(_state(plain), _state(averaged)), "the average differs from the last step"
-    _, val = split_dataset(train.dataset, 0.1, seed=0)
-    val_loader = DataLoader(val, batch_size=128)
-    averaged.T = 2
-    assert evaluate(averaged, val_loader) == pytest.approx(history[0]["val_acc"])
 
 
 # --- weight-space ensembling with the start (WiSE-FT) ---------------------------------------

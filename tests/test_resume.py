@@ -193,17 +193,15 @@ def _dropout_snn(digits_data):
     return snn
 
 
-@pytest.mark.parametrize("stop_after_batches, checkpoint_every, ema", [
-    (3, 1, 0.0), (5, 2, 0.0), (8, 1, 0.0), (5, 2, 0.9), (8, 1, 0.9)],
-    ids=["epoch0-step3", "epoch0-step4", "epoch1-step2", "epoch0-step4-ema", "epoch1-step2-ema"])
+@pytest.mark.parametrize("stop_after_batches, checkpoint_every", [(3, 1), (5, 2), (8, 1)],
+                         ids=["epoch0-step3", "epoch0-step4", "epoch1-step2"])
 def test_an_interrupted_run_with_dropout_resumes_bit_identical(digits_data, tmp_path,
-                                                               stop_after_batches, checkpoint_every, ema):
-    """The random state is restored where the interrupted run left it (dropout masks match),
-    and so is the weight average when there is one."""
+                                                               stop_after_batches, checkpoint_every):
+    """The random state is restored where the interrupted run left it (dropout masks match)."""
     train_set, _ = digits_data
     snn = _dropout_snn(digits_data)
     run = dict(T=2, epochs=2, max_steps_per_epoch=6, lr=1e-2, seed=1, checkpoint_every=checkpoint_every,
-               ema=ema, progress=False)
+               progress=False)
     crashing = DataLoader(InterruptingDataset(train_set, stop_after_batches * 64), batch_size=64)
     with pytest.raises(Interrupt):
         finetune(snn, crashing, checkpoint_dir=str(tmp_path / "a"), **run)
@@ -314,7 +312,7 @@ def test_a_checkpoint_of_a_run_with_other_settings_is_refused(small_digits_snn, 
 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(small_digits_snn,
                                                                             digits_loaders, tmp_path):
-    """A checkpoint written before ``ema`` was a setting: that run had the default (off)."""
+    """A checkpoint written before ``distill`` was a setting: that run had the default (0)."""
     from snnconv.finetune import _write_checkpoint
 
     train, _ = digits_loaders
@@ -326,13 +324,13 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(sma
     path = str(tmp_path / CHECKPOINT_NAME)
     state = read_checkpoint(path)
     assert (state["epoch"], state["step"]) == (0, 1)
-    del state["config"]["ema"]
+    del state["config"]["distill"]
     _write_checkpoint(path, state)
     resumed, _ = finetune(small_digits_snn, train, resume=True, **run)
     reference, _ = finetune(small_digits_snn, train, **{**run, "checkpoint_dir": str(tmp_path / "ref")})
     _assert_bit_identical(_state(reference), _state(resumed))
-    with pytest.raises(CheckpointError, match="ema: checkpoint 0.0, now 0.9"):
-        finetune(small_digits_snn, train, resume=True, ema=0.9, **run)
+    with pytest.raises(CheckpointError, match="label_smoothing: checkpoint 0.0, now 0.1"):
+        finetune(small_digits_snn, train, resume=True, label_smoothing=0.1, **run)
 
 
 def test_without_resume_an_existing_checkpoint_is_replaced(small_digits_snn, digits_loaders, tmp_path):
