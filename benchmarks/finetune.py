@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from common import RESULTS, loaders, trained_ann, write_json
 
 import snnconv
+from snnconv.data import split_dataset
 from snnconv.finetune import blend
 from snnconv.metrics import accuracy_by_T, evaluate
 from snnconv.plots import plot_accuracy_vs_T
@@ -163,7 +164,7 @@ def choose_wise(start, tuned, grid, at, progress):
     T = 2, 4, 8 and ``at`` are recorded."""
     from torch.utils.data import DataLoader
 
-    from snnconv.data import fashion_mnist, split_dataset
+    from snnconv.data import fashion_mnist
 
     _, val = split_dataset(fashion_mnist(train=True), 0.1, seed=0)
     val = DataLoader(val, batch_size=500)
@@ -272,8 +273,8 @@ def main():
         results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]
         results["timing"][f"convert_plus_finetune_T{T}_s"] = convert_s + seconds
         results[f"history_T{T}"] = history
-        n = len(train.dataset)
-        steps = (n - round(n * 0.1)) // args.batch_size  # finetune()'s 10% split, full batches
+        # finetune()'s default 10% validation split, full batches only
+        steps = len(split_dataset(train.dataset, 0.1, seed=0)[0]) // args.batch_size
         results["timing"][f"finetune_T{T}_steps_per_epoch"] = min(max_steps or steps, steps)
         print(key, results["accuracy"][key], f"{seconds:.0f} s")
         write_json(results, args.out + ".json")

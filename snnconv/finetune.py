@@ -451,10 +451,16 @@ def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingN
     Both must be the same network (same parameter names and shapes); thresholds blend too and
     stay positive. Integer buffers are taken from ``tuned``.
     """
+    for name, net in (("start", start), ("tuned", tuned)):
+        if not isinstance(net, SpikingNetwork):
+            raise StageOrderError(f"blend() expects SpikingNetworks; {name} is a {type(net).__name__}")
     a, b = start.state_dict(), tuned.state_dict()
-    if _fingerprint(start) != _fingerprint(tuned):
-        raise ValueError("blend() needs two versions of the same network (parameter names and "
-                         "shapes differ)")
+    shapes_a = {k: tuple(v.shape) for k, v in a.items()}
+    shapes_b = {k: tuple(v.shape) for k, v in b.items()}
+    if shapes_a != shapes_b:
+        diff = sorted(set(shapes_a.items()) ^ set(shapes_b.items()))[:3]
+        raise ValueError(f"blend() needs two versions of the same network; their parameters "
+                         f"differ, e.g. {diff} (name, shape)")
     if not 0 <= wise <= 1:
         raise ValueError(f"wise must be in [0, 1], got {wise}")
     out = copy.deepcopy(tuned)

@@ -22,7 +22,7 @@ from snnconv import FinetuneConfig, finetune
 from snnconv.data import split_dataset
 from snnconv.errors import DataError, StageOrderError
 from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
-from snnconv.metrics import accuracy_by_T, evaluate
+from snnconv.metrics import accuracy_by_T
 from snnconv.spiking import IFNeuron, neurons
 
 QUICK = dict(epochs=1, max_steps_per_epoch=3, progress=False)
@@ -594,6 +594,8 @@ def test_blend_refuses_two_different_networks(small_digits_snn, digits_data):
         blend(small_digits_snn, _tiny_resnet_snn(digits_data), 0.5)
     with pytest.raises(ValueError, match="wise"):
         blend(small_digits_snn, small_digits_snn, 1.5)
+    with pytest.raises(StageOrderError, match="start is a Sequential"):
+        blend(nn.Sequential(), small_digits_snn, 0.5)
 
 
 def test_wise_returns_the_blend_and_a_finished_run_reblends_without_training(small_digits_snn,
