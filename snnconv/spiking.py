@@ -36,7 +36,7 @@ from .errors import CheckpointError, DataError, StageOrderError, UnsupportedMode
 from .graph import capture, describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
 from .meta import atomic_write_bytes
-from .qcfs import QCFS, _check_activations, relu_sites
+from .qcfs import QCFS, _check_activations, _FloorSTE, relu_sites
 
 __all__ = ["IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "calibrate_bias", "neurons"]
 
@@ -76,6 +76,7 @@ class IFNeuron(nn.Module):
         self.node = neuron.HalfThresholdIFNode(
             v_threshold=1.0, surrogate_function=surrogate.ATan(alpha=self.alpha),
             detach_reset=self.detach_reset, step_mode="m")
+        self.rate_levels = 0  # > 0: compute the rate limit instead (see SpikingNetwork.rate)
 
     def set_surrogate(self, alpha: float | None = None, detach_reset: bool | None = None) -> None:
         """Change the surrogate sharpness or ``detach_reset`` (used by fine-tuning)."""
@@ -87,6 +88,11 @@ class IFNeuron(nn.Module):
             self.node.detach_reset = self.detach_reset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rate_levels:
+            # the spike count of T = L steps on a constant input, divided by L: QCFS(L, theta)/theta
+            L = self.rate_levels
+            q = _FloorSTE.apply(x / _channel_view(self.theta, x.dim()) * L + 0.5)
+            return torch.clamp(q, 0, L) / L
         TB = x.shape[0]
         if TB % self.T:
             raise ValueError(f"IFNeuron got a batch of {TB}, not a multiple of T={self.T}")
@@ -514,6 +520,30 @@ class SpikingNetwork(nn.Module):
         """The readout averaged over T steps, ``[B, ...]`` (``per_step=True``: ``[T, B, ...]``)."""
         steps = self._steps(x, self.T)
         return steps if per_step else steps.mean(0)
+
+    def rate(self, x: torch.Tensor, levels: int) -> torch.Tensor:
+        """The network's rate function with ``levels`` quantisation steps, in one pass, ``[B, ...]``.
+
+        Every IF neuron is replaced by the spike rate it reaches on a constant input in
+        ``levels`` steps, ``clamp(floor(levels * x / theta + 1/2), 0, levels) / levels`` (QCFS),
+        with a straight-through gradient; the weights are the SNN's. This is the QCFS-ANN the
+        network computes when every layer's input is constant in time, and what ``snn(x)``
+        tends to as T grows (for a large ``levels``). Fine-tuning can train it next to BPTT
+        (``rate_loss``) so that a network tuned at a few steps keeps its many-step accuracy.
+        """
+        if isinstance(levels, bool) or not isinstance(levels, numbers.Integral) or levels < 1:
+            raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
+        units = list(neurons(self.net).values())
+        old = self.T
+        self.T = 1
+        try:
+            for m in units:
+                m.rate_levels = int(levels)
+            return self.net(x)
+        finally:
+            for m in units:
+                m.rate_levels = 0
+            self.T = old
 
     def run(self, x: torch.Tensor, T: int | None = None, *, spike_counts: bool = False):
         """Per-step readouts ``[T, B, ...]``; with ``spike_counts``, also ``{layer: [T] counts}``.

@@ -509,3 +509,54 @@ def test_with_gradients_the_batch_is_never_chunked(resnet8_snn):
     finally:
         handle.remove()
     assert calls == [4]
+
+
+# --------------------------------------------------------------------------------------------
+# the rate function
+
+
+@pytest.mark.parametrize("name", sorted(_LARGE_T_NETS))
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_rate_with_L_levels_is_the_qcfs_ann(name, per_channel):
+    """snn.rate(x, L) computes the QCFS-ANN the network was made from (theta absorbed or not)."""
+    torch.manual_seed(2)
+    batches = _batches((8, 3, 8, 8), 2, seed=2)
+    qann = _calibrated(_randomise_bn(_LARGE_T_NETS[name]()), batches, L=4, per_channel=per_channel)
+    snn = snnconv.to_spiking(qann, T=3)
+    with torch.no_grad():
+        ref, out = qann(batches[1]), snn.rate(batches[1], 4)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()))
+    assert snn.T == 3 and all(m.T == 3 and m.rate_levels == 0 for m in neurons(snn).values())
+
+
+def test_rate_is_the_snn_when_every_neuron_sees_a_constant_input():
+    """One hidden layer: its input is the same at every step, so T steps count exactly
+    clamp(floor(T z / theta + 1/2), 0, T) spikes and rate(x, T) is the SNN at T."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    batches = _batches((64, 6), 2)
+    snn = snnconv.to_spiking(snnconv.calibrate_qcfs(model, batches, L=4, progress=False), T=8)
+    with torch.no_grad():
+        for T in (1, 3, 8, 16):
+            torch.testing.assert_close(snn.rate(batches[1], T), snn.run(batches[1], T).mean(0),
+                                       rtol=0, atol=1e-5)
+
+
+def test_rate_passes_gradients_to_weights_and_thresholds(resnet8_snn):
+    snn, (x, _) = resnet8_snn
+    snn = copy.deepcopy(snn).train()
+    for m in neurons(snn).values():
+        m.theta.requires_grad_(True)
+    snn.rate(x, 8).square().sum().backward()
+    grads = {n: p.grad for n, p in snn.named_parameters() if p.requires_grad}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if n.endswith("theta"))
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if n.endswith("weight"))
+
+
+@pytest.mark.parametrize("levels", [0, -2, 1.5, True, None])
+def test_rate_rejects_bad_levels(resnet8_snn, levels):
+    snn, (x, _) = resnet8_snn
+    with pytest.raises(ValueError, match="levels"):
+        snn.rate(x, levels)
