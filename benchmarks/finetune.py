@@ -158,7 +158,7 @@ def converted(ann, train, T: int, progress: bool) -> snnconv.SpikingNetwork:
     return snnconv.SpikingNetwork.load(path)
 
 
-def choose_wise(start, tuned, grid, at, progress):
+def choose_wise(start, tuned, grid, at, progress, seed=0, device="cpu"):
     """The WiSE-FT weight with the best mean validation accuracy over the time steps ``at``
     (fine-tuning's own 10% validation split of the training set, never the test set); all of
     T = 2, 4, 8 and ``at`` are recorded."""
@@ -166,11 +166,11 @@ def choose_wise(start, tuned, grid, at, progress):
 
     from snnconv.data import fashion_mnist
 
-    _, val = split_dataset(fashion_mnist(train=True), 0.1, seed=0)
+    _, val = split_dataset(fashion_mnist(train=True), 0.1, seed=seed)
     val = DataLoader(val, batch_size=500)
     scores = {}
     for w in grid:
-        scores[w] = accuracy_by_T(blend(start, tuned, w), val, sorted({2, 4, 8, *at}))
+        scores[w] = accuracy_by_T(blend(start, tuned, w), val, sorted({2, 4, 8, *at}), device)
         if progress:
             print("WiSE", w, "validation", scores[w])
     return max(grid, key=lambda w: statistics.mean(scores[w][t] for t in at)), scores
@@ -187,6 +187,14 @@ def main():
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of distillation from the ANN (0: cross-entropy only)")
     p.add_argument("--distill-temperature", type=float, default=2.0)
+    p.add_argument("--rate-loss", type=float, default=0.0,
+                   help="weight of the loss on the rate function (SpikingNetwork.rate) added to BPTT")
+    p.add_argument("--rate-levels", type=int, default=None,
+                   help="quantisation levels of that rate function (default 2T)")
+    p.add_argument("--seed", type=int, default=0, help="fine-tuning seed (split, order, init)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    p.add_argument("--no-amp", action="store_true",
+                   help="on CUDA: train in float32 without TF32 (as on CPU) instead of autocast")
     p.add_argument("--wise", type=float, nargs="*", default=[],
                    help="WiSE-FT weights of the start to try (e.g. 0 0.1 0.2 0.3): each blend is "
                         "scored on the validation split (mean accuracy at --wise-T), the best is "
@@ -222,6 +230,9 @@ def main():
         return
     torch.set_num_threads(args.threads)
     progress = not args.quiet
+    device = torch.device(args.device)
+    if device.type == "cuda" and args.no_amp:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if args.memory_only:
         with open(args.out + ".json") as fh:
             results = json.load(fh)
@@ -247,8 +258,8 @@ def main():
             convert_s = json.load(fh)["timing"]["snnconv_pipeline_with_qcfs_training_s"]
         snn = snnconv.SpikingNetwork.load(snn_path)
     results = {"settings": vars(args), "accuracy": {}, "timing": {"convert_s": convert_s}}
-    results["accuracy"]["ann"] = evaluate(ann, test)
-    results["accuracy"]["before fine-tuning"] = accuracy_by_T(snn, test, TS)
+    results["accuracy"]["ann"] = evaluate(ann.to(device), test, device)
+    results["accuracy"]["before fine-tuning"] = accuracy_by_T(snn.to(device), test, TS, device)
     print("ANN", results["accuracy"]["ann"], "before", results["accuracy"]["before fine-tuning"])
     for i, T in enumerate(args.finetune_T):
         max_steps = args.max_steps[i] if i < len(args.max_steps) else None
@@ -264,27 +275,29 @@ def main():
             distill=args.distill, distill_temperature=args.distill_temperature,
             teacher=ann if args.distill else None,
             max_steps_per_epoch=max_steps, resume=args.resume,
+            rate_loss=args.rate_loss, rate_levels=args.rate_levels, seed=args.seed,
+            device=device, amp=not args.no_amp,
             checkpoint_dir=os.path.join(RESULTS, "cache", os.path.basename(args.out) + f"_T{T}"),
             progress=progress)
         seconds = time.perf_counter() - t0
         key = f"fine-tuned at T={T}" + (f" (horizons {horizons})" if horizons else "")
-        results["accuracy"][key] = accuracy_by_T(tuned, test, TS)
+        results["accuracy"][key] = accuracy_by_T(tuned, test, TS, device)
         results["timing"][f"finetune_T{T}_s"] = seconds
         results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]
         results["timing"][f"convert_plus_finetune_T{T}_s"] = convert_s + seconds
         results[f"history_T{T}"] = history
         # finetune()'s default 10% validation split, full batches only
-        steps = len(split_dataset(train.dataset, 0.1, seed=0)[0]) // args.batch_size
+        steps = len(split_dataset(train.dataset, 0.1, seed=args.seed)[0]) // args.batch_size
         results["timing"][f"finetune_T{T}_steps_per_epoch"] = min(max_steps or steps, steps)
         print(key, results["accuracy"][key], f"{seconds:.0f} s")
         write_json(results, args.out + ".json")
         if args.wise:
             at = tuple(args.wise_T or (T, 2 * T))
-            wise, val_acc = choose_wise(snn, tuned, args.wise, at, progress)
+            wise, val_acc = choose_wise(snn, tuned, args.wise, at, progress, args.seed, device)
             results[f"wise_T{T}"] = {"chosen": wise, "val_accuracy": val_acc,
                                      "criterion": f"mean validation accuracy at T={at}"}
             results["accuracy"][f"{key}, WiSE {wise}"] = accuracy_by_T(
-                blend(snn, tuned, wise), test, TS)
+                blend(snn, tuned, wise), test, TS, device)
             print(f"WiSE {wise}", results["accuracy"][f"{key}, WiSE {wise}"])
             plot_accuracy_vs_T({f"WiSE {w}": a for w, a in val_acc.items()},
                                args.out + f"_wise_T{T}.png",

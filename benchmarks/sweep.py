@@ -1,0 +1,88 @@
+"""Several fine-tuning benchmark runs side by side, one process each, tabulated.
+
+    .venv/bin/python benchmarks/sweep.py --device cuda --jobs 14 --out benchmarks/results/sweep_rate
+
+Each run is ``benchmarks/finetune.py`` at T=4 for 2 epochs with the settings of run E (AdamW lr
+1e-3, trained thresholds, distillation 0.5, horizons (2, 4), batch 64) plus its own flags: seeds
+of E to see the spread, and weights / levels of the rate-function loss. Every run writes its
+own JSON and log under ``<out>_runs/``; ``<out>.json`` gathers accuracy by T on the full test
+set, the validation accuracy of the best epoch and the wall time, and is rewritten as runs end
+(an interrupted sweep keeps what finished). On a GPU the runs share the device; on CPU give
+each ``--threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from common import RESULTS, write_json
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASE = ["--epochs", "2", "--lr", "1e-3", "--train-thresholds", "--distill", "0.5", "--batch-size", "64",
+        "--finetune-T", "4", "--skip-memory", "--quiet"]
+RUNS = {
+    "E-s0": [], "E-s1": ["--seed", "1"], "E-s2": ["--seed", "2"],
+    "rate0.25-L8-s0": ["--rate-loss", "0.25"],
+    "rate0.5-L8-s0": ["--rate-loss", "0.5"], "rate0.5-L8-s1": ["--rate-loss", "0.5", "--seed", "1"],
+    "rate0.5-L8-s2": ["--rate-loss", "0.5", "--seed", "2"],
+    "rate1-L8-s0": ["--rate-loss", "1"], "rate1-L8-s1": ["--rate-loss", "1", "--seed", "1"],
+    "rate2-L8-s0": ["--rate-loss", "2"],
+    "rate0.5-L16-s0": ["--rate-loss", "0.5", "--rate-levels", "16"],
+    "rate1-L16-s0": ["--rate-loss", "1", "--rate-levels", "16"],
+    "F-rate0.5-L8-s0": ["--rate-loss", "0.5", "--convert-T", "4"],
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per run")
+    p.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--amp", action="store_true",
+                   help="on CUDA: bfloat16 autocast (default: float32 without TF32, as on CPU)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds after which a run is stopped")
+    p.add_argument("--extra", default="", help="more flags for every run (e.g. '--max-steps 5')")
+    p.add_argument("--out", default=os.path.join(RESULTS, "sweep"))
+    args = p.parse_args()
+    folder = args.out + "_runs"
+    os.makedirs(folder, exist_ok=True)
+    common = BASE + ["--device", args.device, "--threads", str(args.threads), *shlex.split(args.extra)]
+    if args.device.startswith("cuda") and not args.amp:
+        common.append("--no-amp")
+    summary = {"settings": {"base": BASE, "device": args.device, "amp": args.amp}, "runs": {}}
+
+    def run(name: str) -> None:
+        out = os.path.join(folder, f"{os.path.basename(args.out)}.{name}")  # also names its checkpoint
+        cmd = [sys.executable, os.path.join(HERE, "finetune.py"), *common, *RUNS[name], "--out", out]
+        t0 = time.perf_counter()
+        with open(out + ".log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        record = {"flags": RUNS[name], "returncode": rc, "seconds": time.perf_counter() - t0}
+        if rc == 0:
+            with open(out + ".json") as fh:
+                result = json.load(fh)
+            tuned = next(v for k, v in result["accuracy"].items() if k.startswith("fine-tuned"))
+            record.update(test=tuned, val=max(h["val_acc"] for h in result["history_T4"]),
+                          finetune_s=result["timing"]["finetune_T4_s"])
+        summary["runs"][name] = record
+        write_json(summary, args.out + ".json")
+        print(name, rc, record.get("test"), f"val {record.get('val')}", f"{record['seconds']:.0f} s",
+              flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(run, args.runs))
+
+
+if __name__ == "__main__":
+    main()
