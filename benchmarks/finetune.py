@@ -145,14 +145,17 @@ def _memory() -> list[dict]:
     return out
 
 
-def converted(ann, train, T: int, progress: bool) -> snnconv.SpikingNetwork:
-    """convert() at T (per-channel QCFS, L=8, 2 QCFS epochs, bias calibration at T); cached,
-    with its wall time in ``meta["convert_s"]``."""
-    path = os.path.join(RESULTS, "cache", f"convert_T{T}_snn.pt")
+def converted(ann, train, T: int, progress: bool, L: int = 8, qcfs_epochs: int = 2,
+              device="cpu") -> snnconv.SpikingNetwork:
+    """convert() at T (per-channel QCFS with L levels, ``qcfs_epochs`` of QCFS training, bias
+    calibration at T); cached, with its wall time in ``meta["convert_s"]``."""
+    name = f"convert_T{T}" + ("" if (L, qcfs_epochs) == (8, 2) else f"_L{L}_e{qcfs_epochs}")
+    path = os.path.join(RESULTS, "cache", f"{name}_snn.pt")
     if not os.path.exists(path):
         t0 = time.perf_counter()
-        snn, _ = snnconv.convert(ann, train, T=T, L=8, per_channel=True, qcfs_epochs=2,
-                                 progress=progress)
+        snn, _ = snnconv.convert(ann, train, T=T, L=L, per_channel=True, qcfs_epochs=qcfs_epochs,
+                                 device=device, progress=progress)
+        snn = snn.cpu()
         snn.meta["convert_s"] = time.perf_counter() - t0
         snn.save(path)
     return snnconv.SpikingNetwork.load(path)
@@ -181,7 +184,7 @@ def main():
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--train-thresholds", action="store_true")
+    p.add_argument("--train-thresholds", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--threshold-lr", type=float, default=None)
     p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--distill", type=float, default=0.0,
@@ -208,6 +211,11 @@ def main():
     p.add_argument("--convert-T", type=int, default=0,
                    help="start from convert(T=this, per-channel L=8, 2 QCFS epochs, bias "
                         "calibration at this T) instead of the accuracy benchmark's SNN")
+    p.add_argument("--convert-L", type=int, default=8, help="QCFS levels of that conversion")
+    p.add_argument("--convert-epochs", type=int, default=2, help="QCFS training epochs of that conversion")
+    p.add_argument("--alpha", type=float, default=2.0, help="ATan surrogate sharpness")
+    p.add_argument("--detach-reset", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--finetune-T", type=int, nargs="+", default=[4, 2])
@@ -248,7 +256,7 @@ def main():
     if args.convert_T:
         # convert() here, bias-calibrated at the fine-tuning T (cached: the same settings give
         # the same network, its wall time is kept with it)
-        snn = converted(ann, train, args.convert_T, progress)
+        snn = converted(ann, train, args.convert_T, progress, args.convert_L, args.convert_epochs, device)
         convert_s = snn.meta["convert_s"]
     else:
         snn_path = os.path.join(RESULTS, "accuracy_vs_T_snn.pt")
@@ -271,7 +279,8 @@ def main():
             snn, train, T=T, epochs=args.epochs, lr=args.lr, optimizer=args.optimizer,
             horizons=horizons, warmup_steps=args.warmup, batch_size=args.batch_size,
             train_thresholds=args.train_thresholds, threshold_lr=args.threshold_lr,
-            label_smoothing=args.label_smoothing,
+            label_smoothing=args.label_smoothing, alpha=args.alpha, detach_reset=args.detach_reset,
+            weight_decay=args.weight_decay,
             distill=args.distill, distill_temperature=args.distill_temperature,
             teacher=ann if args.distill else None,
             max_steps_per_epoch=max_steps, resume=args.resume,

@@ -1,6 +1,6 @@
 """Several fine-tuning benchmark runs side by side, one process each, tabulated.
 
-    .venv/bin/python benchmarks/sweep.py --device cuda --jobs 14 --out benchmarks/results/sweep_rate
+    .venv/bin/python benchmarks/sweep.py --set rate --device cuda --jobs 14 --out benchmarks/results/sweep_rate
 
 Each run is ``benchmarks/finetune.py`` at T=4 for 2 epochs with the settings of run E (AdamW lr
 1e-3, trained thresholds, distillation 0.5, horizons (2, 4), batch 64) plus its own flags: seeds
@@ -27,7 +27,8 @@ from common import RESULTS, write_json
 HERE = os.path.dirname(os.path.abspath(__file__))
 BASE = ["--epochs", "2", "--lr", "1e-3", "--train-thresholds", "--distill", "0.5", "--batch-size", "64",
         "--finetune-T", "4", "--skip-memory", "--quiet"]
-RUNS = {
+SETS = {}
+SETS["rate"] = {
     "E-s0": [], "E-s1": ["--seed", "1"], "E-s2": ["--seed", "2"],
     "rate0.25-L8-s0": ["--rate-loss", "0.25"],
     "rate0.5-L8-s0": ["--rate-loss", "0.5"], "rate0.5-L8-s1": ["--rate-loss", "0.5", "--seed", "1"],
@@ -38,6 +39,16 @@ RUNS = {
     "rate1-L16-s0": ["--rate-loss", "1", "--rate-levels", "16"],
     "F-rate0.5-L8-s0": ["--rate-loss", "0.5", "--convert-T", "4"],
 }
+SETS["knobs"] = {
+    "lr5e-4": ["--lr", "5e-4"], "lr2e-3": ["--lr", "2e-3"],
+    "batch32": ["--batch-size", "32"], "batch128": ["--batch-size", "128"],
+    "distill0": ["--distill", "0"], "distill1": ["--distill", "1"],
+    "frozen-thresholds": ["--no-train-thresholds"],
+    "alpha1": ["--alpha", "1"], "alpha4": ["--alpha", "4"], "detach-reset": ["--detach-reset"],
+    "horizon4": ["--horizons"], "horizons1-2-4": ["--horizons", "1", "2"],
+    "smoothing0.1": ["--label-smoothing", "0.1"], "wd0.01": ["--weight-decay", "0.01"],
+    "F": ["--convert-T", "4"], "F-L4": ["--convert-T", "4", "--convert-L", "4"],
+}
 
 
 def main():
@@ -45,19 +56,26 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run")
-    p.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--set", default="rate", choices=list(SETS), help="which runs")
+    p.add_argument("--runs", nargs="*", default=None, help="only these runs of the set")
     p.add_argument("--amp", action="store_true",
                    help="on CUDA: bfloat16 autocast (default: float32 without TF32, as on CPU)")
     p.add_argument("--timeout", type=float, default=None, help="seconds after which a run is stopped")
     p.add_argument("--extra", default="", help="more flags for every run (e.g. '--max-steps 5')")
     p.add_argument("--out", default=os.path.join(RESULTS, "sweep"))
     args = p.parse_args()
+    RUNS = SETS[args.set]
+    unknown = set(args.runs or ()) - set(RUNS)
+    if unknown:
+        p.error(f"runs {sorted(unknown)} are not in set {args.set!r}: {sorted(RUNS)}")
+    args.runs = args.runs or list(RUNS)
     folder = args.out + "_runs"
     os.makedirs(folder, exist_ok=True)
     common = BASE + ["--device", args.device, "--threads", str(args.threads), *shlex.split(args.extra)]
     if args.device.startswith("cuda") and not args.amp:
         common.append("--no-amp")
-    summary = {"settings": {"base": BASE, "device": args.device, "amp": args.amp}, "runs": {}}
+    summary = {"settings": {"base": BASE, "set": args.set, "device": args.device, "amp": args.amp},
+               "runs": {}}
 
     def run(name: str) -> None:
         out = os.path.join(folder, f"{os.path.basename(args.out)}.{name}")  # also names its checkpoint
