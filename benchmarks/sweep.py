@@ -49,6 +49,18 @@ SETS["knobs"] = {
     "smoothing0.1": ["--label-smoothing", "0.1"], "wd0.01": ["--weight-decay", "0.01"],
     "F": ["--convert-T", "4"], "F-L4": ["--convert-T", "4", "--convert-L", "4"],
 }
+A4, LR2, H4 = ["--alpha", "4"], ["--lr", "2e-3"], ["--horizons"]
+SETS["combo"] = {
+    **{f"a4-lr2e-3-s{s}": A4 + LR2 + ["--seed", str(s)] for s in (0, 1, 2)},
+    **{f"a4-lr2e-3-h4-s{s}": A4 + LR2 + H4 + ["--seed", str(s)] for s in (0, 1, 2)},
+    **{f"a4-s{s}": A4 + ["--seed", str(s)] for s in (1, 2)},
+    **{f"lr2e-3-s{s}": LR2 + ["--seed", str(s)] for s in (1, 2)},
+    **{f"a4-h4-s{s}": A4 + H4 + ["--seed", str(s)] for s in (0, 1)},
+    "a4-lr2e-3-detach-s0": A4 + LR2 + ["--detach-reset"],
+    "a8-s0": ["--alpha", "8"],
+    "a4-lr3e-3-s0": A4 + ["--lr", "3e-3"],
+    "a4-lr2e-3-batch32-s0": A4 + LR2 + ["--batch-size", "32"],
+}
 
 
 def main():
