@@ -190,10 +190,6 @@ def main():
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of distillation from the ANN (0: cross-entropy only)")
     p.add_argument("--distill-temperature", type=float, default=2.0)
-    p.add_argument("--rate-loss", type=float, default=0.0,
-                   help="weight of the loss on the rate function (SpikingNetwork.rate) added to BPTT")
-    p.add_argument("--rate-levels", type=int, default=None,
-                   help="quantisation levels of that rate function (default 2T)")
     p.add_argument("--seed", type=int, default=0, help="fine-tuning seed (split, order, init)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
     p.add_argument("--no-amp", action="store_true",
@@ -284,7 +280,7 @@ def main():
             distill=args.distill, distill_temperature=args.distill_temperature,
             teacher=ann if args.distill else None,
             max_steps_per_epoch=max_steps, resume=args.resume,
-            rate_loss=args.rate_loss, rate_levels=args.rate_levels, seed=args.seed,
+            seed=args.seed,
             device=device, amp=not args.no_amp,
             checkpoint_dir=os.path.join(RESULTS, "cache", os.path.basename(args.out) + f"_T{T}"),
             progress=progress)

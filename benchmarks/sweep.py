@@ -1,10 +1,10 @@
 """Several fine-tuning benchmark runs side by side, one process each, tabulated.
 
-    .venv/bin/python benchmarks/sweep.py --set rate --device cuda --jobs 14 --out benchmarks/results/sweep_rate
+    .venv/bin/python benchmarks/sweep.py --set knobs --device cuda --jobs 16 --out benchmarks/results/sweep_knobs_gpu
 
 Each run is ``benchmarks/finetune.py`` at T=4 for 2 epochs with the settings of run E (AdamW lr
-1e-3, trained thresholds, distillation 0.5, horizons (2, 4), batch 64) plus its own flags: seeds
-of E to see the spread, and weights / levels of the rate-function loss. Every run writes its
+1e-3, trained thresholds, distillation 0.5, horizons (2, 4), batch 64) plus its own flags:
+``knobs`` changes one setting at a time, ``combo`` combines the best ones over seeds. Every run writes its
 own JSON and log under ``<out>_runs/``; ``<out>.json`` gathers accuracy by T on the full test
 set, the validation accuracy of the best epoch and the wall time, and is rewritten as runs end
 (an interrupted sweep keeps what finished). On a GPU the runs share the device; on CPU give
@@ -28,17 +28,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 BASE = ["--epochs", "2", "--lr", "1e-3", "--train-thresholds", "--distill", "0.5", "--batch-size", "64",
         "--finetune-T", "4", "--skip-memory", "--quiet"]
 SETS = {}
-SETS["rate"] = {
-    "E-s0": [], "E-s1": ["--seed", "1"], "E-s2": ["--seed", "2"],
-    "rate0.25-L8-s0": ["--rate-loss", "0.25"],
-    "rate0.5-L8-s0": ["--rate-loss", "0.5"], "rate0.5-L8-s1": ["--rate-loss", "0.5", "--seed", "1"],
-    "rate0.5-L8-s2": ["--rate-loss", "0.5", "--seed", "2"],
-    "rate1-L8-s0": ["--rate-loss", "1"], "rate1-L8-s1": ["--rate-loss", "1", "--seed", "1"],
-    "rate2-L8-s0": ["--rate-loss", "2"],
-    "rate0.5-L16-s0": ["--rate-loss", "0.5", "--rate-levels", "16"],
-    "rate1-L16-s0": ["--rate-loss", "1", "--rate-levels", "16"],
-    "F-rate0.5-L8-s0": ["--rate-loss", "0.5", "--convert-T", "4"],
-}
 SETS["knobs"] = {
     "lr5e-4": ["--lr", "5e-4"], "lr2e-3": ["--lr", "2e-3"],
     "batch32": ["--batch-size", "32"], "batch128": ["--batch-size", "128"],
@@ -68,7 +57,7 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per run")
-    p.add_argument("--set", default="rate", choices=list(SETS), help="which runs")
+    p.add_argument("--set", default="knobs", choices=list(SETS), help="which runs")
     p.add_argument("--runs", nargs="*", default=None, help="only these runs of the set")
     p.add_argument("--amp", action="store_true",
                    help="on CUDA: bfloat16 autocast (default: float32 without TF32, as on CPU)")

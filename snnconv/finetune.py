@@ -55,10 +55,7 @@ class FinetuneConfig:
     term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too).
     ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
     that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
-    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau). ``rate_loss`` > 0 adds
-    that weight times the same loss on the network's rate function (:meth:`SpikingNetwork.rate`
-    with ``rate_levels`` steps, default 2T: one extra pass without time), so that tuning at few
-    steps does not give up the accuracy at many.
+    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau).
     """
 
     epochs: int = 1
@@ -87,8 +84,6 @@ class FinetuneConfig:
     distill: float = 0.0
     distill_temperature: float = 2.0
     wise: float = 0.0
-    rate_loss: float = 0.0
-    rate_levels: int | None = None
 
     def __post_init__(self):
         def bad(msg):
@@ -112,11 +107,6 @@ class FinetuneConfig:
             bad(f"distill must be in [0, 1], got {self.distill}")
         if self.distill_temperature <= 0:
             bad(f"distill_temperature must be positive, got {self.distill_temperature}")
-        if self.rate_loss < 0:
-            bad(f"rate_loss must be >= 0, got {self.rate_loss}")
-        if self.rate_levels is not None and (isinstance(self.rate_levels, bool) or not isinstance(
-                self.rate_levels, int) or self.rate_levels < 1):
-            bad(f"rate_levels must be an integer >= 1 (or None: 2T), got {self.rate_levels!r}")
         if not 0 <= self.wise < 1:
             bad(f"wise must be the start's weight in [0, 1), got {self.wise}")
         if self.weight_decay < 0:
@@ -203,24 +193,6 @@ def checkpointed(snn: SpikingNetwork, mode: str) -> SpikingNetwork:
     return SpikingNetwork(split, snn.T)
 
 
-class _TrainForward(nn.Module):
-    """One training forward: the T-step readouts (``[T, B, ...]`` when ``per_step``, else their
-    mean) and, when ``rate_levels``, the rate function's readout of the same weights (else None).
-
-    Both come from one call so that DistributedDataParallel sees one forward per backward.
-    ``runner`` computes the spiking pass (``model`` itself or a checkpointed view of it).
-    """
-
-    def __init__(self, runner: nn.Module, model: SpikingNetwork, per_step: bool, rate_levels: int):
-        super().__init__()
-        self.runner, self.model = runner, model
-        self.per_step, self.rate_levels = per_step, rate_levels
-
-    def forward(self, x: torch.Tensor):
-        out = self.runner(x, per_step=self.per_step)
-        return out, (self.model.rate(x, self.rate_levels) if self.rate_levels else None)
-
-
 # --- checkpoint files -----------------------------------------------------------------------
 
 def _fingerprint(model: nn.Module) -> str:
@@ -262,7 +234,7 @@ def read_checkpoint(path: str) -> dict:
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
                 "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
-                "distill", "distill_temperature", "rate_loss", "rate_levels")
+                "distill", "distill_temperature")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -527,8 +499,6 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     runner: nn.Module = model
     if cfg.activation_checkpointing:
         runner = checkpointed(model, cfg.activation_checkpointing)
-    rate_levels = (cfg.rate_levels or 2 * cfg.T) if cfg.rate_loss else 0
-    runner = _TrainForward(runner, model, per_step=bool(cfg.horizons), rate_levels=rate_levels)
     if world > 1:
         ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
         runner = nn.parallel.DistributedDataParallel(runner, **ddp_kwargs)
@@ -602,17 +572,15 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                 with torch.no_grad():
                     soft = F.softmax(teacher(x).float() / cfg.distill_temperature, dim=1)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                out, rate_out = runner(x)
                 if cfg.horizons:
                     # anytime readout: cross-entropy of the running average after each horizon
-                    cum = out.float().cumsum(0)
+                    cum = runner(x, per_step=True).float().cumsum(0)
                     out = cum[-1] / cfg.T
                     loss = sum(_readout_loss(cum[h - 1] / h, y, soft, cfg)
                                for h in cfg.horizons) / len(cfg.horizons)
                 else:
+                    out = runner(x)
                     loss = _readout_loss(out.float(), y, soft, cfg)
-                if rate_out is not None:
-                    loss = loss + cfg.rate_loss * _readout_loss(rate_out.float(), y, soft, cfg)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             if cfg.grad_clip > 0:

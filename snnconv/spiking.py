@@ -528,8 +528,8 @@ class SpikingNetwork(nn.Module):
         ``levels`` steps, ``clamp(floor(levels * x / theta + 1/2), 0, levels) / levels`` (QCFS),
         with a straight-through gradient; the weights are the SNN's. This is the QCFS-ANN the
         network computes when every layer's input is constant in time, and what ``snn(x)``
-        tends to as T grows (for a large ``levels``). Fine-tuning can train it next to BPTT
-        (``rate_loss``) so that a network tuned at a few steps keeps its many-step accuracy.
+        tends to as T grows (for a large ``levels``): after BPTT at a few steps, compare the two
+        to see what fine-tuning did to the many-step behaviour.
         """
         if isinstance(levels, bool) or not isinstance(levels, numbers.Integral) or levels < 1:
             raise ValueError(f"levels must be an integer >= 1, got {levels!r}")

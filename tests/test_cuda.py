@@ -40,13 +40,11 @@ def test_the_snn_on_the_gpu_computes_what_it_computes_on_cpu(small_digits_snn, d
 
 
 @pytest.mark.parametrize("amp", [False, True])
-@pytest.mark.parametrize("rate_loss", [0.0, 0.5])
-def test_finetuning_on_the_gpu_trains_with_and_without_autocast(small_digits_snn, digits_loaders, amp,
-                                                                rate_loss):
+def test_finetuning_on_the_gpu_trains_with_and_without_autocast(small_digits_snn, digits_loaders, amp):
     train, _ = digits_loaders
     before = {k: v.clone() for k, v in small_digits_snn.state_dict().items()}
     tuned, history = finetune(small_digits_snn, train, T=2, epochs=1, max_steps_per_epoch=6,
-                              train_thresholds=True, rate_loss=rate_loss, horizons=(1, 2),
+                              train_thresholds=True, horizons=(1, 2),
                               device="cuda", amp=amp, progress=False)
     state = tuned.state_dict()
     assert all(v.is_cuda for v in state.values())

@@ -5,8 +5,7 @@ One launch runs several fine-tunings in a row (process start-up dominates the co
 
 - ``sgd``: SGD, checkpoints to a per-rank folder (only rank 0's may appear);
 - ``adamw``: AdamW with warm-up and label smoothing;
-- ``block``: activation checkpointing by blocks inside DistributedDataParallel, with the
-  rate-function loss (a second pass of the same weights in the same wrapped forward);
+- ``block``: activation checkpointing by blocks inside DistributedDataParallel;
 - ``resume``: resumes, on two processes, a checkpoint a single process wrote mid-epoch.
 """
 
@@ -33,7 +32,7 @@ COMMON = dict(T=2, epochs=2, max_steps_per_epoch=3)
 RUNS = {
     "sgd": dict(COMMON, optimizer="sgd", lr=1e-2),
     "adamw": dict(COMMON, optimizer="adamw", lr=1e-3, warmup_steps=2, label_smoothing=0.1),
-    "block": dict(COMMON, optimizer="sgd", lr=1e-2, activation_checkpointing="block", rate_loss=0.5),
+    "block": dict(COMMON, optimizer="sgd", lr=1e-2, activation_checkpointing="block"),
     "resume": dict(COMMON, optimizer="sgd", lr=1e-2, checkpoint_every=1),
 }
 

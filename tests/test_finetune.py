@@ -332,14 +332,9 @@ def _tiny_resnet_snn(digits_data):
 
 
 @pytest.mark.parametrize("mode", ["neuron", "block"])
-@pytest.mark.parametrize("rate_loss", [0.0, 0.5])
-def test_activation_checkpointing_gives_the_same_training(small_digits_snn, digits_loaders, mode,
-                                                          rate_loss):
-    """Also with the rate pass, which switches the shared neurons to one step and back: the
-    recomputation in backward must see them as they were in the spiking forward."""
+def test_activation_checkpointing_gives_the_same_training(small_digits_snn, digits_loaders, mode):
     train, _ = digits_loaders
-    common = dict(T=2, epochs=1, max_steps_per_epoch=3, optimizer="sgd", lr=5e-2, progress=False,
-                  rate_loss=rate_loss)
+    common = dict(T=2, epochs=1, max_steps_per_epoch=3, optimizer="sgd", lr=5e-2, progress=False)
     plain, hp = finetune(small_digits_snn, train, **common)
     ckpt, hc = finetune(small_digits_snn, train, activation_checkpointing=mode, **common)
     a, b = _state(plain), _state(ckpt)
@@ -443,7 +438,6 @@ def test_an_unknown_option_is_a_type_error(small_digits_snn, digits_loaders):
     ("checkpoint_every", -1), ("warmup_steps", -2), ("batch_size", 0), ("max_steps_per_epoch", 0),
     ("label_smoothing", 1.0), ("label_smoothing", -0.1), ("weight_decay", -1e-4),
     ("momentum", 1.0), ("grad_clip", -1.0), ("wise", 1.0), ("wise", -0.1),
-    ("rate_loss", -0.5), ("rate_levels", 0), ("rate_levels", True), ("rate_levels", 2.5),
 ])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
@@ -615,50 +609,3 @@ def test_wise_returns_the_blend_and_a_finished_run_reblends_without_training(sma
     _assert_bit_identical(_state(mixed), _state(blend(small_digits_snn, tuned, 0.4)))
     assert mixed.T == small_digits_snn.T and not mixed.training
 
-
-# --- the rate-function loss -----------------------------------------------------------------
-
-@pytest.mark.parametrize("levels", [None, 3])
-def test_first_step_loss_adds_the_rate_functions_loss(small_digits_snn, small_digits_ann, digits_data,
-                                                      levels):
-    train_set, _ = digits_data
-    x, y = _first_batch(train_set, 64, seed=0)
-    ref = copy.deepcopy(small_digits_snn)
-    ref.T = 2
-    teacher = copy.deepcopy(small_digits_ann).eval()
-    with torch.no_grad():
-        out, rate, t_out = ref(x), ref.rate(x, levels or 4), teacher(x)  # default: 2T levels
-    w, d, tau = 0.7, 0.4, 2.0
-
-    def mixed(logits):
-        kl = (F.softmax(t_out / tau, 1) * (F.log_softmax(t_out / tau, 1)
-                                           - F.log_softmax(logits / tau, 1))).sum(1).mean()
-        return (1 - d) * F.cross_entropy(logits, y) + d * tau ** 2 * kl
-
-    _, history = finetune(small_digits_snn, DataLoader(train_set, batch_size=64), T=2, epochs=1,
-                          max_steps_per_epoch=1, rate_loss=w, rate_levels=levels, distill=d,
-                          distill_temperature=tau, teacher=small_digits_ann, progress=False)
-    assert not torch.allclose(out, rate), "the two readouts must differ for this to test anything"
-    assert history[0]["loss"] == pytest.approx((mixed(out) + w * mixed(rate)).item(), rel=1e-5)
-    # train accuracy stays the spiking network's
-    assert history[0]["train_acc"] == pytest.approx(100 * (out.argmax(1) == y).float().mean().item())
-
-
-def test_the_rate_loss_changes_training_and_raises_the_rate_functions_accuracy(small_digits_snn,
-                                                                               digits_loaders):
-    train, test = digits_loaders
-    common = dict(T=1, epochs=1, max_steps_per_epoch=8, lr=3e-3, progress=False)
-    plain, _ = finetune(small_digits_snn, train, **common)
-    joint, _ = finetune(small_digits_snn, train, rate_loss=1.0, rate_levels=16, **common)
-
-    def rate_acc(net):
-        hits = n = 0
-        with torch.no_grad():
-            for x, y in test:
-                hits += (net.rate(x, 16).argmax(1) == y).sum().item()
-                n += len(y)
-        return hits / n
-
-    assert _weights_changed(_state(plain), _state(joint))
-    assert rate_acc(joint) > rate_acc(plain)
-    assert all(m.rate_levels == 0 and m.T == small_digits_snn.T for m in neurons(joint).values())
