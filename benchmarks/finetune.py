@@ -221,6 +221,7 @@ def main():
     p.add_argument("--max-steps", type=int, nargs="*", default=[],
                    help="steps per epoch for each --finetune-T in order (default: all)")
     p.add_argument("--test-limit", type=int, default=0)
+    p.add_argument("--eval-T", type=int, nargs="+", default=list(TS), help="time steps evaluated")
     p.add_argument("--probe", help=argparse.SUPPRESS)
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--memory-only", action="store_true",
@@ -263,7 +264,7 @@ def main():
         snn = snnconv.SpikingNetwork.load(snn_path)
     results = {"settings": vars(args), "accuracy": {}, "timing": {"convert_s": convert_s}}
     results["accuracy"]["ann"] = evaluate(ann.to(device), test, device)
-    results["accuracy"]["before fine-tuning"] = accuracy_by_T(snn.to(device), test, TS, device)
+    results["accuracy"]["before fine-tuning"] = accuracy_by_T(snn.to(device), test, args.eval_T, device)
     print("ANN", results["accuracy"]["ann"], "before", results["accuracy"]["before fine-tuning"])
     for i, T in enumerate(args.finetune_T):
         max_steps = args.max_steps[i] if i < len(args.max_steps) else None
@@ -286,7 +287,7 @@ def main():
             progress=progress)
         seconds = time.perf_counter() - t0
         key = f"fine-tuned at T={T}" + (f" (horizons {horizons})" if horizons else "")
-        results["accuracy"][key] = accuracy_by_T(tuned, test, TS, device)
+        results["accuracy"][key] = accuracy_by_T(tuned, test, args.eval_T, device)
         results["timing"][f"finetune_T{T}_s"] = seconds
         results["timing"][f"finetune_T{T}_s_per_epoch"] = [h["seconds"] for h in history]
         results["timing"][f"convert_plus_finetune_T{T}_s"] = convert_s + seconds
@@ -302,7 +303,7 @@ def main():
             results[f"wise_T{T}"] = {"chosen": wise, "val_accuracy": val_acc,
                                      "criterion": f"mean validation accuracy at T={at}"}
             results["accuracy"][f"{key}, WiSE {wise}"] = accuracy_by_T(
-                blend(snn, tuned, wise), test, TS, device)
+                blend(snn, tuned, wise), test, args.eval_T, device)
             print(f"WiSE {wise}", results["accuracy"][f"{key}, WiSE {wise}"])
             plot_accuracy_vs_T({f"WiSE {w}": a for w, a in val_acc.items()},
                                args.out + f"_wise_T{T}.png",
