@@ -65,11 +65,11 @@ def main():
     p.add_argument("--extra", default="", help="more flags for every run (e.g. '--max-steps 5')")
     p.add_argument("--out", default=os.path.join(RESULTS, "sweep"))
     args = p.parse_args()
-    RUNS = SETS[args.set]
-    unknown = set(args.runs or ()) - set(RUNS)
+    flags = SETS[args.set]
+    unknown = set(args.runs or ()) - set(flags)
     if unknown:
-        p.error(f"runs {sorted(unknown)} are not in set {args.set!r}: {sorted(RUNS)}")
-    args.runs = args.runs or list(RUNS)
+        p.error(f"runs {sorted(unknown)} are not in set {args.set!r}: {sorted(flags)}")
+    args.runs = args.runs or list(flags)
     folder = args.out + "_runs"
     os.makedirs(folder, exist_ok=True)
     common = BASE + ["--device", args.device, "--threads", str(args.threads), *shlex.split(args.extra)]
@@ -80,14 +80,14 @@ def main():
 
     def run(name: str) -> None:
         out = os.path.join(folder, f"{os.path.basename(args.out)}.{name}")  # also names its checkpoint
-        cmd = [sys.executable, os.path.join(HERE, "finetune.py"), *common, *RUNS[name], "--out", out]
+        cmd = [sys.executable, os.path.join(HERE, "finetune.py"), *common, *flags[name], "--out", out]
         t0 = time.perf_counter()
         with open(out + ".log", "w") as log:
             try:
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
-        record = {"flags": RUNS[name], "returncode": rc, "seconds": time.perf_counter() - t0}
+        record = {"flags": flags[name], "returncode": rc, "seconds": time.perf_counter() - t0}
         if rc == 0:
             with open(out + ".json") as fh:
                 result = json.load(fh)

@@ -464,9 +464,9 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     return out
 
 
-def _check_T(T: Any) -> None:
+def _check_T(T: Any, name: str = "T (number of time steps)") -> None:
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
-        raise ValueError(f"T (number of time steps) must be an integer >= 1, got {T!r}")
+        raise ValueError(f"{name} must be an integer >= 1, got {T!r}")
 
 
 class SpikingNetwork(nn.Module):
@@ -531,8 +531,7 @@ class SpikingNetwork(nn.Module):
         tends to as T grows (for a large ``levels``): after BPTT at a few steps, compare the two
         to see what fine-tuning did to the many-step behaviour.
         """
-        if isinstance(levels, bool) or not isinstance(levels, numbers.Integral) or levels < 1:
-            raise ValueError(f"levels must be an integer >= 1, got {levels!r}")
+        _check_T(levels, "levels (quantisation steps)")
         units = list(neurons(self.net).values())
         old = self.T
         self.T = 1

@@ -8,11 +8,13 @@ import copy
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from snnconv import finetune
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
 from snnconv.spiking import neurons
+
+from _interrupting import Interrupt, InterruptingDataset
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -68,26 +70,6 @@ def test_float16_autocast_uses_the_gradient_scaler(small_digits_snn, digits_load
     assert torch.isfinite(torch.tensor(history[0]["loss"]))
 
 
-class _Stop(Exception):
-    pass
-
-
-class _Stopping(Dataset):
-    """Raises at the ``limit``-th read: the run stops in the middle of an epoch."""
-
-    def __init__(self, base: Dataset, limit: int):
-        self.base, self.limit, self.count = base, limit, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i):
-        self.count += 1
-        if self.count > self.limit:
-            raise _Stop
-        return self.base[i]
-
-
 def test_a_gpu_run_resumes_from_its_mid_epoch_checkpoint(small_digits_snn, digits_data, tmp_path):
     """Stopped after 3 of 6 steps and resumed: the weights of one uninterrupted GPU run (float32,
     deterministic cuDNN), and the GPU's random state was saved with the CPU's."""
@@ -95,8 +77,8 @@ def test_a_gpu_run_resumes_from_its_mid_epoch_checkpoint(small_digits_snn, digit
     train_set, _ = digits_data
     run = dict(T=2, epochs=1, max_steps_per_epoch=6, checkpoint_every=1, device="cuda", amp=False,
                progress=False)
-    with pytest.raises(_Stop):
-        finetune(small_digits_snn, DataLoader(_Stopping(train_set, 3 * 64), batch_size=64),
+    with pytest.raises(Interrupt):
+        finetune(small_digits_snn, DataLoader(InterruptingDataset(train_set, 3 * 64), batch_size=64),
                  checkpoint_dir=str(tmp_path / "a"), **run)
     state = read_checkpoint(str(tmp_path / "a" / CHECKPOINT_NAME))
     assert (state["epoch"], state["step"]) == (0, 3) and "cuda" in state["rng"]

@@ -19,11 +19,13 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import snnconv
 from snnconv import finetune
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
+
+from _interrupting import Interrupt, InterruptingDataset
 
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
 # Not a speed bound: a deadlocked process group would otherwise hang the suite for ever.
@@ -35,24 +37,6 @@ RUNS = {
     "block": dict(COMMON, optimizer="sgd", lr=1e-2, activation_checkpointing="block"),
     "resume": dict(COMMON, optimizer="sgd", lr=1e-2, checkpoint_every=1),
 }
-
-
-class Interrupt(Exception):
-    pass
-
-
-class InterruptingDataset(Dataset):
-    def __init__(self, base: Dataset, limit: int):
-        self.base, self.limit, self.count = base, limit, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i):
-        self.count += 1
-        if self.count > self.limit:
-            raise Interrupt
-        return self.base[i]
 
 
 def _free_port() -> int:

@@ -23,6 +23,8 @@ from snnconv import finetune
 from snnconv.errors import CheckpointError
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
 
+from _interrupting import Interrupt, InterruptingDataset
+
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
 # Not a speed bound: without it a worker that never checkpoints would hang the suite for ever.
 HANG_GUARD_S = 900
@@ -65,26 +67,6 @@ class CheckpointWatcher(Dataset):
                 self._last = raw
                 state = read_checkpoint(self.path)
                 self.seen.append((state["epoch"], state["step"]))
-        return self.base[i]
-
-
-class Interrupt(Exception):
-    pass
-
-
-class InterruptingDataset(Dataset):
-    """Raises :class:`Interrupt` at its ``limit + 1``-th read: a crash in the middle of an epoch."""
-
-    def __init__(self, base: Dataset, limit: int):
-        self.base, self.limit, self.count = base, limit, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i):
-        self.count += 1
-        if self.count > self.limit:
-            raise Interrupt
         return self.base[i]
 
 
