@@ -187,6 +187,7 @@ def convert(
         snn = to_spiking(qgm, T=T)
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=bias_calibration_T or T)
+        snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")
         rec.changes = snn.meta
