@@ -14,6 +14,7 @@ __all__ = [
     "DataError",
     "StageOrderError",
     "CheckpointError",
+    "BackendError",
 ]
 
 
@@ -55,3 +56,8 @@ class StageOrderError(SnnconvError):
 
 class CheckpointError(SnnconvError):
     """A checkpoint is corrupted, truncated or belongs to another model or run."""
+
+
+class BackendError(SnnconvError):
+    """A backend cannot run what it was given: an unknown or unavailable backend, a NIR node or
+    option it does not support, or an input of the wrong shape, dtype or number of steps."""

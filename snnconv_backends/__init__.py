@@ -1,0 +1,20 @@
+"""snnconv_backends: executors of NIR graphs (cpu, gpu, loihi2-sim, lava) and their registry.
+
+This package reads ``nir.NIRGraph`` objects and never imports snnconv's conversion stages (an
+import-linter contract in pyproject.toml, checked by the tests): it may import ``nir``,
+``numpy``, ``torch``, ``spikingjelly``, ``h5py`` and ``snnconv.errors`` only.
+"""
+
+from .registry import (
+    BUILTINS,
+    ENTRY_POINT_GROUP,
+    Backend,
+    Program,
+    RunResult,
+    available,
+    get,
+    names,
+)
+
+__all__ = ["Backend", "Program", "RunResult", "available", "get", "names", "BUILTINS",
+           "ENTRY_POINT_GROUP"]
