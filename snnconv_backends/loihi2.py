@@ -137,20 +137,51 @@ class Connection:
     conv: Mapping[str, Any] | None
     report: Mapping[str, Any]
 
-    def dense(self, n_src: int, src_shape: Sequence[int], tgt_shape: Sequence[int]) -> np.ndarray:
-        """The connection as an integer matrix ``[N_target, N_source]`` (small networks only)."""
+    def coo(self, src_shape: Sequence[int], tgt_shape: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """One image's integer weight matrix ``[N_target, N_source]`` as COO (rows, cols, vals).
+
+        A bias connection has one column (the clock neuron). Zero mantissas are left out.
+        """
         n_tgt = int(np.prod(tgt_shape))
         if self.kind == "matrix":
-            return self.mant.astype(np.int64)
-        if self.kind in ("diag",):
-            return np.diag(self.mant.astype(np.int64))
-        if self.kind == "bias":
-            return self.mant.astype(np.int64).reshape(n_tgt, 1)
-        # conv: push the identity basis through the integer convolution
-        eye = torch.eye(n_src, dtype=torch.float64).reshape(n_src, *src_shape)
-        w = torch.as_tensor(self.mant, dtype=torch.float64)
-        out = _conv(eye, w, self.conv)
-        return out.reshape(n_src, n_tgt).T.round().to(torch.int64).numpy()
+            rows, cols = np.nonzero(self.mant)
+            return rows, cols, self.mant[rows, cols]
+        if self.kind in ("diag", "bias"):
+            idx = np.nonzero(self.mant.reshape(n_tgt))[0]
+            return idx, (np.zeros_like(idx) if self.kind == "bias" else idx), self.mant.reshape(-1)[idx]
+        return _conv_coo(self.mant, self.conv, tuple(src_shape), tuple(tgt_shape))
+
+
+def _conv_coo(mant: np.ndarray, p: Mapping[str, Any], src_shape: tuple[int, ...],
+              tgt_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An integer convolution as a sparse matrix: for each output neuron and kernel entry, the
+    input neuron it reads (padding positions dropped)."""
+    two = p["ndim"] == 2
+    c_in = src_shape[0]
+    src = src_shape if two else (src_shape[0], 1, src_shape[1])
+    k = mant if two else mant[:, :, None, :]
+    pad = tuple(p["padding"]) if two else (0, p["padding"][0])
+    stride = tuple(p["stride"]) if two else (1, p["stride"][0])
+    dil = tuple(p["dilation"]) if two else (1, p["dilation"][0])
+    idx = torch.arange(1, int(np.prod(src)) + 1, dtype=torch.float64).reshape(1, *src)
+    unf = F.unfold(idx, k.shape[2:], dilation=dil, padding=pad, stride=stride)[0]  # [C*kh*kw, L]
+    unf = unf.round().to(torch.int64).numpy() - 1
+    L = unf.shape[1]
+    groups = int(p["groups"])
+    cin_g, cout_g, K = c_in // groups, k.shape[0] // groups, int(np.prod(k.shape[2:]))
+    rows, cols, vals = [], [], []
+    for oc in range(k.shape[0]):
+        g = oc // cout_g
+        block = unf[g * cin_g * K:(g + 1) * cin_g * K]  # [cin_g*K, L]
+        w = k[oc].reshape(-1, 1).astype(np.int64)
+        keep = (block >= 0) & (w != 0)
+        r, _ = np.nonzero(keep)
+        rows.append(oc * L + np.nonzero(keep)[1])
+        cols.append(block[keep])
+        vals.append(np.broadcast_to(w, block.shape)[keep])
+    if L * k.shape[0] != int(np.prod(tgt_shape)):
+        raise BackendError(f"convolution output {k.shape[0]} x {L} does not match {tgt_shape}")
+    return np.concatenate(rows), np.concatenate(cols), np.concatenate(vals).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -237,14 +268,14 @@ def _apply(op: Any, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """``op`` on a batch ``x`` ``[N, *op.in_shape]`` (float32 or float64)."""
     p, k, dt = op.params, op.kind, x.dtype
     if k in ("conv1d", "conv2d"):
-        w = torch.as_tensor(np.asarray(p["weight"]), dtype=dt)
-        b = torch.as_tensor(np.asarray(p["bias"]), dtype=dt) if bias else None
+        w = torch.as_tensor(np.array(p["weight"]), dtype=dt)
+        b = torch.as_tensor(np.array(p["bias"]), dtype=dt) if bias else None
         return _conv(x, w, _conv_params(op), b)
     if k in ("affine", "linear"):
-        w = torch.as_tensor(np.asarray(p["weight"]), dtype=dt)
+        w = torch.as_tensor(np.array(p["weight"]), dtype=dt)
         y = x @ w.T
         if k == "affine" and bias:
-            y = y + torch.as_tensor(np.asarray(p["bias"]), dtype=dt)
+            y = y + torch.as_tensor(np.array(p["bias"]), dtype=dt)
         return y
     if k == "avgpool2d":
         if p.get("adaptive", False):
@@ -257,7 +288,7 @@ def _apply(op: Any, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         a, e = _flatten_dims(int(p["start_dim"]), int(p["end_dim"]), len(op.in_shape))
         return x.flatten(a, e)
     if k == "scale":
-        return x * torch.as_tensor(np.asarray(p["scale"]), dtype=dt)
+        return x * torch.as_tensor(np.array(p["scale"]), dtype=dt)
     if k == "sum":
         return x
     raise BackendError(f"loihi2-sim: op '{op.name}' of kind {k!r} is not a linear op it can map")
