@@ -29,7 +29,9 @@ Reading goes through the strict reader :func:`snnconv_backends.nirgraph.parse`.
 
 from __future__ import annotations
 
+import io
 import operator
+import os
 import re
 from typing import Any
 
@@ -41,9 +43,10 @@ import torch.nn as nn
 
 from .errors import NIRError
 from .graph import describe_node, module_of
-from .spiking import IFNeuron, Scale, SpikingNetwork, TimeExpand
+from .meta import atomic_write_bytes
+from .spiking import IFNeuron, Scale, SpikingNetwork, TimeExpand, _check_T, _insert_time_expand, _unique_name
 
-__all__ = ["export_nir", "NIR_FORMAT_VERSION"]
+__all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
 
 NIR_FORMAT_VERSION = 1
 
@@ -172,14 +175,17 @@ class _Exporter:
             node = nir.Linear(weight=w) if mod.bias is None else nir.Affine(weight=w, bias=_np(mod.bias))
             self.value[n.name] = (self.add(base, node, srcs),)
         elif isinstance(mod, nn.AvgPool2d):
-            if mod.ceil_mode or getattr(mod, "divisor_override", None) is not None:
-                raise self.unsupported(n, "ceil_mode and divisor_override have no NIR form")
+            divisor = getattr(mod, "divisor_override", None)
+            if mod.ceil_mode or divisor not in (None, 1):
+                raise self.unsupported(n, "ceil_mode and a divisor_override other than 1 (a sum "
+                                          "pool) have no NIR form")
             pad = _pair(mod.padding)
-            if any(pad) and not mod.count_include_pad:
+            if any(pad) and not mod.count_include_pad and divisor is None:
                 raise self.unsupported(n, "count_include_pad=False with padding has no NIR form")
-            stride = _pair(mod.stride if mod.stride is not None else mod.kernel_size)
-            node = nir.AvgPool2d(kernel_size=np.array(_pair(mod.kernel_size)), stride=np.array(stride),
-                                 padding=np.array(pad))
+            stride = _pair(mod.stride if mod.stride else mod.kernel_size)
+            cls = nir.SumPool2d if divisor == 1 else nir.AvgPool2d
+            node = cls(kernel_size=np.array(_pair(mod.kernel_size)), stride=np.array(stride),
+                       padding=np.array(pad))
             self.value[n.name] = (self.add(base, node, srcs),)
         elif isinstance(mod, nn.AdaptiveAvgPool2d):
             self.value[n.name] = (self.add(base, self.adaptive(n, in_shape, out_shape), srcs),)
@@ -360,4 +366,184 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
     except (ValueError, AssertionError, KeyError) as exc:
         raise NIRError(f"nir {nir.__version__} rejects the exported graph: {exc}") from exc
     parse(graph)  # the strict reader must accept what we write
+    return graph
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+def _compact(arr: np.ndarray, where: str, what: str) -> torch.Tensor:
+    """A full batch-free array that is constant per layer or per channel (dim 0), as [] or [C]."""
+    flat = arr.reshape(-1)
+    if (flat == flat[0]).all():
+        return torch.tensor(float(flat[0]), dtype=torch.float32)
+    per = arr.reshape(arr.shape[0], -1)
+    if not (per == per[:, :1]).all():
+        raise NIRError(f"node '{where}': the {what} varies within a channel; snnconv's Scale holds "
+                       "one value per layer or per channel")
+    return torch.from_numpy(np.ascontiguousarray(per[:, 0], dtype=np.float32))
+
+
+def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
+    """The torch module that computes ``op`` exactly as SpikingNetwork does (None: no module)."""
+    p = op.params
+    meta = getattr(node, "metadata", None) or {}
+    if op.kind in ("conv1d", "conv2d"):
+        cls = nn.Conv1d if op.kind == "conv1d" else nn.Conv2d
+        w = torch.from_numpy(np.array(p["weight"], dtype=np.float32))
+        has_bias = meta.get("snnconv_bias") != "none" or bool(np.any(p["bias"] != 0))
+        mod = cls(op.in_shape[0], w.shape[0], tuple(w.shape[2:]), stride=p["stride"],
+                  padding=p["padding"], dilation=p["dilation"], groups=p["groups"], bias=has_bias)
+        with torch.no_grad():
+            mod.weight.copy_(w)
+            if has_bias:
+                mod.bias.copy_(torch.from_numpy(np.array(p["bias"], dtype=np.float32)))
+        return mod
+    if op.kind in ("affine", "linear"):
+        w = torch.from_numpy(np.array(p["weight"], dtype=np.float32))
+        mod = nn.Linear(w.shape[1], w.shape[0], bias=op.kind == "affine")
+        with torch.no_grad():
+            mod.weight.copy_(w)
+            if op.kind == "affine":
+                mod.bias.copy_(torch.from_numpy(np.array(p["bias"], dtype=np.float32)))
+        return mod
+    if op.kind == "avgpool2d":
+        if p["adaptive"]:
+            return nn.AdaptiveAvgPool2d(tuple(op.out_shape[1:]))
+        return nn.AvgPool2d(p["kernel_size"], p["stride"], p["padding"])
+    if op.kind == "sumpool2d":
+        return nn.AvgPool2d(p["kernel_size"], p["stride"], p["padding"], divisor_override=1)
+    if op.kind == "flatten":
+        start, end = p["start_dim"], p["end_dim"]
+        return nn.Flatten(start + 1 if start >= 0 else start, end + 1 if end >= 0 else end)
+    if op.kind == "scale":
+        return Scale(_compact(np.asarray(p["scale"]), op.name, "scale"))
+    if op.kind == "neuron":
+        theta = torch.from_numpy(np.array(p["theta"], dtype=np.float32))
+        return IFNeuron(theta, T, reset=p["reset"])
+    return None  # input, output, sum
+
+
+def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
+    """A :class:`SpikingNetwork` that computes ``graph`` exactly (bit for bit what was exported).
+
+    The network has the modules ``convert`` produces (Conv/Linear/AvgPool/Flatten/Scale/
+    IFNeuron, TimeExpand after the static first layers), named after the NIR nodes, so it runs,
+    fine-tunes, saves (``SpikingNetwork.save``) and exports again.
+
+    Args:
+        graph: a ``nir.NIRGraph`` that :func:`snnconv_backends.nirgraph.parse` accepts.
+        T: time steps; default the T recorded in the graph's metadata, else 8.
+
+    Raises:
+        NIRError: the graph is not one snnconv can run exactly (named node or edge).
+    """
+    from snnconv_backends.nirgraph import parse
+
+    parsed = parse(graph)
+    T = (parsed.T or 8) if T is None else T
+    _check_T(T)
+    T = int(T)
+    root = nn.Module()
+    fx_graph = fx.Graph()
+    used: set[str] = set()
+    env: dict[str, fx.Node] = {}
+    for op in parsed.ops:
+        if op.kind == "input":
+            env[op.name] = fx_graph.placeholder("x")
+            continue
+        value = env[op.inputs[0]]
+        for name in op.inputs[1:]:  # several edges: their sum, in edge order
+            value = fx_graph.call_function(operator.add, (value, env[name]))
+        if op.kind == "output":
+            fx_graph.output(value)
+            continue
+        mod = _module_for(op, graph.nodes[op.name], T)
+        if mod is None:  # a sum node
+            env[op.name] = value
+            continue
+        target = _unique_name(_safe(op.name) or "node", used)
+        root.add_module(target, mod)
+        env[op.name] = fx_graph.call_module(target, (value,))
+    gm = fx.GraphModule(root, fx_graph, "SpikingGraph")
+    expanded = _insert_time_expand(gm, T, used)
+    gm.graph.lint()
+    gm.recompile()
+    snn = SpikingNetwork(gm, T).eval()
+    snn.meta = {"input_shape": list(parsed.input_shape), "reset": parsed.reset,
+                "time_expanded": expanded, "nir": dict(parsed.metadata)}
+    return snn
+
+
+_NIR_TYPES = {"Input", "Output", "Conv1d", "Conv2d", "Affine", "Linear", "AvgPool2d", "SumPool2d",
+              "Flatten", "Scale", "I", "IF", "Threshold"}
+
+
+def save_nir(graph: nir.NIRGraph, path: str | os.PathLike) -> None:
+    """Write ``graph`` to ``path`` as a NIR HDF5 file, atomically (a failure leaves no file).
+
+    Raises:
+        NIRError: ``graph`` is not one snnconv reads back exactly, or nir cannot serialise it.
+    """
+    from snnconv_backends.nirgraph import parse
+
+    parse(graph)
+    buf = io.BytesIO()
+    try:
+        nir.write(buf, graph)
+    except Exception as exc:  # nir/h5py raise KeyError, TypeError, ValueError on odd nodes
+        raise NIRError(f"nir cannot serialise the graph: {type(exc).__name__}: {exc}") from exc
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def _check_file(path: str) -> None:
+    """Refuse what is not a NIR HDF5 file before nir reads it (its node types are looked up)."""
+    import h5py
+
+    if not os.path.isfile(path):
+        raise NIRError(f"{path}: no such file")
+    if not h5py.is_hdf5(path):
+        raise NIRError(f"{path} is not an HDF5 file (a NIR file is HDF5, written by save_nir or "
+                       "nir.write)")
+    try:
+        with h5py.File(path, "r") as f:
+            if "node" not in f or "version" not in f:
+                raise NIRError(f"{path} is HDF5 but not NIR: it has no 'node' group and 'version'")
+            root = f["node"]
+            if not isinstance(root, h5py.Group) or "nodes" not in root or "edges" not in root:
+                raise NIRError(f"{path}: the root node is not a NIRGraph (no nodes/edges)")
+            for name, node in root["nodes"].items():
+                kind = node["type"][()] if isinstance(node, h5py.Group) and "type" in node else None
+                kind = kind.decode("utf8", "replace") if isinstance(kind, bytes) else kind
+                if kind not in _NIR_TYPES:
+                    raise NIRError(f"{path}: node '{name}' has type {kind!r}; snnconv reads "
+                                   f"{sorted(_NIR_TYPES)}")
+    except NIRError:
+        raise
+    except Exception as exc:  # OSError on a truncated file, KeyError on a damaged one
+        raise NIRError(f"{path}: cannot read as NIR (truncated or damaged?): "
+                       f"{type(exc).__name__}: {exc}") from exc
+
+
+def load_nir(path: str | os.PathLike) -> nir.NIRGraph:
+    """Read a NIR file strictly, as data (HDF5; nothing from the file is executed).
+
+    Returns the ``nir.NIRGraph``; it has passed :func:`snnconv_backends.nirgraph.parse`.
+
+    Raises:
+        NIRError: a missing, truncated, non-HDF5 or non-NIR file, or a graph snnconv cannot
+            read exactly (the message names the file and the node or edge).
+    """
+    from snnconv_backends.nirgraph import parse
+
+    path = os.fspath(path)
+    _check_file(path)
+    try:
+        graph = nir.read(path)
+    except Exception as exc:  # nir raises ValueError, KeyError, AssertionError, OSError
+        raise NIRError(f"{path}: nir {nir.__version__} cannot read it: {type(exc).__name__}: "
+                       f"{exc}") from exc
+    try:
+        parse(graph)
+    except NIRError as exc:
+        raise NIRError(f"{path}: {exc}") from exc
     return graph

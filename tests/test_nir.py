@@ -2,26 +2,48 @@
 
 from __future__ import annotations
 
+import os
+
+import h5py
 import nir
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
 import snnconv
 from snnconv import models
+from snnconv.models import vgg
 from snnconv.errors import NIRError, SnnconvError
-from snnconv.nir_io import export_nir
+from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
+from snnconv.spiking import IFNeuron, Scale, SpikingNetwork, TimeExpand, neurons
 from snnconv_backends.nirgraph import KINDS, ParsedGraph, parse
 
 
-def _convert(name: str, shape=(3, 16, 16), *, per_channel=False, T=4, seed=0, **kw):
-    """A zoo network converted on random data (a cheap, real conversion)."""
+# the zoo's architectures at an eighth of their width (same layers, a test-sized cost)
+_NARROW = {
+    "small_cnn": lambda c: models.small_cnn(num_classes=10, in_channels=c, width=8),
+    "resnet8": lambda c: models.CifarResNet([1, 1, 1], [8, 16, 32], 10, c),
+    "resnet14": lambda c: models.CifarResNet([2, 2, 2], [8, 16, 32], 10, c),
+    "resnet18": lambda c: models.CifarResNet([2, 2, 2, 2], [8, 16, 32, 64], 10, c),
+    "resnet20": lambda c: models.CifarResNet([3, 3, 3], [8, 16, 32], 10, c),
+    "vgg11": lambda c: models.VGG([v // 8 if isinstance(v, int) else v for v in vgg._CFG["vgg11"]], 10, c),
+    "vgg16": lambda c: models.VGG([v // 8 if isinstance(v, int) else v for v in vgg._CFG["vgg16"]], 10, c),
+}
+
+
+def test_every_zoo_network_has_a_narrow_twin():
+    assert sorted(_NARROW) == models.names()
+
+
+def _convert(name: str, shape=(3, 16, 16), *, per_channel=False, T=4, seed=0, reset="subtract"):
+    """A narrow zoo network converted on random data (a cheap, real conversion)."""
     torch.manual_seed(seed)
-    model = models.get(name, in_channels=shape[0], num_classes=10, **kw)
+    model = _NARROW[name](shape[0])
     x = torch.rand(8, *shape)
     snn, _ = snnconv.convert(model, [(x, torch.zeros(8, dtype=torch.long))], T=T, L=4,
                              calib_batches=1, per_channel=per_channel, bias_calibration=False,
-                             maxpool="avg", progress=False)
+                             maxpool="avg", reset=reset, progress=False)
     return snn
 
 
@@ -145,7 +167,7 @@ def test_export_then_parse(name):
 
 
 def test_export_refuses_a_layer_without_nir_form():
-    snn = _convert("small_cnn", shape=(1, 8, 8), width=4)
+    snn = _convert("small_cnn", shape=(1, 8, 8))
     gm = snn.net
     fc = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "fc2")
     with gm.graph.inserting_after(fc):
@@ -158,8 +180,161 @@ def test_export_refuses_a_layer_without_nir_form():
 
 
 def test_export_needs_an_input_shape():
-    snn = _convert("small_cnn", shape=(1, 8, 8), width=4)
+    snn = _convert("small_cnn", shape=(1, 8, 8))
     snn.meta.pop("input_shape")
     with pytest.raises(NIRError, match="input_shape"):
         export_nir(snn)
     assert parse(export_nir(snn, input_shape=(1, 8, 8))).input_shape == (1, 8, 8)
+
+
+# --- round trips: torch SNN -> file -> from_nir, bit for bit ---------------------------------
+
+def _trace(snn: SpikingNetwork, x: torch.Tensor, T: int = 8):
+    """Per-step readout [T, B, ...] and every IF layer's spikes [T*B, ...], by layer name."""
+    spikes = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: spikes.__setitem__(n, o.detach().clone()))
+             for n, m in neurons(snn.net).items()]
+    try:
+        with torch.no_grad():
+            out = snn.run(x, T)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, spikes
+
+
+def _assert_same_run(a: SpikingNetwork, b: SpikingNetwork, x: torch.Tensor, T: int = 8) -> None:
+    out_a, spk_a = _trace(a, x, T)
+    out_b, spk_b = _trace(b, x, T)
+    assert out_a.shape == (T, x.shape[0], *out_a.shape[2:])
+    assert torch.equal(out_a, out_b), f"readouts differ by {(out_a - out_b).abs().max().item()}"
+    assert spk_a.keys() == spk_b.keys() and spk_a
+    for name in spk_a:
+        assert torch.equal(spk_a[name], spk_b[name]), f"spikes of {name} differ"
+    assert sum(float(s.sum()) for s in spk_a.values()) > 0  # the comparison is not vacuous
+
+
+def _through_file(snn: SpikingNetwork, tmp_path, T: int = 8) -> SpikingNetwork:
+    path = tmp_path / "net.nir"
+    save_nir(export_nir(snn), path)
+    return from_nir(load_nir(path), T=T)
+
+
+_ZOO_SHAPES = {"vgg11": (1, 32, 32), "vgg16": (1, 32, 32)}  # five 2x2 pools need 32x32
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+@pytest.mark.parametrize("name", models.names())
+def test_zoo_round_trip_is_bit_identical(name, reset, tmp_path):
+    shape = _ZOO_SHAPES.get(name, (3, 16, 16))
+    snn = _convert(name, shape, reset=reset)
+    back = _through_file(snn, tmp_path)
+    assert back.meta["reset"] == reset
+    _assert_same_run(snn, back, torch.rand(4, *shape))
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_per_channel_thresholds_round_trip(reset, tmp_path):
+    snn = _convert("resnet8", per_channel=True, reset=reset)
+    assert any(t.dim() == 1 for t in snn.thresholds().values())
+    back = _through_file(snn, tmp_path)
+    for name, theta in snn.thresholds().items():
+        got = back.thresholds()[name]
+        assert got.shape == theta.shape and torch.equal(got, theta)  # theta = -Scale exactly
+    _assert_same_run(snn, back, torch.rand(4, 3, 16, 16))
+
+
+def test_fine_tuned_perturbed_digits_network_round_trips(small_digits_snn, digits_data, tmp_path):
+    """Fine-tuned (trained thresholds), then per-channel thresholds and shifted biases."""
+    from torch.utils.data import DataLoader
+
+    train_set, test_set = digits_data
+    loader = DataLoader(train_set, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    cfg = snnconv.FinetuneConfig(epochs=1, T=4, max_steps_per_epoch=3, train_thresholds=True,
+                                 val_fraction=0.0, amp=False)
+    tuned, _ = snnconv.finetune(small_digits_snn, loader, config=cfg, progress=False)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for mod in tuned.net.modules():
+            if isinstance(mod, (nn.Conv2d, nn.Linear)) and mod.bias is not None:
+                mod.bias += 0.05 * torch.randn(mod.bias.shape, generator=g)
+    # the first neuron (after conv1) gets per-channel thresholds
+    first = next(iter(neurons(tuned.net).values()))
+    width = next(m for m in tuned.net.modules() if isinstance(m, nn.Conv2d)).out_channels
+    first.theta = nn.Parameter(first.theta.detach() * (0.5 + torch.rand(width, generator=g)),
+                               requires_grad=False)
+    tuned.meta["input_shape"] = [1, 8, 8]
+    back = _through_file(tuned, tmp_path)
+    x = torch.stack([test_set[i][0] for i in range(4)])
+    _assert_same_run(tuned, back, x)
+    _assert_same_run(tuned, back, torch.rand(4, 1, 8, 8))
+
+
+def test_from_nir_builds_a_network_like_convert(small_digits_snn, digits_data, tmp_path):
+    snn = small_digits_snn
+    snn.meta["input_shape"] = [1, 8, 8]
+    graph = export_nir(snn)
+    back = from_nir(graph)
+    assert back.T == 4 and isinstance(back, SpikingNetwork)  # T from the graph's metadata
+    kinds = {type(m) for m in back.net.children()}
+    assert kinds <= {nn.Conv2d, nn.Linear, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten, Scale,
+                     IFNeuron, TimeExpand}
+    assert sum(isinstance(m, TimeExpand) for m in back.net.modules()) == 1
+    assert sorted(neurons(back.net)) == sorted(neurons(snn.net))
+    # saves and loads as a SpikingNetwork, and exports again to the same graph
+    back.save(tmp_path / "net.pt")
+    again = SpikingNetwork.load(tmp_path / "net.pt")
+    _assert_same_run(snn, again, torch.rand(4, 1, 8, 8), T=4)
+    graph2 = export_nir(again)
+    assert list(graph2.edges) == list(graph.edges) and graph2.nodes.keys() == graph.nodes.keys()
+    for k, node in graph.nodes.items():
+        for field in ("weight", "bias", "scale", "threshold", "r", "kernel_size"):
+            if hasattr(node, field):
+                assert np.array_equal(getattr(node, field), getattr(graph2.nodes[k], field)), (k, field)
+    # and fine-tunes: a few BPTT steps move its weights
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(digits_data[0], batch_size=32, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    cfg = snnconv.FinetuneConfig(epochs=1, T=4, max_steps_per_epoch=2, val_fraction=0.0, amp=False)
+    tuned, _ = snnconv.finetune(back, loader, config=cfg, progress=False)
+    before, after = back.state_dict(), tuned.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# --- files ---------------------------------------------------------------------------------------
+
+def test_save_nir_is_atomic(tmp_path):
+    path = tmp_path / "net.nir"
+    good = _graph(*_tiny())
+    save_nir(good, path)
+    nodes, edges = _tiny()
+    edges.append(("fc2", "nowhere"))
+    with pytest.raises(NIRError):
+        save_nir(_graph(nodes, edges), path)
+    assert os.listdir(tmp_path) == ["net.nir"]  # no temporary file left behind
+    assert parse(load_nir(path)).op("n1").kind == "neuron"  # the old file is intact
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "text", "hdf5", "lif", "type"])
+def test_load_nir_refuses_bad_files(damage, tmp_path):
+    path = tmp_path / "net.nir"
+    save_nir(_graph(*_tiny()), path)
+    if damage == "missing":
+        path = tmp_path / "absent.nir"
+    elif damage == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "text":
+        path.write_text("not a NIR file\n")
+    elif damage == "hdf5":
+        with h5py.File(path, "w") as f:
+            f.create_dataset("data", data=np.arange(3))
+    elif damage in ("lif", "type"):
+        with h5py.File(path, "a") as f:
+            del f["node/nodes/n1"]
+            g = f.create_group("node/nodes/n1")
+            g.create_dataset("type", data="LIF" if damage == "lif" else "os.system",
+                             dtype=h5py.string_dtype())
+    with pytest.raises(NIRError, match="absent|truncated|HDF5|NIR|'n1'"):
+        load_nir(path)
