@@ -33,7 +33,8 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
-_OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS}
+_OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
+            "dense_limit": 2**22}
 
 
 def lava_python() -> Path:
@@ -108,7 +109,8 @@ class LavaProgram(Program):
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
                          "vth": int(p.vth), "v_init": int(p.v_init), "static": bool(p.static),
                          "conns": conns})
-        spec = {"steps": T + q.depth, "batch": B, "populations": pops}
+        spec = {"steps": T + q.depth, "batch": B, "populations": pops,
+                "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
 
     def run(self, x: torch.Tensor, T: int) -> RunResult:
@@ -180,7 +182,8 @@ class LavaBackend(Backend):
     """Runs the graph in Intel's Lava (fixed_pt models) in the ``.venv-lava`` side environment.
 
     Options: ``python`` (the interpreter with lava-nc 0.10.0), ``timeout`` (seconds per run),
-    ``step_seconds`` (latency estimate).
+    ``step_seconds`` (latency estimate), ``dense_limit`` (connections with more matrix entries
+    than this, batch included, run as Lava ``Sparse`` instead of ``Dense``).
     """
 
     name = "lava"

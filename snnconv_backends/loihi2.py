@@ -125,6 +125,7 @@ class Connection:
         delay: extra synaptic delay in steps (on top of the one step every connection has).
         conv: for ``kind == "conv"``: ndim, stride, padding, dilation, groups.
         report: quantisation record (exponent, bits used, rounding error, ...).
+        fanout: synapses per source neuron ``[N_source]`` (for synaptic operation counts).
     """
 
     name: str
@@ -136,6 +137,7 @@ class Connection:
     delay: int
     conv: Mapping[str, Any] | None
     report: Mapping[str, Any]
+    fanout: np.ndarray = field(default_factory=lambda: np.ones(1))
 
     def coo(self, src_shape: Sequence[int], tgt_shape: Sequence[int]) -> tuple[np.ndarray, ...]:
         """One image's integer weight matrix ``[N_target, N_source]`` as COO (rows, cols, vals).
@@ -353,11 +355,33 @@ def _chain_kind(chain: list[Any], src_shape: tuple[int, ...], tgt_shape: tuple[i
     core = [op for op in chain if op.kind != "sum"]
     if len(core) == 1 and core[0].kind in ("conv1d", "conv2d"):
         return "conv", core[0]
+    if len(core) == 2 and core[1].kind == "conv2d" and _pool_then_conv(core[0], core[1]) is not None:
+        return "conv", core
     scales = [op for op in core if op.kind != "flatten"]
     if int(np.prod(src_shape)) == int(np.prod(tgt_shape)) and (
             not scales or (len(scales) == 1 and scales[0].kind == "scale")):
         return "diag", scales[0] if scales else None
     return "matrix", None
+
+
+def _pool_then_conv(pool: Any, conv: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """Average pooling (kernel = stride = k, no padding) then a stride-1 convolution, as one
+    convolution: kernel ``k * K`` with ``K'[.., k*a + i, k*b + j] = K[.., a, b] / k**2``, stride
+    k, padding ``k * p`` (exact). ``None`` when the pair does not have this form."""
+    if pool.kind != "avgpool2d" or pool.params.get("adaptive", False):
+        return None
+    k = tuple(int(v) for v in pool.params["kernel_size"])
+    if tuple(int(v) for v in pool.params["stride"]) != k or any(int(v) for v in pool.params["padding"]):
+        return None
+    if any(n % kk for n, kk in zip(pool.in_shape[-2:], k)):
+        return None
+    cp = _conv_params(conv)
+    if cp["stride"] != (1, 1) or cp["dilation"] != (1, 1):
+        return None
+    w = np.asarray(conv.params["weight"], np.float64)
+    big = np.repeat(np.repeat(w, k[0], axis=2), k[1], axis=3) / (k[0] * k[1])
+    return big, {"ndim": 2, "stride": k, "padding": (cp["padding"][0] * k[0], cp["padding"][1] * k[1]),
+                 "dilation": (1, 1), "groups": cp["groups"]}
 
 
 def _compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndarray:
@@ -380,16 +404,20 @@ def _compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.nda
     return mat
 
 
-def _quantize_weights(scaled: np.ndarray, bias: bool) -> tuple[np.ndarray, int, dict[str, Any]]:
-    """Float weights in ``a_in`` units -> (8-bit mantissas, exponent, report)."""
+def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8) -> tuple[np.ndarray, int, dict[str, Any]]:
+    """Float weights in ``a_in`` units -> (``bits``-bit mantissas, exponent, report).
+
+    Mixed-sign weights keep even mantissas in ``[-2**bits + 2, 2**bits - 2]`` (Lava's mixed
+    sign mode drops the lowest bit), single-sign ones ``[0, 2**bits - 1]`` (or negated).
+    """
     amax = float(np.abs(scaled).max()) if scaled.size else 0.0
     mixed = scaled.size > 0 and scaled.min() < 0 < scaled.max()
-    lim = LOIHI["weight_max"] - 1 if mixed else LOIHI["weight_max"]
+    lim = 2**bits - 2 if mixed else 2**bits - 1
     if amax == 0.0:
         return np.zeros(scaled.shape, np.int32), 0, {"exp": 0, "bits": 0, "sign_mode": "excitatory",
                                                      "zero_rounded": 0, "rel_error": 0.0, "clipped": 0}
     e = math.ceil(math.log2(amax / lim))
-    e = min(max(e, LOIHI["weight_exp_min"]), LOIHI["weight_exp_max"])
+    e = min(max(e, LOIHI["weight_exp_min"] - max(0, bits - 8)), LOIHI["weight_exp_max"])
     if bias:
         e = max(e, 0)  # a single input: a negative exponent only drops bits
     x = scaled / 2.0**e
@@ -402,6 +430,13 @@ def _quantize_weights(scaled: np.ndarray, bias: bool) -> tuple[np.ndarray, int, 
     return m, e, {"exp": e, "bits": int(np.abs(m).max()).bit_length() + (1 if mixed else 0),
                   "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
                   "rel_error": err, "clipped": clipped}
+
+
+def _bits(weight_bits: int | Mapping[str, int], name: str) -> int:
+    b = weight_bits.get(name, weight_bits.get("*", 8)) if isinstance(weight_bits, Mapping) else weight_bits
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= 24:
+        raise BackendError(f"weight_bits for {name!r} must be an integer in 1..24, got {b!r}")
+    return int(b)
 
 
 def _shifted_bounds(pos: np.ndarray, neg: np.ndarray, e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -424,8 +459,12 @@ def _row_sums(kind: str, m: np.ndarray, tgt_shape: tuple[int, ...]) -> tuple[np.
     return np.clip(mm, 0, None), np.clip(mm, None, 0)
 
 
-def quantize(graph: Any) -> QuantizedNetwork:
+def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
+
+    ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
+    mapping connection name -> bits (``"*"``: the others) to measure what the 8-bit budget
+    costs layer by layer. More than 8 bits cannot run on the chip (nor in Lava).
 
     Raises:
         BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
@@ -477,8 +516,10 @@ def quantize(graph: Any) -> QuantizedNetwork:
         for s, chain in spiking:
             src_shape = tuple(mp.ops[s].out_shape)
             kind, core = _chain_kind(chain, src_shape, shape)
-            if kind == "conv":
-                w = np.asarray(core.params["weight"], np.float64)
+            if kind == "conv" and isinstance(core, list):
+                w, cparams = _pool_then_conv(*core)
+            elif kind == "conv":
+                w, cparams = np.asarray(core.params["weight"], np.float64), _conv_params(core)
             elif kind == "diag":
                 w = (np.ones(n) if core is None else
                      np.broadcast_to(np.asarray(core.params["scale"], np.float64),
@@ -487,7 +528,7 @@ def quantize(graph: Any) -> QuantizedNetwork:
                 w = _compose(chain, src_shape, n)
             weighted = [op.name for op in chain if op.kind in ("conv1d", "conv2d", "affine", "linear")]
             cname = weighted[-1] if weighted else f"{s}->{tgt.name}"
-            raw.append((cname, s, kind, w, core))
+            raw.append((cname, s, kind, w, cparams if kind == "conv" else None))
         const = mp.const(tgt.name).reshape(-1).numpy()
         # per-neuron worst-case sums in float units
         pos = np.zeros(n)
@@ -519,25 +560,26 @@ def quantize(graph: Any) -> QuantizedNetwork:
             conns: list[Connection] = []
             tot_pos = np.zeros(n, np.int64)
             tot_neg = np.zeros(n, np.int64)
-            for cname, s, kind, w, core in raw:
+            for cname, s, kind, w, cparams in raw:
                 if kind == "conv":
                     sc = w * _per_neuron(scale_c, (w.shape[0],)).reshape(-1, *([1] * (w.ndim - 1))) / 64.0
                 elif kind == "diag":
                     sc = w * s_n / 64.0
                 else:
                     sc = w * s_n[:, None] / 64.0
-                m, e, rep = _quantize_weights(sc, bias=False)
+                m, e, rep = _quantize_weights(sc, bias=False, bits=_bits(weight_bits, cname))
                 rep["float_weights"] = int(w.size)
                 delay = d - depth[s] - 1
-                conns.append(Connection(cname, s, tgt.name, kind, m, e, delay,
-                                        _conv_params(core) if kind == "conv" else None, rep))
+                conns.append(Connection(cname, s, tgt.name, kind, m, e, delay, cparams, rep,
+                                        _fanout(kind, m, cparams, tuple(mp.ops[s].out_shape), shape)))
                 p_, n_ = _row_sums(kind, m, shape)
                 p_, n_ = _shifted_bounds(p_, n_, e)
                 tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
             if np.any(const != 0):
-                m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True)
+                m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
+                                              bits=_bits(weight_bits, f"{tgt.name}.bias"))
                 conns.append(Connection(f"{tgt.name}.bias", CLOCK, tgt.name, "bias", m, e, d - 1,
-                                        None, rep))
+                                        None, rep, _fanout("bias", m, None, (1,), shape)))
                 p_, n_ = _shifted_bounds(np.clip(m, 0, None), np.clip(m, None, 0), e)
                 tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
             bound = int(max(tot_pos.max(initial=0), -tot_neg.min(initial=0)))
@@ -729,39 +771,31 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
     return out, counts, spikes, volts, stats, synops
 
 
-_FANOUT_CACHE: dict = {}
-
-
-def _fanout(c: Connection, src_shape, tgt_shape, device) -> torch.Tensor:
-    """Synapses per source neuron of connection ``c`` ``[N_source]`` (float32)."""
-    key = (id(c), device)
-    if key not in _FANOUT_CACHE:
-        if c.kind == "conv":
-            ones = torch.ones(1, *tgt_shape, dtype=torch.float64)
-            w = torch.ones(c.mant.shape, dtype=torch.float64)
-            p = c.conv
-            fn = torch.nn.grad.conv1d_input if p["ndim"] == 1 else torch.nn.grad.conv2d_input
-            f = fn((1, *src_shape), w, ones, tuple(p["stride"]), tuple(p["padding"]),
-                   tuple(p["dilation"]), int(p["groups"]))
-        elif c.kind == "matrix":
-            f = torch.as_tensor((c.mant != 0).sum(0), dtype=torch.float64)
-        else:
-            f = torch.as_tensor((c.mant != 0).astype(np.float64))
-        _FANOUT_CACHE[key] = f.reshape(-1).float().to(device)
-    return _FANOUT_CACHE[key]
+def _fanout(kind: str, mant: np.ndarray, conv: Mapping[str, Any] | None, src_shape, tgt_shape) -> np.ndarray:
+    """Synapses per source neuron ``[N_source]`` (float64); zero mantissas count as absent."""
+    if kind == "conv":
+        ones = torch.ones(1, *tgt_shape, dtype=torch.float64)
+        w = torch.as_tensor((mant != 0).astype(np.float64))
+        fn = torch.nn.grad.conv1d_input if conv["ndim"] == 1 else torch.nn.grad.conv2d_input
+        f = fn((1, *src_shape), w, ones, tuple(conv["stride"]), tuple(conv["padding"]),
+               tuple(conv["dilation"]), int(conv["groups"]))
+        return f.reshape(-1).numpy()
+    if kind == "matrix":
+        return (mant != 0).sum(0).astype(np.float64)
+    if kind == "bias":
+        return np.array([float((mant != 0).sum())])
+    return (mant.reshape(-1) != 0).astype(np.float64)
 
 
 def _synops(c: Connection, spikes: torch.Tensor, src_shape, tgt_shape) -> float:
-    f = _fanout(c, src_shape, tgt_shape, spikes.device)
-    return float((spikes.reshape(-1, f.numel()).sum(0).double() * f.double()).sum())
+    f = torch.as_tensor(c.fanout, dtype=torch.float64, device=spikes.device)
+    return float((spikes.reshape(-1, f.numel()).sum(0).double() * f).sum())
 
 
 # --- reports --------------------------------------------------------------------------------
 
-def _synapses(c: Connection, src_shape, tgt_shape) -> int:
-    if c.kind == "conv":
-        return int(_fanout(c, src_shape, tgt_shape, torch.device("cpu")).double().sum())
-    return int((c.mant != 0).sum()) if c.kind in ("matrix",) else int(c.mant.size)
+def _synapses(c: Connection) -> int:
+    return int(round(float(np.sum(c.fanout))))
 
 
 def resources(q: QuantizedNetwork) -> dict[str, Any]:
@@ -778,7 +812,7 @@ def resources(q: QuantizedNetwork) -> dict[str, Any]:
     for p in q.populations:
         syn = 0
         for c in p.conns:
-            k = _synapses(c, shapes[c.source], p.shape)
+            k = _synapses(c)
             syn += k
             fan_out[c.source] = fan_out.get(c.source, 0) + k
         cores = max(math.ceil(p.size / NEURONS_PER_CORE), math.ceil(syn / SYNAPSES_PER_CORE), 1)

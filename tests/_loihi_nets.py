@@ -28,12 +28,17 @@ def _neuron(nodes, edges, name, src, theta, reset, shape):
     return f"{name}_fire"
 
 
-def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 6, classes: int = 3,
+def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 8, classes: int = 3,
                 per_channel: bool = True, T: int = 4) -> nir.NIRGraph:
-    """input (1, S, S) -> conv3x3 -> n1 -> conv3x3 (+ Scale(theta1) shortcut from n1) -> n2
-    -> conv3x3 stride 2 -> n3 -> global avgpool -> flatten -> affine -> output.
+    """A tiny residual network with every structure the Loihi mapping handles::
 
-    Weights are random but scaled so that the neurons fire at moderate rates.
+        input (1, S, S) -> conv1 -> n1 -> conv2 -> n2 -> conv3 --+--> n3 -> avgpool 2 -> conv4 -> n4
+                            |                                    |
+                            +------ Scale(theta1) shortcut ------+    (arrives one step later)
+        n4 -> global avgpool -> flatten -> affine -> output
+
+    Random weights scaled so that neurons fire at moderate rates; thresholds per channel (or
+    per layer with ``per_channel=False``).
     """
     rng = np.random.default_rng(seed)
     C, S = channels, size
@@ -41,40 +46,44 @@ def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 6, cla
     edges: list = []
 
     def th(c):
-        return (rng.uniform(0.6, 1.4, c) if per_channel else np.full(c, rng.uniform(0.6, 1.4))).astype(np.float32)
-
-    def conv(cin, cout, stride, scale):
-        w = (rng.normal(0, scale, (cout, cin, 3, 3))).astype(np.float32)
-        b = rng.normal(0.05, 0.1, cout).astype(np.float32)
-        return w, b, stride
+        v = rng.uniform(0.6, 1.4, c) if per_channel else np.full(c, rng.uniform(0.6, 1.4))
+        return v.astype(np.float32)
 
     def add_conv(name, cin, cout, hw, stride, scale):
-        w, b, s = conv(cin, cout, stride, scale)
-        nodes[name] = nir.Conv2d(input_shape=(hw, hw), weight=w, stride=(s, s), padding=(1, 1),
-                                 dilation=(1, 1), groups=1, bias=b)
-        return (hw + 2 - 3) // s + 1
+        w = rng.normal(0, scale, (cout, cin, 3, 3)).astype(np.float32)
+        b = rng.normal(0.05, 0.1, cout).astype(np.float32)
+        nodes[name] = nir.Conv2d(input_shape=(hw, hw), weight=w, stride=(stride, stride),
+                                 padding=(1, 1), dilation=(1, 1), groups=1, bias=b)
 
+    meta_sum = {"snnconv_op": "sum"}
     nodes["input"] = nir.Input(input_type=np.array([1, S, S]))
     add_conv("conv1", 1, C, S, 1, 0.8)
     edges.append(("input", "conv1"))
-    th1, th2, th3 = th(C), th(C), th(C)
+    th1, th2, th3, th4 = th(C), th(C), th(C), th(C)
     s1 = _neuron(nodes, edges, "n1", "conv1", th1, reset, (C, S, S))
     add_conv("conv2", C, C, S, 1, 0.35)
     edges.append((s1, "conv2"))
-    # residual: conv2 + theta1 * spikes(n1) -> n2
-    nodes["short"] = nir.Scale(np.broadcast_to(th1.reshape(C, 1, 1), (C, S, S)).astype(np.float32).copy())
-    edges.append((s1, "short"))
-    nodes["add"] = nir.Scale(np.ones((C, S, S), np.float32), metadata={"snnconv_op": "sum"})
-    edges += [("conv2", "add"), ("short", "add")]
-    s2 = _neuron(nodes, edges, "n2", "add", th2, reset, (C, S, S))
-    h = add_conv("conv3", C, C, S, 2, 0.35)
+    s2 = _neuron(nodes, edges, "n2", "conv2", th2, reset, (C, S, S))
+    add_conv("conv3", C, C, S, 1, 0.3)
     edges.append((s2, "conv3"))
-    s3 = _neuron(nodes, edges, "n3", "conv3", th3, reset, (C, h, h))
-    nodes["pool"] = nir.AvgPool2d(kernel_size=np.array([h, h]), stride=np.array([h, h]), padding=np.array([0, 0]))
+    nodes["short"] = nir.Scale(np.broadcast_to(th1.reshape(C, 1, 1) * 0.5, (C, S, S)).astype(np.float32).copy())
+    edges.append((s1, "short"))
+    nodes["add"] = nir.Scale(np.ones((C, S, S), np.float32), metadata=meta_sum)
+    edges += [("conv3", "add"), ("short", "add")]
+    s3 = _neuron(nodes, edges, "n3", "add", th3, reset, (C, S, S))
+    nodes["pool"] = nir.AvgPool2d(kernel_size=np.array([2, 2]), stride=np.array([2, 2]),
+                                  padding=np.array([0, 0]))
     edges.append((s3, "pool"))
+    add_conv("conv4", C, C, S // 2, 1, 0.6)
+    edges.append(("pool", "conv4"))
+    s4 = _neuron(nodes, edges, "n4", "conv4", th4, reset, (C, S // 2, S // 2))
+    h = S // 2
+    nodes["gap"] = nir.AvgPool2d(kernel_size=np.array([h, h]), stride=np.array([h, h]),
+                                 padding=np.array([0, 0]))
+    edges.append((s4, "gap"))
     nodes["flat"] = nir.Flatten(input_type={"input": np.array([C, 1, 1])}, start_dim=0, end_dim=-1)
-    edges.append(("pool", "flat"))
-    w = (rng.normal(0, 1.0, (classes, C)) * th3[None, :]).astype(np.float32)
+    edges.append(("gap", "flat"))
+    w = (rng.normal(0, 1.0, (classes, C)) * th4[None, :]).astype(np.float32)
     nodes["fc"] = nir.Affine(weight=w, bias=rng.normal(0, 0.1, classes).astype(np.float32))
     edges.append(("flat", "fc"))
     nodes["output"] = nir.Output(output_type=np.array([classes]))

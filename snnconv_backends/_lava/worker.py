@@ -159,7 +159,7 @@ def main(job_path, out_path):
                 src, n_src = procs[c["source"]], sizes[c["source"]]
                 w = _block(rows, cols, vals, n_tgt, n_src, B)
             delay, exp = int(c["delay"]), int(c["exp"])
-            dense = w.shape[0] * w.shape[1] <= DENSE_LIMIT
+            dense = w.shape[0] * w.shape[1] <= int(spec.get("dense_limit", DENSE_LIMIT))
             if delay == 0:
                 conn = (Dense(weights=w.toarray(), weight_exp=exp) if dense
                         else Sparse(weights=w, weight_exp=exp))
