@@ -268,16 +268,16 @@ def _conv_params(op: Any) -> dict[str, Any]:
 
 def _apply(op: Any, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
     """``op`` on a batch ``x`` ``[N, *op.in_shape]`` (float32 or float64)."""
-    p, k, dt = op.params, op.kind, x.dtype
+    p, k, dt, dev = op.params, op.kind, x.dtype, x.device
     if k in ("conv1d", "conv2d"):
-        w = torch.as_tensor(np.array(p["weight"]), dtype=dt)
-        b = torch.as_tensor(np.array(p["bias"]), dtype=dt) if bias else None
+        w = torch.as_tensor(np.array(p["weight"]), dtype=dt, device=dev)
+        b = torch.as_tensor(np.array(p["bias"]), dtype=dt, device=dev) if bias else None
         return _conv(x, w, _conv_params(op), b)
     if k in ("affine", "linear"):
-        w = torch.as_tensor(np.array(p["weight"]), dtype=dt)
+        w = torch.as_tensor(np.array(p["weight"]), dtype=dt, device=dev)
         y = x @ w.T
         if k == "affine" and bias:
-            y = y + torch.as_tensor(np.array(p["bias"]), dtype=dt)
+            y = y + torch.as_tensor(np.array(p["bias"]), dtype=dt, device=dev)
         return y
     if k == "avgpool2d":
         if p.get("adaptive", False):
@@ -290,7 +290,7 @@ def _apply(op: Any, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         a, e = _flatten_dims(int(p["start_dim"]), int(p["end_dim"]), len(op.in_shape))
         return x.flatten(a, e)
     if k == "scale":
-        return x * torch.as_tensor(np.array(p["scale"]), dtype=dt)
+        return x * torch.as_tensor(np.array(p["scale"]), dtype=dt, device=dev)
     if k == "sum":
         return x
     raise BackendError(f"loihi2-sim: op '{op.name}' of kind {k!r} is not a linear op it can map")
@@ -637,11 +637,13 @@ def _shift(a: torch.Tensor, e: int) -> torch.Tensor:
 
 
 def _exact_int(y: torch.Tensor, recompute) -> torch.Tensor:
-    """Float results of integer arithmetic -> int32, recomputed in float64 if not integral."""
-    r = torch.round(y)
-    if y.numel() and float((y - r).abs().max()) > 0.25:
-        r = torch.round(recompute())
-    return r.to(torch.int32)
+    """Float32 results of integer arithmetic -> int32 (exact: every partial sum is an integer
+    below 2**24). Guard against a library algorithm that is not exact (Winograd, FFT): if the
+    first rows are not integral, everything is recomputed in float64."""
+    head = y[:64]
+    if head.numel() and float((head - torch.round(head)).abs().max()) > 0.25:
+        y = recompute()
+    return torch.round(y).to(torch.int32)
 
 
 class _Stats:
@@ -680,10 +682,14 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         u = torch.zeros(T, B, n, dtype=torch.int32, device=dev)
     else:
         u = a_in.reshape(T, B, n) << LOIHI["act_shift"]
-        over, under = u > _V_MAX, u <= -_V_MAX
-        stats.wrapped += int(over.sum() + under.sum())
-        w = torch.where(over, u - 2 * _V_MAX, u)
-        u = torch.where(w <= -_V_MAX, u + 2 * _V_MAX, w)
+        bound = pop.report.get("a_in_bound")
+        if bound is None or (bound + 1) << LOIHI["act_shift"] > _V_MAX:
+            # Lava's wrap of the 24-bit current (AbstractPyLifModelFixed.subthr_dynamics); the
+            # compile-time bound makes this unreachable for networks made by quantize()
+            over, under = u > _V_MAX, u <= -_V_MAX
+            stats.wrapped += int(over.sum() + under.sum())
+            w = torch.where(over, u - 2 * _V_MAX, u)
+            u = torch.where(w <= -_V_MAX, u + 2 * _V_MAX, w)
     if bias is not None:
         u = u + bias.reshape(1, B, n)
     lo, hi = -_V_MAX + 1, _V_MAX - 1

@@ -14,7 +14,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 import snnconv  # noqa: F401  (imports snnconv_backends in the supported order)
 from snnconv.errors import BackendError
