@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -123,15 +124,20 @@ class LavaProgram(Program):
         with tempfile.TemporaryDirectory(prefix="snnconv-lava-") as tmp:
             job, out = os.path.join(tmp, "job.npz"), os.path.join(tmp, "result.npz")
             np.savez(job, spec=np.array(json.dumps(spec)), **arrays)
+            # a session of its own: on timeout the whole group (Lava forks one process per
+            # Lava process) is killed, not just the worker
+            proc = subprocess.Popen([str(python), str(WORKER), job, out], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
-                proc = subprocess.run([str(python), str(WORKER), job, out], capture_output=True,
-                                      text=True, timeout=float(self.options["timeout"]))
+                _, stderr = proc.communicate(timeout=float(self.options["timeout"]))
             except subprocess.TimeoutExpired as exc:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
                 raise BackendError(f"lava: the Lava run took more than {exc.timeout:.0f} s; use a "
                                    "smaller batch or network, or a larger timeout= option") from exc
             if proc.returncode != 0 or not os.path.exists(out):
                 raise BackendError(f"lava: the Lava worker failed (exit {proc.returncode}):\n"
-                                   f"{proc.stderr.strip()[-2000:]}")
+                                   f"{stderr.strip()[-2000:]}")
             with np.load(out, allow_pickle=False) as res:
                 data = {k: res[k] for k in res.files}
         return self._result(data, spec, T, x.shape[0], clipped)
