@@ -19,6 +19,7 @@ from .errors import (  # noqa: E402
     CheckpointError,
     DataError,
     FoldError,
+    NIRError,
     SnnconvError,
     StageOrderError,
     UnsupportedLayerError,
@@ -56,6 +57,7 @@ __all__ = [
     "DataError",
     "StageOrderError",
     "CheckpointError",
+    "NIRError",
     "BackendError",
     "backends",
 ]
