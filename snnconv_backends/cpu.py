@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from snnconv.errors import BackendError
+from snnconv.errors import BackendError, NIRError
 
 from ._engine import Plan, Stats, check_options, check_T, compiled_loop
 from .registry import Backend, Program, RunResult
@@ -46,7 +46,10 @@ def _parse(graph: Any, backend: str):
     if not isinstance(graph, nir.NIRGraph):
         raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
                            " (read a file with nir.read or snnconv.nir_io.load_nir)")
-    return parse(graph)
+    try:
+        return parse(graph)
+    except NIRError as exc:  # what the strict reader refuses, no executor can run
+        raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 
 
 def _dtype(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:
@@ -145,8 +148,8 @@ class CPUBackend(Backend):
         """Parse ``graph`` strictly and bind it to the CPU.
 
         Raises:
-            BackendError: an unknown option or value, or a node the executor cannot run.
-            NIRError: the graph is malformed.
+            BackendError: an unknown option or value, a node the executor cannot run, or a
+                graph the strict reader refuses (its NIRError is the cause).
         """
         opts = check_options(self.name, options, _OPTIONS)
         dtype = _dtype(opts["dtype"], self.name, DTYPES)
