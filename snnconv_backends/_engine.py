@@ -198,19 +198,22 @@ class Plan:
     def _fanouts(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
         """layer -> [(neuron, fan-out per neuron position)], the accumulates one spike causes."""
         out: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for op in self.ops:
-            if op.kind not in WEIGHTED:
-                continue
-            for neuron, chain in self._sources(op):
-                x = torch.ones(1, *self.by_name[neuron].out_shape, dtype=torch.float64,
-                               requires_grad=True)
-                y = x
-                for c in chain:
-                    y = _structural(c, y)
-                y = _structural(op, y)
-                (g,) = torch.autograd.grad(y.sum(), x)
-                out.setdefault(op.name, []).append((neuron, g.reshape(-1).detach()))
+        with torch.inference_mode(False), torch.enable_grad():  # compile() may run under no_grad
+            for op in self.ops:
+                if op.kind in WEIGHTED:
+                    self._fanout_of(op, out)
         return out
+
+    def _fanout_of(self, op: Any, out: dict) -> None:
+        """d(sum of ``op``'s outputs with unit weights)/d(each spike): its structural fan-out."""
+        for neuron, chain in self._sources(op):
+            x = torch.ones(1, *self.by_name[neuron].out_shape, dtype=torch.float64, requires_grad=True)
+            y = x
+            for c in chain:
+                y = _structural(c, y)
+            y = _structural(op, y)
+            (g,) = torch.autograd.grad(y.sum(), x)
+            out.setdefault(op.name, []).append((neuron, g.reshape(-1).detach()))
 
     def _macs(self) -> dict[str, float]:
         macs = {}
