@@ -387,14 +387,15 @@ def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: 
         s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
         xs = [x] * T
     else:
-        if reset == "subtract":
-            u.div_(theta)
         s = u  # step t's spikes overwrite step t's input once it has been added
         xs = u
     if reset == "subtract":
         v = torch.full_like(s[0], 0.5)
         for t in range(T):
-            v.add_(xs[t])
+            if static:
+                v.add_(xs[t])
+            else:  # v + x / theta, the division rounded first (as SpikingNetwork's x / theta)
+                v.addcdiv_(xs[t], theta)
             if ties is not None:
                 ties[1].add_ties(((v - 1.0).abs() <= ties[0]).sum())
             torch.ge(v, 1.0, out=s[t])
