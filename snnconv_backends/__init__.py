@@ -1,4 +1,5 @@
-"""snnconv_backends: executors of NIR graphs (cpu, gpu, loihi2-sim, lava) and their registry.
+"""snnconv_backends: executors of NIR graphs (cpu, gpu, loihi2-sim, lava), their registry, and the
+strict NIR reader they share (``snnconv_backends.nirgraph.parse``).
 
 This package reads ``nir.NIRGraph`` objects and never imports snnconv's conversion stages (an
 import-linter contract in pyproject.toml, checked by the tests): it may import ``nir``,

@@ -90,8 +90,8 @@ class Backend(abc.ABC):
         """Check ``graph`` (a ``nir.NIRGraph``) and prepare it to run.
 
         Raises:
-            BackendError: a node or an option this backend does not support (named).
-            NIRError: the graph itself is malformed.
+            BackendError: a node or an option this backend does not support (named), or a
+                malformed graph.
         """
 
 

@@ -18,14 +18,17 @@ from snnconv_backends import BUILTINS, ENTRY_POINT_GROUP, Backend, available, ge
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _install_plugin(root: Path, body: str, value: str = "snnconv_echo_plugin:EchoBackend",
-                    name: str = "echo") -> None:
-    """A minimal installed distribution: a module and a *.dist-info declaring the entry point."""
-    (root / "snnconv_echo_plugin.py").write_text(textwrap.dedent(body))
-    info = root / "snnconv_echo_plugin-0.1.dist-info"
+def _install_plugin(root: Path, body: str, name: str = "echo") -> str:
+    """A minimal installed distribution: a module and a *.dist-info declaring the entry point.
+
+    Each test gets its own module name (a module once imported stays in sys.modules)."""
+    module = f"snnconv_plugin_{root.name.replace('-', '_')}"
+    (root / f"{module}.py").write_text(textwrap.dedent(body))
+    info = root / f"{module}-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: snnconv-echo-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{name} = {value}\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{name} = {module}:EchoBackend\n")
+    return f"{module}:EchoBackend"
 
 
 ECHO = """
@@ -79,10 +82,10 @@ def test_third_party_backend_through_the_entry_point_group(tmp_path, monkeypatch
 
 
 def test_a_broken_third_party_backend_is_reported_not_raised(tmp_path, monkeypatch):
-    _install_plugin(tmp_path, "raise ImportError('needs libfoo')\n")
+    target = _install_plugin(tmp_path, "raise ImportError('needs libfoo')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     ok, reason = available()["echo"]
-    assert not ok and "needs libfoo" in reason and "snnconv_echo_plugin:EchoBackend" in reason
+    assert not ok and "needs libfoo" in reason and target in reason
     with pytest.raises(BackendError, match="needs libfoo"):
         get("echo")
 

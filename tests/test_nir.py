@@ -338,3 +338,61 @@ def test_load_nir_refuses_bad_files(damage, tmp_path):
                              dtype=h5py.string_dtype())
     with pytest.raises(NIRError, match="absent|truncated|HDF5|NIR|'n1'"):
         load_nir(path)
+
+
+# --- an independent consumer: spikingjelly 2.0's NIR importer --------------------------------
+
+def _spikingjelly_run(path, x: torch.Tensor, T: int, layers):
+    """Run spikingjelly's import of ``path`` for T steps: readouts [T, B, ...], spikes by layer."""
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    net = import_from_nir(str(path), dt=1.0)
+    spikes = {n: [] for n in layers}
+    for n in layers:
+        getattr(net, n).register_forward_hook(lambda mod, i, o, n=n: spikes[n].append(o[0].detach()))
+    outs, state = [], None
+    with torch.no_grad():
+        for _ in range(T):
+            out, state = net(x, state)  # direct encoding: the same input at every step
+            outs.append(out)
+    return torch.stack(outs), {n: torch.cat(s) for n, s in spikes.items()}
+
+
+@pytest.mark.parametrize("name, shape", [("small_cnn", (1, 8, 8)), ("vgg11", (1, 32, 32))])
+def test_spikingjelly_reads_our_hard_reset_file_with_the_same_meaning(name, shape, digits_data, tmp_path):
+    snn = _convert(name, shape, reset="zero")
+    path = tmp_path / "hard.nir"
+    save_nir(export_nir(snn), path)
+    inputs = [torch.rand(4, *shape)]
+    if shape == (1, 8, 8):
+        inputs.append(torch.stack([digits_data[1][i][0] for i in range(4)]))
+    for x in inputs:
+        ours, our_spikes = _trace(snn, x, T=8)
+        theirs, their_spikes = _spikingjelly_run(path, x, 8, list(our_spikes))
+        for layer, s in our_spikes.items():
+            assert torch.equal(s, their_spikes[layer]), f"spikes of {layer} differ"
+        # the readout may differ by float rounding only (spikingjelly pools with AvgPool2d where
+        # the network has AdaptiveAvgPool2d); the spikes above are identical
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_spikingjelly_refuses_our_subtractive_file(tmp_path):
+    """A reset-to-zero reader cannot mistake the subtractive encoding for its own IF."""
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    path = tmp_path / "soft.nir"
+    save_nir(export_nir(_convert("small_cnn", (1, 8, 8))), path)
+    with pytest.raises(ValueError, match="Unknown node type.*neuron.I"):
+        import_from_nir(str(path), dt=1.0)
+    with pytest.raises(NotImplementedError, match="Recurrent"):
+        import_from_nir(str(path), dt=1.0, step_mode="m")
+
+
+def test_spikingjelly_refuses_per_channel_hard_reset_thresholds(tmp_path):
+    path = tmp_path / "hard_pc.nir"
+    save_nir(export_nir(_convert("small_cnn", (1, 8, 8), per_channel=True, reset="zero")), path)
+    from spikingjelly.activation_based.nir_exchange import import_from_nir
+
+    with pytest.raises(ValueError, match="uniform"):
+        import_from_nir(str(path), dt=1.0)
+    assert parse(load_nir(path)).reset == "zero"  # while snnconv reads it exactly
