@@ -231,6 +231,7 @@ def _cmd_run(args) -> int:
             raise SnnconvError(f"{args.file} records no T; give --T")
         correct = torch.zeros(int(T), dtype=torch.float64)
         n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
+        chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
         for x, y in DataLoader(dataset, batch_size=args.batch):
             r = program.run(x, int(T))
             # accuracy of the readout averaged over the first t steps, t = 1..T
@@ -242,6 +243,8 @@ def _cmd_run(args) -> int:
                 for k, v in new.items():
                     d[k] = d[k] + v if k in d else v
             static = set(r.extra.get("static_ops", ()))
+            if "quantisation" in r.extra:
+                chip_runs.append(r)
     except (SnnconvError, OSError) as exc:
         print(f"snnconv run: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -285,6 +288,10 @@ def _cmd_run(args) -> int:
           f"traffic not counted): SNN {e_snn / 1e6:.3f} uJ vs ANN {e_ann / 1e6:.3f} uJ "
           f"({e_snn / max(e_ann, 1e-12):.2f}x), at {E_AC_PJ} pJ per AC and {E_MAC_PJ} pJ per MAC "
           "(45 nm, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler)")
+    if chip_runs:
+        from snnconv_backends.loihi2 import format_report
+
+        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
     return 0
 
 

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -116,6 +117,7 @@ class LavaProgram(Program):
     def run(self, x: torch.Tensor, T: int) -> RunResult:
         x, T = loihi2.check_input(self.q, x, T, "lava")
         x = x.detach().cpu()
+        t0 = time.perf_counter()
         spec, arrays, clipped = self.job(x, T)
         python = Path(self.options["python"]) if self.options["python"] else lava_python()
         ok, reason = _check(python)
@@ -140,7 +142,9 @@ class LavaProgram(Program):
                                    f"{stderr.strip()[-2000:]}")
             with np.load(out, allow_pickle=False) as res:
                 data = {k: res[k] for k in res.files}
-        return self._result(data, spec, T, x.shape[0], clipped)
+        res = self._result(data, spec, T, x.shape[0], clipped)
+        res.extra["seconds"] = time.perf_counter() - t0
+        return res
 
     def _result(self, data: Mapping[str, np.ndarray], spec: Mapping[str, Any], T: int, B: int,
                 clipped: int) -> RunResult:

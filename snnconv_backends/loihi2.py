@@ -45,6 +45,7 @@ mantissas at compile time, and saturation, wrapping and bias clipping are counte
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -414,7 +415,7 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8) -> tuple[np
     mixed = scaled.size > 0 and scaled.min() < 0 < scaled.max()
     lim = 2**bits - 2 if mixed else 2**bits - 1
     if amax == 0.0:
-        return np.zeros(scaled.shape, np.int32), 0, {"exp": 0, "bits": 0, "sign_mode": "excitatory",
+        return np.zeros(scaled.shape, np.int32), 0, {"exp": 0, "mant_max": 0, "bits": 0, "sign_mode": "excitatory",
                                                      "zero_rounded": 0, "rel_error": 0.0, "clipped": 0}
     e = math.ceil(math.log2(amax / lim))
     e = min(max(e, LOIHI["weight_exp_min"] - max(0, bits - 8)), LOIHI["weight_exp_max"])
@@ -427,7 +428,7 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8) -> tuple[np
     deq = m.astype(np.float64) * 2.0**e
     err = float(np.sqrt(((deq - scaled) ** 2).sum() / max((scaled**2).sum(), 1e-300)))
     sign = "mixed" if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
-    return m, e, {"exp": e, "bits": int(np.abs(m).max()).bit_length() + (1 if mixed else 0),
+    return m, e, {"exp": e, "mant_max": int(np.abs(m).max()), "bits": int(np.abs(m).max()).bit_length(),
                   "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
                   "rel_error": err, "clipped": clipped}
 
@@ -881,19 +882,43 @@ def quantisation_report(q: QuantizedNetwork) -> dict[str, Any]:
     return rep
 
 
-def format_report(result: RunResult) -> str:
-    """Human-readable text of a loihi2-sim / lava run's ``extra`` (quantisation, resources, energy)."""
-    ex = result.extra
+def _merge_runs(results: Sequence[RunResult]) -> dict[str, Any]:
+    """One ``extra`` for several runs of one program: runtime counters summed, per-image energy
+    figures averaged over the images."""
+    ex = dict(results[-1].extra)
+    if len(results) == 1:
+        return ex
+    if "quantisation" in ex:
+        rt = {k: sum(int(r.extra["quantisation"]["runtime"].get(k, 0)) for r in results)
+              for k in ("saturated", "wrapped", "bias_clipped")}
+        ex["quantisation"] = dict(ex["quantisation"], runtime=rt)
+    if "energy" in ex:
+        n = [int(r.outputs.shape[1]) for r in results]
+        e = dict(ex["energy"])
+        for k in ("per_image_J", "synops_per_image", "neuron_updates_per_image", "spikes_per_image",
+                  "ann_macs_per_image", "ann_per_image_J"):
+            e[k] = sum(r.extra["energy"][k] * b for r, b in zip(results, n)) / sum(n)
+        e["ann_over_snn"] = e["ann_per_image_J"] / e["per_image_J"] if e["per_image_J"] else float("inf")
+        ex["energy"] = e
+    return ex
+
+
+def format_report(result: RunResult | Sequence[RunResult]) -> str:
+    """Human-readable text of a loihi2-sim / lava run's ``extra``: quantisation, resources,
+    latency and energy (several runs of one program: counters summed, energy averaged)."""
+    ex = _merge_runs([result] if isinstance(result, RunResult) else list(result))
     lines = []
     q = ex.get("quantisation", {})
     if q:
-        lines.append("quantisation (per population: vth, worst-case a_in / 16-bit budget; per "
-                     "connection: exponent, mantissa bits, relative rounding error):")
+        lines.append("quantisation (per population: vth, worst-case a_in within the 16-bit budget; "
+                     "per connection: weight exponent, largest |mantissa| (8-bit; mixed sign: even "
+                     "values), relative RMS rounding error, weights rounded to zero, extra delay):")
         for name, r in q.get("layers", {}).items():
             lines.append(f"  {name:<24} depth {r['depth']:>2}  vth {r.get('vth', 0):>6}  "
                          f"a_in<= {r.get('a_in_bound', '-')}")
             for cn, c in r["connections"].items():
-                lines.append(f"      <- {cn:<20} {c['kind']:<6} exp {c['exp']:>3}  bits {c['bits']:>2}  "
+                lines.append(f"      <- {cn:<20} {c['kind']:<6} exp {c['exp']:>3}  |m|<={c['mant_max']:>3} "
+                             f"{c['sign_mode'][:5]:<5}  "
                              f"err {100 * c['rel_error']:.2f}%  zeroed {c['zero_rounded']}  "
                              f"delay +{c['delay']}")
         rt = q.get("runtime", {})
@@ -971,6 +996,7 @@ def build_result(q: QuantizedNetwork, out: torch.Tensor, counts: Mapping[str, to
                       "seconds": steps * step_seconds,
                       "note": "per-step time is an assumed order of magnitude, not a measurement"},
           "energy": energy(q, T, B, synops, total, macs)}
+    ex["static_ops"] = [op.name for op in q.static_ops]
     if extra:
         ex.update(extra)
     return RunResult(outputs=out.cpu(), spikes=counts, synops=dict(synops), macs=macs, extra=ex)
@@ -986,6 +1012,7 @@ class Loihi2Program(Program):
 
     def run(self, x: torch.Tensor, T: int) -> RunResult:
         x, T = check_input(self.q, x, T, "loihi2-sim")
+        t0 = time.perf_counter()
         x = x.to(self.device)
         bs = max(1, int(self.options["batch_size"]))
         record = bool(self.options["record"])
@@ -1006,7 +1033,7 @@ class Loihi2Program(Program):
                     setattr(stats, a, getattr(stats, a) + getattr(st, a))
                 for k, val in sy.items():
                     synops[k] = synops.get(k, 0.0) + val
-        extra = {}
+        extra: dict[str, Any] = {"seconds": time.perf_counter() - t0}
         if record:
             extra["trace"] = {"v": {k: torch.cat(v, dim=1) for k, v in vlt.items()},
                               "s": {k: torch.cat(v, dim=1) for k, v in spk.items()}}
