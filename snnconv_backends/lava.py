@@ -35,7 +35,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
-            "dense_limit": 2**22}
+            "dense_limit": 2**22, "max_memory_gb": None}
 
 
 def lava_python() -> Path:
@@ -69,6 +69,18 @@ def _check(python: Path) -> tuple[bool, str]:
             except (OSError, subprocess.TimeoutExpired) as exc:
                 _AVAILABLE[key] = (False, f"{python} does not run: {exc}")
     return _AVAILABLE[key]
+
+
+def _address_space(gb: float):
+    """A preexec function limiting each Lava process's address space to ``gb`` GiB (a failed
+    allocation then ends the run with an error instead of waking the kernel's OOM killer)."""
+    import resource
+
+    def limit() -> None:
+        n = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (n, n))
+
+    return limit
 
 
 class LavaProgram(Program):
@@ -128,8 +140,10 @@ class LavaProgram(Program):
             np.savez(job, spec=np.array(json.dumps(spec)), **arrays)
             # a session of its own: on timeout the whole group (Lava forks one process per
             # Lava process) is killed, not just the worker
+            limit = self.options["max_memory_gb"]
             proc = subprocess.Popen([str(python), str(WORKER), job, out], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                    preexec_fn=None if limit is None else _address_space(float(limit)))
             try:
                 _, stderr = proc.communicate(timeout=float(self.options["timeout"]))
             except subprocess.TimeoutExpired as exc:
@@ -192,7 +206,8 @@ class LavaBackend(Backend):
 
     Options: ``python`` (the interpreter with lava-nc 0.10.0), ``timeout`` (seconds per run),
     ``step_seconds`` (latency estimate), ``dense_limit`` (connections with more matrix entries
-    than this, batch included, run as Lava ``Sparse`` instead of ``Dense``).
+    than this, batch included, run as Lava ``Sparse`` instead of ``Dense``), ``max_memory_gb``
+    (address-space limit per Lava process).
     """
 
     name = "lava"

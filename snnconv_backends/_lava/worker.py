@@ -167,7 +167,10 @@ def main(job_path, out_path):
                 conn = DelayDense(weights=w.toarray(), delays=np.full(w.shape, delay, dtype=int),
                                   weight_exp=exp)
             else:
-                conn = DelaySparse(weights=w, delays=delay, weight_exp=exp)
+                # delays with the weights' sparsity (an int would be expanded to a dense matrix)
+                delays = w.copy()
+                delays.data = np.full(delays.data.shape, delay, dtype=int)
+                conn = DelaySparse(weights=w, delays=delays, weight_exp=exp)
             src.s_out.connect(conn.s_in)
             conn.a_out.connect(procs[p["name"]].a_in)
             conns.append(conn)
