@@ -75,7 +75,7 @@ def main() -> None:
         from snnconv_backends.lava import LavaBackend
 
         t0 = time.perf_counter()
-        res = LavaBackend().compile(graph).run(x[:args.lava], args.T)
+        res = LavaBackend().compile(graph, max_memory_gb=4).run(x[:args.lava], args.T)
         t = time.perf_counter() - t0
         info = res.extra["lava"]
         print(f"{'lava (' + str(args.lava) + ' images)':<40} {args.lava * args.T / t:10.2f} image-steps/s "

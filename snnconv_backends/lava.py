@@ -174,15 +174,13 @@ class LavaProgram(Program):
                 s_win[p.name] = s[d:d + T].clone()
                 counts[p.name] = s_win[p.name].reshape(T, -1).sum(1).float()
                 before_ok &= bool((v[:d] == p.v_init).all()) and not bool(s[:d].any())
-        shapes = {p.name: p.shape for p in q.populations}
         for p in q.populations:
             for c in p.conns:
                 if c.kind == "bias":
-                    synops[c.name] = synops.get(c.name, 0.0) + float(T * B * p.size)
+                    synops[c.name] = synops.get(c.name, 0.0) + float(T * B) * float(c.fanout.sum())
                 else:
-                    src = s_win[c.source].float()
-                    synops[c.name] = synops.get(c.name, 0.0) + loihi2._synops(
-                        c, src, shapes[c.source], p.shape)
+                    per_neuron = s_win[c.source].reshape(T * B, -1).float().sum(0)
+                    synops[c.name] = synops.get(c.name, 0.0) + loihi2._synops(c, per_neuron)
         r = q.readout
         out = v_win[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64)
         out = out.float().reshape(T, B, *q.graph.output_shape)

@@ -624,27 +624,36 @@ def bias_current(z: torch.Tensor, pop: Population) -> tuple[torch.Tensor, torch.
     s = torch.as_tensor(pop.neuron_scale(), dtype=torch.float64, device=z.device)
     val = z.double() * s
     mmax, emax = LOIHI["bias_mant_max"], LOIHI["bias_exp_max"]
+    mag = val.abs()
     exp = torch.zeros_like(val, dtype=torch.int32)
-    for k in range(emax):
-        exp = torch.where(torch.round(val.abs() / 2.0**exp.double()) > mmax, exp + 1, exp)
-    mant = torch.round(val / 2.0 ** exp.double())
+    for k in range(emax):  # the smallest exponent whose rounded mantissa fits
+        exp += (torch.round(mag * 2.0**-k) > mmax).to(torch.int32)
+    mant = torch.round(torch.ldexp(val, -exp.double()))
     clipped = int((mant.abs() > mmax).sum())
     mant = mant.clamp(-mmax, mmax).to(torch.int32)
     return mant, exp, clipped
 
 
+# Execution runs on float32 tensors holding integers: every value is an integer of magnitude
+# below 2**24 (|v| < 2**23, |u| <= 2**21, partial synaptic sums <= 2**23 by the compile-time
+# bound), so float32 arithmetic is exact, and faster than integer tensors on CPUs.
+
 def _shift(a: torch.Tensor, e: int) -> torch.Tensor:
-    return a << e if e > 0 else (a >> -e if e < 0 else a)
+    """``a << e`` (``e >= 0``) or the arithmetic ``a >> -e`` (a floor), on integer-valued floats."""
+    if e > 0:
+        return a * float(2**e)
+    if e < 0:
+        return torch.floor(a * 2.0**e)
+    return a
 
 
-def _exact_int(y: torch.Tensor, recompute) -> torch.Tensor:
-    """Float32 results of integer arithmetic -> int32 (exact: every partial sum is an integer
-    below 2**24). Guard against a library algorithm that is not exact (Winograd, FFT): if the
-    first rows are not integral, everything is recomputed in float64."""
+def _exact(y: torch.Tensor, recompute) -> torch.Tensor:
+    """Guard against a library algorithm that is not exact on integers (Winograd, FFT): if the
+    first rows of ``y`` are not integral, everything is recomputed in float64 and rounded."""
     head = y[:64]
-    if head.numel() and float((head - torch.round(head)).abs().max()) > 0.25:
-        y = recompute()
-    return torch.round(y).to(torch.int32)
+    if head.numel() and bool((head != torch.round(head)).any()):
+        return torch.round(recompute()).to(y.dtype)
+    return y
 
 
 class _Stats:
@@ -655,67 +664,82 @@ class _Stats:
 
 
 def _apply_conn(c: Connection, s: torch.Tensor, src_shape, tgt_shape, cache: dict) -> torch.Tensor:
-    """Integer ``a`` of connection ``c`` for spikes ``s`` ``[TB, *src_shape]`` (0/1 float32) -> ``[TB, N]``."""
+    """The current ``u = a << 6`` of connection ``c`` (``a = (W s) << e``, a floor for
+    ``e < 0``) for spikes ``s`` ``[TB, *src_shape]`` (0/1 float32) -> ``[TB, N]``.
+
+    For ``e >= 0`` the shifts are folded into the weights (``m * 2**(e + 6)``; every partial sum
+    stays below ``2**21``); for ``e < 0`` the floor must see the whole sum.
+    """
     TB = s.shape[0]
     key = (c.name, c.target, s.device)
+    fold = c.exp >= 0
     if key not in cache:
+        m = c.mant.astype(np.float64) * (2.0 ** (c.exp + LOIHI["act_shift"]) if fold else 1.0)
         if c.kind == "matrix":
-            cache[key] = torch.as_tensor(c.mant.T, dtype=torch.float32, device=s.device).contiguous()
+            cache[key] = torch.as_tensor(m.T, dtype=torch.float32, device=s.device).contiguous()
         else:
-            cache[key] = torch.as_tensor(c.mant, dtype=torch.float32, device=s.device)
+            cache[key] = torch.as_tensor(m, dtype=torch.float32, device=s.device)
     w = cache[key]
     if c.kind == "conv":
-        y = _exact_int(_conv(s, w, c.conv), lambda: _conv(s.double(), w.double(), c.conv))
+        y = _exact(_conv(s, w, c.conv), lambda: _conv(s.double(), w.double(), c.conv))
     elif c.kind == "matrix":
         flat = s.reshape(TB, -1)
-        y = _exact_int(flat @ w, lambda: flat.double() @ w.double())
+        y = _exact(flat @ w, lambda: flat.double() @ w.double())
     else:  # diag
-        y = (s.reshape(TB, -1) * w).to(torch.int32)
-    return _shift(y.reshape(TB, -1), c.exp)
+        y = s.reshape(TB, -1) * w
+    y = y.reshape(TB, -1)
+    if fold:
+        return y
+    return torch.floor(y * 2.0**c.exp).mul_(float(2 ** LOIHI["act_shift"]))
 
 
 def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor | None, T: int,
                  B: int, stats: _Stats, record: bool):
-    """Run ``T`` steps of ``pop``: returns (spikes ``[T, B, N]`` float32, voltages or None)."""
+    """Run ``T`` steps of ``pop``: returns (spikes ``[T, B, N]`` float32 0/1, voltages int32 or
+    None). ``a_in``: the current ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
+    ``bias``: ``[B, N]``."""
     n = pop.size
     dev = (a_in if a_in is not None else bias).device
     if a_in is None:
-        u = torch.zeros(T, B, n, dtype=torch.int32, device=dev)
+        u = torch.zeros(T, B, n, dtype=torch.float32, device=dev)
     else:
-        u = a_in.reshape(T, B, n) << LOIHI["act_shift"]
+        u = a_in.reshape(T, B, n)
         bound = pop.report.get("a_in_bound")
         if bound is None or (bound + 1) << LOIHI["act_shift"] > _V_MAX:
             # Lava's wrap of the 24-bit current (AbstractPyLifModelFixed.subthr_dynamics); the
             # compile-time bound makes this unreachable for networks made by quantize()
-            over, under = u > _V_MAX, u <= -_V_MAX
+            ui = u.to(torch.int64)
+            over, under = ui > _V_MAX, ui <= -_V_MAX
             stats.wrapped += int(over.sum() + under.sum())
-            w = torch.where(over, u - 2 * _V_MAX, u)
-            u = torch.where(w <= -_V_MAX, u + 2 * _V_MAX, w)
+            w = torch.where(over, ui - 2 * _V_MAX, ui)
+            u = torch.where(w <= -_V_MAX, ui + 2 * _V_MAX, w).to(torch.float32)
     if bias is not None:
-        u = u + bias.reshape(1, B, n)
-    lo, hi = -_V_MAX + 1, _V_MAX - 1
+        u = u + bias.reshape(1, B, n).to(torch.float32)
+    lo, hi = float(-_V_MAX + 1), float(_V_MAX - 1)
     if pop.role == "readout":
         v = u.clamp(lo, hi)
         stats.saturated += int((v != u).sum())
-        return None, v
-    vth = pop.vth << LOIHI["vth_shift"]
-    v = torch.full((B, n), pop.v_init, dtype=torch.int32, device=dev)
+        return None, v.to(torch.int32)
+    vth = float(pop.vth << LOIHI["vth_shift"])
+    v = torch.full((B, n), float(pop.v_init), dtype=torch.float32, device=dev)
     spikes = torch.empty(T, B, n, dtype=torch.float32, device=dev)
     volts = torch.empty(T, B, n, dtype=torch.int32, device=dev) if record else None
-    sat = torch.zeros((), dtype=torch.int64, device=dev)
+    hard = pop.reset == "zero"
     for t in range(T):
-        h = v + u[t]
-        v = h.clamp(lo, hi)
-        sat += (v != h).sum()
-        s = v > vth
-        if pop.reset == "zero":
-            v = torch.where(s, torch.zeros_like(v), v)
+        v.add_(u[t])
+        vmin, vmax = torch.aminmax(v)
+        if float(vmin) < lo or float(vmax) > hi:  # 24-bit saturation (rare): clip and count
+            stats.saturated += int(((v < lo) | (v > hi)).sum())
+            v.clamp_(lo, hi)
+        if hard:
+            fired = torch.gt(v, vth)
+            spikes[t].copy_(fired)
+            v.masked_fill_(fired, 0.0)
         else:
-            v = v - s.to(torch.int32) * vth
-        spikes[t] = s
+            torch.gt(v, vth, out=spikes[t])
+            v.sub_(spikes[t], alpha=vth)
         if record:
-            volts[t] = v
-    stats.saturated += int(sat)
+            volts[t] = v.to(torch.int32)
     return spikes, volts
 
 
@@ -734,6 +758,7 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
     volts: dict[str, torch.Tensor] = {}
     stats = _Stats()
     synops: dict[str, float] = {}
+    per_neuron: dict[str, torch.Tensor] = {}   # spikes per source neuron, summed over T and B
     cache: dict = {}
     left: dict[str, int] = {}
     for p in q.populations:
@@ -751,14 +776,14 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
             bias = mant << exp
         for c in p.conns:
             if c.kind == "bias":
-                a = _shift(torch.as_tensor(c.mant, dtype=torch.int32, device=x.device), c.exp)
-                a = a.reshape(1, -1).expand(T * B, -1)
-                synops[c.name] = synops.get(c.name, 0.0) + float(T * B * p.size)
+                a = _shift(torch.as_tensor(c.mant, dtype=torch.float32, device=x.device), c.exp)
+                a = (a * float(2 ** LOIHI["act_shift"])).reshape(1, -1).expand(T * B, -1)
+                synops[c.name] = synops.get(c.name, 0.0) + float(T * B) * float(c.fanout.sum())
             else:
                 src = spikes[c.source]
                 a = _apply_conn(c, src.reshape(T * B, *shapes[c.source]), shapes[c.source],
                                 p.shape, cache)
-                synops[c.name] = synops.get(c.name, 0.0) + _synops(c, src, shapes[c.source], p.shape)
+                synops[c.name] = synops.get(c.name, 0.0) + _synops(c, per_neuron[c.source])
                 left[c.source] -= 1
                 if left[c.source] == 0 and not record:
                     del spikes[c.source]
@@ -766,7 +791,9 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
         s, v = _neuron_loop(p, a_in, bias, T, B, stats, record)
         if s is not None:
             spikes[p.name] = s
-            counts[p.name] = s.reshape(T, -1).sum(1)
+            by_step = s.reshape(T, B, -1).sum(1)           # [T, N]
+            counts[p.name] = by_step.sum(1)
+            per_neuron[p.name] = by_step.sum(0)
         if v is not None:
             volts[p.name] = v
     r = q.readout
@@ -794,9 +821,10 @@ def _fanout(kind: str, mant: np.ndarray, conv: Mapping[str, Any] | None, src_sha
     return (mant.reshape(-1) != 0).astype(np.float64)
 
 
-def _synops(c: Connection, spikes: torch.Tensor, src_shape, tgt_shape) -> float:
-    f = torch.as_tensor(c.fanout, dtype=torch.float64, device=spikes.device)
-    return float((spikes.reshape(-1, f.numel()).sum(0).double() * f).sum())
+def _synops(c: Connection, per_neuron: torch.Tensor) -> float:
+    """Synaptic operations of ``c`` given its source's spike count per neuron ``[N_source]``."""
+    f = torch.as_tensor(c.fanout, dtype=torch.float64, device=per_neuron.device)
+    return float((per_neuron.reshape(-1).double() * f).sum())
 
 
 # --- reports --------------------------------------------------------------------------------
@@ -950,7 +978,7 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
 
 # --- the backend ----------------------------------------------------------------------------
 
-_OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": 256}
+_OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -1014,7 +1042,10 @@ class Loihi2Program(Program):
         x, T = check_input(self.q, x, T, "loihi2-sim")
         t0 = time.perf_counter()
         x = x.to(self.device)
-        bs = max(1, int(self.options["batch_size"]))
+        bs = self.options["batch_size"]
+        if bs is None:  # cache-sized chunks on a CPU (256 time-folded samples), 256 images on a GPU
+            bs = 256 if self.device.type != "cpu" else max(1, 256 // T)
+        bs = max(1, int(bs))
         record = bool(self.options["record"])
         outs, cnt, spk, vlt = [], {}, {}, {}
         stats = _Stats()
@@ -1045,7 +1076,8 @@ class Loihi2SimBackend(Backend):
     """Bit-exact fixed-point Loihi 2 model (Lava's arithmetic), vectorised with torch.
 
     Options: ``device`` ("cpu" or a CUDA device), ``record`` (membrane traces in
-    ``extra["trace"]``), ``step_seconds`` (latency estimate), ``batch_size``.
+    ``extra["trace"]``), ``step_seconds`` (latency estimate), ``batch_size`` (images per
+    chunk; default ``256 // T`` on a CPU, where cache-sized chunks run fastest, else 256).
     """
 
     name = "loihi2-sim"
