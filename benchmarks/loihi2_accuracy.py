@@ -8,7 +8,8 @@ results/cache or trained, 3 epochs), converted with ``snnconv.convert`` (per-cha
 for reset "subtract" and "zero"; each SNN is run on the test set by the torch SpikingNetwork
 (the float reference ``cpu`` reproduces bit for bit) and by loihi2-sim. ``--limit`` evaluates
 the first N test images only. Digits: the demo SmallCNN trained for 15 epochs on scikit-learn
-digits (seconds on a CPU). Also measures, per connection, what its 8-bit budget costs: the
+digits (seconds on a CPU); digits-resnet8: ResNet-8 (residual) on digits upsampled to 16x16,
+15 epochs, cached under results/cache. Also measures, per connection, what its 8-bit budget costs: the
 accuracy with that one connection at 8 bits and every other at 16 (``--per-layer``).
 Writes results/loihi2_accuracy_<dataset>.json.
 """
@@ -33,6 +34,31 @@ from snnconv_backends.loihi2 import Loihi2Program, _OPTIONS, quantize  # noqa: E
 
 
 def data(name: str, limit: int | None):
+    if name == "digits-resnet8":  # residual: snnconv.models.resnet8 on digits upsampled to 16x16
+        import torch.nn.functional as F
+        from torch.utils.data import TensorDataset
+
+        from snnconv.data import digits
+        from snnconv.demo import train_ann
+        from snnconv.models import resnet8
+
+        def up(ds):
+            x, y = ds.tensors
+            return TensorDataset(F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False), y)
+
+        tr, te = (up(d) for d in digits(seed=0))
+        path = os.path.join(os.path.dirname(__file__), "results", "cache", "digits16-resnet8-e15-s0.pt")
+        torch.manual_seed(0)
+        ann = resnet8(num_classes=10, in_channels=1)
+        if os.path.exists(path):
+            ann.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        else:
+            train = DataLoader(tr, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+            ann = train_ann(ann, train, epochs=15, progress=False)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(ann.state_dict(), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return ann.eval(), DataLoader(tr, batch_size=256), te
     if name == "digits":
         from snnconv.data import digits
         from snnconv.demo import train_ann
@@ -65,7 +91,7 @@ def evaluate(fn, dataset, batch: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", default="digits", choices=["digits", "fmnist"])
+    ap.add_argument("--dataset", default="digits", choices=["digits", "digits-resnet8", "fmnist"])
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--limit", type=int, default=None)
@@ -85,14 +111,16 @@ def main() -> None:
         graph = export_nir(snn.cpu())
         snn = snn.to(args.device)
         t0 = time.perf_counter()
-        p_ref, acc_ref = evaluate(lambda x: snn.run(x.to(args.device), args.T), test, args.batch)
+        ref_backend = "cpu" if args.device == "cpu" else "gpu"
+        ref_prog = snnconv.backends.get(ref_backend).compile(graph)
+        p_ref, acc_ref = evaluate(lambda x: ref_prog.run(x, args.T).outputs, test, args.batch)
         t_ref = time.perf_counter() - t0
         q = quantize(graph)
         prog = Loihi2Program(q, dict(_OPTIONS, device=args.device))
         t0 = time.perf_counter()
         p_sim, acc_sim = evaluate(lambda x: prog.run(x, args.T).outputs, test, args.batch)
         t_sim = time.perf_counter() - t0
-        rec = {"float_snn": acc_ref, "loihi2_sim": acc_sim, "difference": acc_sim - acc_ref,
+        rec = {"reference_backend": ref_backend, "float_snn": acc_ref, "loihi2_sim": acc_sim, "difference": acc_sim - acc_ref,
                "agreement": float((p_ref == p_sim).float().mean()) * 100,
                "seconds_float": t_ref, "seconds_sim": t_sim}
         if args.per_layer:

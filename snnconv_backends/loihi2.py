@@ -529,6 +529,8 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
                 w = _compose(chain, src_shape, n)
             weighted = [op.name for op in chain if op.kind in ("conv1d", "conv2d", "affine", "linear")]
             cname = weighted[-1] if weighted else f"{s}->{tgt.name}"
+            if any(r[0] == cname for r in raw):  # two chains from one source: distinct names
+                cname = f"{cname}#{sum(r[0].split('#')[0] == cname for r in raw) + 1}"
             raw.append((cname, s, kind, w, cparams if kind == "conv" else None))
         const = mp.const(tgt.name).reshape(-1).numpy()
         # per-neuron worst-case sums in float units
@@ -593,6 +595,10 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
         rep = {"vth": vth, "v_threshold": vth << 6 if role == "neuron" else None,
                "a_in_bound": bound, "a_in_budget": a_max,
                "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c))}
+        if role == "neuron" and vth < 64:
+            rep["warning"] = (f"vth = {vth}: the worst-case input is {a_max * 64 // max(vth, 1)} times "
+                              "the threshold, so the threshold has few bits; expect a larger "
+                              "deviation from the float network in this layer")
         pops.append(Population(tgt.name, role, shape, d, vth,
                                (vth << 6) // 2 if reset == "subtract" else 0, reset,
                                np.asarray(scale_c, np.float64), tuple(conns), False, rep))
@@ -943,7 +949,8 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
                      "values), relative RMS rounding error, weights rounded to zero, extra delay):")
         for name, r in q.get("layers", {}).items():
             lines.append(f"  {name:<24} depth {r['depth']:>2}  vth {r.get('vth', 0):>6}  "
-                         f"a_in<= {r.get('a_in_bound', '-')}")
+                         f"a_in<= {r.get('a_in_bound', '-')}"
+                         + (f"  WARNING: {r['warning']}" if "warning" in r else ""))
             for cn, c in r["connections"].items():
                 lines.append(f"      <- {cn:<20} {c['kind']:<6} exp {c['exp']:>3}  |m|<={c['mant_max']:>3} "
                              f"{c['sign_mode'][:5]:<5}  "
