@@ -54,12 +54,14 @@ def main() -> None:
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
           f"threads {args.threads}; batch {args.batch}; T {args.T}; reset {args.reset}")
     steps = args.batch * args.T
+    ref = "gpu" if args.device.startswith("cuda") else "cpu"
     try:
-        cpu = snnconv.backends.get("cpu").compile(graph)
-        run_cpu, label = (lambda: cpu.run(x, args.T)), "cpu backend"
+        cpu = snnconv.backends.get(ref).compile(graph)
+        run_cpu, label = (lambda: cpu.run(x, args.T)), f"{ref} backend"
     except snnconv.BackendError:
         run_cpu, label = (lambda: snn.run(x, args.T)), "torch SpikingNetwork (cpu reference)"
     with torch.no_grad():
+        run_cpu()  # warm-up (CUDA kernels, caches)
         t_cpu = best(run_cpu, args.repeats)
     print(f"{label:<40} {steps / t_cpu:10.0f} image-steps/s ({t_cpu:.2f} s)")
     from snnconv_backends.loihi2 import Loihi2SimBackend
@@ -68,9 +70,10 @@ def main() -> None:
     prog = Loihi2SimBackend().compile(graph, device=args.device)
     print(f"loihi2-sim compile (quantisation)        {time.perf_counter() - t0:.2f} s")
     xs = x.to(args.device)
+    prog.run(xs, args.T)  # warm-up
     t_sim = best(lambda: prog.run(xs, args.T), args.repeats)
     print(f"{'loihi2-sim on ' + args.device:<40} {steps / t_sim:10.0f} image-steps/s ({t_sim:.2f} s); "
-          f"ratio to cpu {t_cpu / t_sim:.2f}")
+          f"ratio to {ref} {t_cpu / t_sim:.2f}")
     if args.lava:
         from snnconv_backends.lava import LavaBackend
 
