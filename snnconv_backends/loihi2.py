@@ -985,7 +985,8 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
 
 # --- the backend ----------------------------------------------------------------------------
 
-_OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None}
+_OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
+            "weight_bits": 8}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -1084,11 +1085,13 @@ class Loihi2SimBackend(Backend):
 
     Options: ``device`` ("cpu" or a CUDA device), ``record`` (membrane traces in
     ``extra["trace"]``), ``step_seconds`` (latency estimate), ``batch_size`` (images per
-    chunk; default ``256 // T`` on a CPU, where cache-sized chunks run fastest, else 256).
+    chunk; default ``256 // T`` on a CPU, where cache-sized chunks run fastest, else 256),
+    ``weight_bits`` (8, Loihi's synapses; more, or a mapping connection -> bits, only to
+    measure what the 8-bit budget costs: such a network cannot run on the chip).
     """
 
     name = "loihi2-sim"
 
     def compile(self, graph: Any, **options: Any) -> Loihi2Program:
         opts = _check_options(self.name, options)
-        return Loihi2Program(quantize(graph), opts)
+        return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"]), opts)

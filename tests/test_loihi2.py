@@ -138,6 +138,8 @@ def test_bad_input_and_options_are_refused():
     g = small_graph("zero")
     with pytest.raises(BackendError, match="unknown option"):
         Loihi2SimBackend().compile(g, bogus=1)
+    with pytest.raises(BackendError, match="weight_bits"):
+        Loihi2SimBackend().compile(g, weight_bits=0)
     prog = Loihi2SimBackend().compile(g)
     with pytest.raises(BackendError, match="expected"):
         prog.run(torch.rand(2, 1, 7, 7), 4)

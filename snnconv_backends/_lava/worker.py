@@ -152,7 +152,7 @@ def main(job_path, out_path):
             if c["source"] == "__clock__":
                 if clock is None:  # always on: bias 1 > vth 0 at every step
                     clock = LIF(shape=(1,), du=4095, dv=0, vth=0, bias_mant=1, bias_exp=0,
-                                name="clock")
+                                name="__snnconv_clock__")
                 src, n_src = clock, 1
                 w = sp.vstack([sp.coo_matrix((vals.astype(np.int32), (rows, cols)), shape=(n_tgt, 1))] * B).tocsr()
             else:
