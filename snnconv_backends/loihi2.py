@@ -596,7 +596,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
                "a_in_bound": bound, "a_in_budget": a_max,
                "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c))}
         if role == "neuron" and vth < 64:
-            rep["warning"] = (f"vth = {vth}: the worst-case input is {a_max * 64 // max(vth, 1)} times "
+            rep["warning"] = (f"vth = {vth}: the worst-case input is about {a_max // max(vth, 1)} times "
                               "the threshold, so the threshold has few bits; expect a larger "
                               "deviation from the float network in this layer")
         pops.append(Population(tgt.name, role, shape, d, vth,
