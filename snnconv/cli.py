@@ -172,6 +172,148 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+# energy per operation, 45 nm CMOS, 32-bit float (Horowitz, "Computing's energy problem (and
+# what we can do about it)", ISSCC 2014; the defaults of spikingjelly's SimpleEnergyProfiler):
+# an accumulate (AC, one add) 0.9 pJ, a multiply-accumulate (MAC) 3.7 + 0.9 = 4.6 pJ
+E_AC_PJ, E_MAC_PJ = 0.9, 4.6
+_RUN_DATA = ("digits", "fashion_mnist", "cifar10")
+
+
+def _run_dataset(name: str, root: str | None):
+    from .data import cifar10, digits, fashion_mnist
+    from .errors import DataError
+
+    if name == "digits":
+        return digits(seed=0)[1]
+    if name == "fashion_mnist":
+        return fashion_mnist(root, train=False)
+    if name == "cifar10":
+        if not root:
+            raise DataError("--data cifar10 needs --data-root DIR (holding cifar-10-batches-py)")
+        return cifar10(root, train=False)
+    raise DataError(f"unknown --data {name!r}; choose one of {', '.join(_RUN_DATA)}")
+
+
+def _backend_options(pairs: list[str]) -> dict:
+    import json
+
+    from .errors import BackendError
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BackendError(f"--option {pair!r} is not KEY=VALUE (e.g. dtype=float64)")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _cmd_run(args) -> int:
+    """``snnconv run FILE.nir --backend cpu --data digits --T 8``: accuracy, spikes, synops, energy."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from . import backends
+    from .errors import SnnconvError
+    from .nir_io import load_nir
+
+    try:
+        graph = load_nir(args.file)
+        program = backends.get(args.backend).compile(graph, **_backend_options(args.option))
+        dataset = _run_dataset(args.data, args.data_root)
+        if args.limit:
+            dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+        T = args.T if args.T is not None else graph.metadata.get("T")
+        if T is None:
+            raise SnnconvError(f"{args.file} records no T; give --T")
+        correct = torch.zeros(int(T), dtype=torch.float64)
+        n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
+        chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
+        for x, y in DataLoader(dataset, batch_size=args.batch):
+            r = program.run(x, int(T))
+            # accuracy of the readout averaged over the first t steps, t = 1..T
+            mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, int(T) + 1).view(-1, 1, 1)
+            correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
+            n += len(y)
+            seconds += float(r.extra.get("seconds", 0.0))
+            for d, new in ((spikes, r.spikes), (synops, r.synops), (macs, r.macs)):
+                for k, v in new.items():
+                    d[k] = d[k] + v if k in d else v
+            static = set(r.extra.get("static_ops", ()))
+            if "quantisation" in r.extra:
+                chip_runs.append(r)
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv run: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    T = int(T)
+    from snnconv_backends.nirgraph import parse
+
+    sizes = {op.name: op.out_shape for op in parse(graph).ops if op.kind == "neuron"}
+    print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
+          f"{seconds:.2f} s ({n * T / max(seconds, 1e-9):.0f} image-steps/s)")
+    print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
+    print("accuracy by t: " + ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist())))
+    print("\nspikes per neuron layer (rate = spikes per neuron per step)")
+    rows = [["layer", "neurons", "spikes", "rate", "by step"]]
+    for name, counts in spikes.items():
+        units = int(torch.Size(sizes[name]).numel())
+        rate = float(counts.sum()) / (units * n * T)
+        rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
+                     " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
+    _print_table(rows)
+    print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
+    rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
+    e_snn = 0.0
+    for name, m in macs.items():
+        ac = synops.get(name)
+        if ac is None:  # not fed by spikes: dense MACs, once for a static layer, else every step
+            e_snn += m / n * (1 if name in static else T) * E_MAC_PJ
+            rows.append([name, "(dense: " + ("once" if name in static else f"x{T}") + ")",
+                         f"{m / n:.4g}", ""])
+        else:
+            e_snn += ac / n * E_AC_PJ
+            rows.append([name, f"{ac / n:.4g}", f"{m / n:.4g}", f"{ac / m:.3f}"])
+    for name, ac in synops.items():
+        if name not in macs:  # an identity-shortcut Scale: one add per spike
+            e_snn += ac / n * E_AC_PJ
+            rows.append([name, f"{ac / n:.4g}", "0", ""])
+    tot_ac, tot_mac = sum(synops.values()) / n, sum(macs.values()) / n
+    rows.append(["total", f"{tot_ac:.4g}", f"{tot_mac:.4g}", f"{tot_ac / max(tot_mac, 1e-9):.3f}"])
+    _print_table(rows)
+    e_ann = tot_mac * E_MAC_PJ
+    print(f"\nenergy estimate per image (synaptic arithmetic only; neuron updates and memory "
+          f"traffic not counted): SNN {e_snn / 1e6:.3f} uJ vs ANN {e_ann / 1e6:.3f} uJ "
+          f"({e_snn / max(e_ann, 1e-12):.2f}x), at {E_AC_PJ} pJ per AC and {E_MAC_PJ} pJ per MAC "
+          "(45 nm, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler)")
+    if chip_runs:
+        from snnconv_backends.loihi2 import format_report
+
+        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
+    return 0
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _cmd_backends(args) -> int:
+    """``snnconv backends``: every installed backend, usable or not, and why not."""
+    from . import backends
+
+    rows = [["backend", "usable", "why not"]]
+    for name, (ok, reason) in backends.available().items():
+        rows.append([name, "yes" if ok else "no", reason])
+    _print_table(rows)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="snnconv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,7 +344,25 @@ def main(argv: list[str] | None = None) -> int:
                              description="example: snnconv inspect runs/net.nir")
     inspect.add_argument("file", help="a NIR (HDF5) file")
 
+    run = sub.add_parser("run", help="run a NIR file on a backend: accuracy, spikes, synops, energy",
+                         description="example: snnconv run runs/net.nir --backend cpu --data digits --T 8")
+    run.add_argument("file", help="a NIR (HDF5) file")
+    run.add_argument("--backend", default="cpu", help="cpu, gpu, ... (see: snnconv backends)")
+    run.add_argument("--data", default="digits", choices=_RUN_DATA, help="test set to evaluate on")
+    run.add_argument("--data-root", help="dataset folder (Fashion-MNIST IDX files, CIFAR-10)")
+    run.add_argument("--T", type=int, help="time steps (default: the T recorded in the file)")
+    run.add_argument("--batch", type=int, default=256)
+    run.add_argument("--limit", type=int, default=0, help="first N test images only")
+    run.add_argument("--option", action="append", metavar="KEY=VALUE",
+                     help="a backend option, e.g. --option dtype=float64 (repeatable)")
+
+    sub.add_parser("backends", help="list the installed backends and why one is unavailable")
+
     args = parser.parse_args(argv)
+    if args.command == "run":
+        return _cmd_run(args)
+    if args.command == "backends":
+        return _cmd_backends(args)
     if args.command == "export":
         return _cmd_export(args)
     if args.command == "inspect":
