@@ -96,34 +96,47 @@ def run_sj(net: torch.nn.Module, x: torch.Tensor, T: int) -> torch.Tensor:
     return out / T
 
 
+def interleaved(methods: dict, repeats: int) -> dict[str, float]:
+    """Best time of each method over ``repeats`` rounds, the methods taking turns within a round
+    (so that a change in machine load hits every method alike)."""
+    for fn in methods.values():
+        fn()  # warm-up (oneDNN primitives, allocator, compilation)
+    best = {name: float("inf") for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def measure(name: str, T: int, batch: int, repeats: int, compiled: bool, peers: bool) -> dict:
     model, ann, snn, calib = build(name, T)
     x = torch.rand(batch, *SHAPE, generator=torch.Generator().manual_seed(1)) * 2 - 1
     graph = export_nir(snn, input_shape=SHAPE)
-    rows: dict[str, dict] = {}
+    cpu = snnconv.backends.get("cpu").compile(graph)
+    methods = {"ann": lambda: [ann(x) for _ in range(T)], "torch_snn": lambda: snn(x),
+               "cpu": lambda: cpu.run(x, T)}
+    extra: dict[str, dict] = {"cpu": {}}
     with torch.no_grad():
-        t_ann = best_time(lambda: [ann(x) for _ in range(T)], repeats)
-        rows["ann"] = {"seconds": t_ann}
-        rows["torch_snn"] = {"seconds": best_time(lambda: snn(x), repeats)}
-        cpu = snnconv.backends.get("cpu").compile(graph)
-        rows["cpu"] = {"seconds": best_time(lambda: cpu.run(x, T), repeats)}
         result = cpu.run(x, T)
-        with torch.no_grad():
-            same = torch.equal(result.outputs, snn.run(x, T))
-        rows["cpu"]["bit_identical_to_torch_snn"] = same
+        extra["cpu"]["bit_identical_to_torch_snn"] = torch.equal(result.outputs, snn.run(x, T))
         if compiled:
             fused = snnconv.backends.get("cpu").compile(graph, neuron="compiled")
             t0 = time.perf_counter()
             warm = fused.run(x, T)
-            rows["cpu_compiled"] = {"seconds": best_time(lambda: fused.run(x, T), repeats),
-                                    "first_call_seconds": time.perf_counter() - t0,
-                                    "bit_identical_to_torch_snn": torch.equal(warm.outputs, result.outputs)}
+            extra["cpu_compiled"] = {"first_call_seconds": time.perf_counter() - t0,
+                                     "bit_identical_to_torch_snn": torch.equal(warm.outputs, result.outputs)}
+            methods["cpu_compiled"] = lambda: fused.run(x, T)
         if peers:
             net = spikingjelly_net(model, calib)
-            rows["spikingjelly"] = {"seconds": best_time(lambda: run_sj(net, x, T), repeats)}
-    for row in rows.values():
-        row["image_steps_per_s"] = batch * T / row["seconds"]
-        row["ratio_to_T_ann"] = row["seconds"] / t_ann
+            methods["spikingjelly"] = lambda: run_sj(net, x, T)
+        times = interleaved(methods, repeats)
+    t_ann = times["ann"]
+    rows = {}
+    for method, seconds in times.items():
+        rows[method] = {"seconds": seconds, "image_steps_per_s": batch * T / seconds,
+                        "ratio_to_T_ann": seconds / t_ann, **extra.get(method, {})}
     neurons = sum(float(c.sum()) for c in result.spikes.values())
     sizes = {op.name: op.out_shape for op in cpu.plan.ops if op.kind == "neuron"}
     units = sum(torch.Size(s).numel() for s in sizes.values()) * batch * T
@@ -181,7 +194,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["resnet20", "resnet18"])
+    p.add_argument("--models", nargs="*", default=["resnet20", "resnet18"])
     p.add_argument("--T", nargs="+", type=int, default=[4, 8])
     p.add_argument("--batch", type=int, default=None,
                    help="batch size (default: 128 for resnet20, 32 for resnet18)")
