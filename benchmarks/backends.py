@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"results": results, "threads": args.threads, "torch": torch.__version__,
               "cpu": platform.processor() or platform.machine(),
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "command": "python benchmarks/backends.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": " ".join(["python benchmarks/backends.py"]
+                                  + (argv if argv is not None else sys.argv[1:]))}
     if args.crossover:
         report["crossover"] = crossover(args.batch or 32, args.repeats)
         print(json.dumps(report["crossover"], indent=1))

@@ -264,9 +264,10 @@ class Plan:
                                    f"{shape[0]} steps but T={T}")
             seq = True
         else:
+            dims = ", ".join(map(str, self.input_shape))
             raise BackendError(f"backend {self.backend!r}: input shape {shape} does not fit the "
-                               f"graph's input {self.input_shape}; give [B, {', '.join(map(str, self.input_shape))}]"
-                               f" (static) or [T, B, ...] (a sequence)")
+                               f"graph's input {self.input_shape}; give [B, {dims}] (static) or "
+                               "[T, B, ...] (a sequence)")
         if shape[-n - 1 if not seq else 1] == 0:
             raise BackendError(f"backend {self.backend!r}: the batch is empty (shape {shape})")
         return x.to(device=self.device, dtype=self.dtype), seq
