@@ -18,8 +18,10 @@ bit-identical on the same device and dtype:
   differently), summed inputs are added in edge order.
 
 Statistics (spike counts per step, synaptic operations, ANN MACs) come from one reduction of
-each neuron's spikes over the batch; fan-outs are structural (every weight position counts,
-padding excluded) and computed once per graph.
+each neuron's spikes over the batch. Synaptic operations of a layer fed by spikes (directly or
+through pooling/flatten) are each spike times its structural fan-out through that composition
+(every weight position counts, padding excluded, pooling folded into the layer), computed once
+per graph; for a layer fed directly by spikes this is spikingjelly's ``SynOpCounter`` count.
 """
 
 from __future__ import annotations
