@@ -418,15 +418,16 @@ def _if_fused(T: int, static: bool, reset: str) -> Callable:
     """The IF dynamics of :func:`_if_loop` unrolled over ``T`` steps, written out of place so
     that ``torch.compile`` fuses them into one kernel (one read of the input, one write of the
     spikes, the membrane in registers), with the batch sum of the spikes per step and position
-    (the statistics) in the same pass. Same operations in the same order: same bits."""
+    (the statistics) in the same pass. Same operations in the same order: same bits. Only
+    additions, subtractions, comparisons and products by 0/1 are fused (exact in any kernel);
+    the division by theta stays outside (Triton's fp32 ``/`` may be approximate)."""
 
-    def fused(u: torch.Tensor, theta: torch.Tensor):
-        x = u / theta if reset == "subtract" else u
+    def fused(x: torch.Tensor, theta: torch.Tensor):
         v = torch.full_like(x if static else x[0], 0.5 if reset == "subtract" else 0.0)
         out = []
         for t in range(T):
             h = v + (x if static else x[t])
-            s = (h >= (1.0 if reset == "subtract" else theta)).to(u.dtype)
+            s = (h >= (1.0 if reset == "subtract" else theta)).to(x.dtype)
             v = h - s if reset == "subtract" else h - h * s
             out.append(s)
         s = torch.stack(out)
@@ -464,6 +465,8 @@ def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, re
         M = math.prod(rest[1:])
         th = theta.reshape(C, 1)
         view = (*shape[:lead], C, M)
+    if reset == "subtract":  # IEEE division by torch, as SpikingNetwork's x / theta
+        u = u / theta if static else u.div_(theta)
     key = (T, static, reset, C == 1, M == 1, u.device.type)
     fn = _COMPILED.get(key)
     if fn is None:
