@@ -12,7 +12,9 @@ density, which is reported) and each T, in one process on the same batch:
 - ``spikingjelly``: spikingjelly 2.0's ``FXConverter(RateCodingRecipe("max"))`` network,
   stepped T times in single-step mode.
 
-``ratio`` = time / (T x one ANN forward): 1.0 is the dense limit. ``--crossover`` also measures
+``ratio`` = time / (T x one ANN forward): 1.0 is the dense limit. ``--clock cpu`` measures the
+process's CPU time instead of wall time: on a machine shared with other jobs, use it with
+``--threads 1`` (the CPU time of one thread is the work done, whatever the load). ``--crossover`` also measures
 at which spike density an event-driven conv (one scatter per spike) would beat the dense one.
 
     python benchmarks/backends.py --threads 2            # ResNet-20 and ResNet-18, T = 4 and 8
@@ -72,9 +74,9 @@ def best_time(fn, repeats: int) -> float:
     fn()  # warm-up (oneDNN primitives, allocator)
     best = float("inf")
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return best
 
 
@@ -96,34 +98,50 @@ def run_sj(net: torch.nn.Module, x: torch.Tensor, T: int) -> torch.Tensor:
     return out / T
 
 
+CLOCK = time.perf_counter
+
+
+def interleaved(methods: dict, repeats: int) -> dict[str, float]:
+    """Best time of each method over ``repeats`` rounds, the methods taking turns within a round
+    (so that a change in machine load hits every method alike)."""
+    for fn in methods.values():
+        fn()  # warm-up (oneDNN primitives, allocator, compilation)
+    best = {name: float("inf") for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            t0 = CLOCK()
+            fn()
+            best[name] = min(best[name], CLOCK() - t0)
+    return best
+
+
 def measure(name: str, T: int, batch: int, repeats: int, compiled: bool, peers: bool) -> dict:
     model, ann, snn, calib = build(name, T)
     x = torch.rand(batch, *SHAPE, generator=torch.Generator().manual_seed(1)) * 2 - 1
     graph = export_nir(snn, input_shape=SHAPE)
-    rows: dict[str, dict] = {}
+    cpu = snnconv.backends.get("cpu").compile(graph)
+    methods = {"ann": lambda: [ann(x) for _ in range(T)], "torch_snn": lambda: snn(x),
+               "cpu": lambda: cpu.run(x, T)}
+    extra: dict[str, dict] = {"cpu": {}}
     with torch.no_grad():
-        t_ann = best_time(lambda: [ann(x) for _ in range(T)], repeats)
-        rows["ann"] = {"seconds": t_ann}
-        rows["torch_snn"] = {"seconds": best_time(lambda: snn(x), repeats)}
-        cpu = snnconv.backends.get("cpu").compile(graph)
-        rows["cpu"] = {"seconds": best_time(lambda: cpu.run(x, T), repeats)}
         result = cpu.run(x, T)
-        with torch.no_grad():
-            same = torch.equal(result.outputs, snn.run(x, T))
-        rows["cpu"]["bit_identical_to_torch_snn"] = same
+        extra["cpu"]["bit_identical_to_torch_snn"] = torch.equal(result.outputs, snn.run(x, T))
         if compiled:
             fused = snnconv.backends.get("cpu").compile(graph, neuron="compiled")
             t0 = time.perf_counter()
             warm = fused.run(x, T)
-            rows["cpu_compiled"] = {"seconds": best_time(lambda: fused.run(x, T), repeats),
-                                    "first_call_seconds": time.perf_counter() - t0,
-                                    "bit_identical_to_torch_snn": torch.equal(warm.outputs, result.outputs)}
+            extra["cpu_compiled"] = {"first_call_seconds": time.perf_counter() - t0,
+                                     "bit_identical_to_torch_snn": torch.equal(warm.outputs, result.outputs)}
+            methods["cpu_compiled"] = lambda: fused.run(x, T)
         if peers:
             net = spikingjelly_net(model, calib)
-            rows["spikingjelly"] = {"seconds": best_time(lambda: run_sj(net, x, T), repeats)}
-    for row in rows.values():
-        row["image_steps_per_s"] = batch * T / row["seconds"]
-        row["ratio_to_T_ann"] = row["seconds"] / t_ann
+            methods["spikingjelly"] = lambda: run_sj(net, x, T)
+        times = interleaved(methods, repeats)
+    t_ann = times["ann"]
+    rows = {}
+    for method, seconds in times.items():
+        rows[method] = {"seconds": seconds, "image_steps_per_s": batch * T / seconds,
+                        "ratio_to_T_ann": seconds / t_ann, **extra.get(method, {})}
     neurons = sum(float(c.sum()) for c in result.spikes.values())
     sizes = {op.name: op.out_shape for op in cpu.plan.ops if op.kind == "neuron"}
     units = sum(torch.Size(s).numel() for s in sizes.values()) * batch * T
@@ -181,7 +199,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["resnet20", "resnet18"])
+    p.add_argument("--models", nargs="*", default=["resnet20", "resnet18"])
     p.add_argument("--T", nargs="+", type=int, default=[4, 8])
     p.add_argument("--batch", type=int, default=None,
                    help="batch size (default: 128 for resnet20, 32 for resnet18)")
@@ -190,9 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile row")
     p.add_argument("--no-peers", action="store_true", help="skip spikingjelly")
     p.add_argument("--crossover", action="store_true", help="also measure dense vs event-driven")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or the process's CPU time (robust to other jobs at --threads 1)")
     p.add_argument("--out", default=os.path.join(RESULTS, "backends.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     load_before = os.getloadavg()
     results = []
     for name in args.models:
@@ -201,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             r = measure(name, T, batch, args.repeats, not args.no_compiled, not args.no_peers)
             results.append(r)
             print("\n".join(table([r]).splitlines()[2:]), flush=True)
-    report = {"results": results, "threads": args.threads, "torch": torch.__version__,
+    report = {"results": results, "threads": args.threads, "clock": args.clock, "torch": torch.__version__,
               "cpu": platform.processor() or platform.machine(),
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "command": "python benchmarks/backends.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": " ".join(["python benchmarks/backends.py"]
+                                  + (argv if argv is not None else sys.argv[1:]))}
     if args.crossover:
         report["crossover"] = crossover(args.batch or 32, args.repeats)
         print(json.dumps(report["crossover"], indent=1))

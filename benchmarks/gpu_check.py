@@ -69,7 +69,8 @@ class Check:
 
     def section(self, name: str, fn, need: float = 0.0):
         if self.elapsed() + need > self.budget:
-            self.report["skipped"].append(f"{name} (budget: {self.elapsed():.0f} s used of {self.budget:.0f})")
+            self.report["skipped"].append(
+                f"{name} (budget: {self.elapsed():.0f} s used of {self.budget:.0f})")
             print(f"[skip] {name}: over budget", flush=True)
             return None
         t0 = time.perf_counter()
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.update({"model": model_name, "batch": batch, "T": Ts, "device": str(device),
                 "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                "command": "python benchmarks/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)})
+                "command": " ".join(["python benchmarks/gpu_check.py"]
+                                    + (sys.argv[1:] if argv is None else argv))})
 
     # --- set-up: the network, converted on random data ---
     torch.manual_seed(0)
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['method']} | {r['T']} | {r['batch']} | {r['seconds']:.4f} | "
               f"{r['image_steps_per_s']:.0f} | {r.get('ratio_to_T_ann_float32', float('nan')):.2f} |")
-    print(f"\nerrors: {len(rep['errors'])}, skipped: {len(rep['skipped'])}, total {rep['total_seconds']:.0f} s")
+    print(f"\nerrors: {len(rep['errors'])}, skipped: {len(rep['skipped'])}, "
+          f"total {rep['total_seconds']:.0f} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     atomic_write_text(args.out, json.dumps(rep, indent=1, default=str))
     print(f"wrote {args.out}")

@@ -255,7 +255,8 @@ def _cmd_run(args) -> int:
     print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
           f"{seconds:.2f} s ({n * T / max(seconds, 1e-9):.0f} image-steps/s)")
     print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
-    print("accuracy by t: " + ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist())))
+    by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
+    print(f"accuracy by t: {by_t}")
     print("\nspikes per neuron layer (rate = spikes per neuron per step)")
     rows = [["layer", "neurons", "spikes", "rate", "by step"]]
     for name, counts in spikes.items():

@@ -18,8 +18,10 @@ bit-identical on the same device and dtype:
   differently), summed inputs are added in edge order.
 
 Statistics (spike counts per step, synaptic operations, ANN MACs) come from one reduction of
-each neuron's spikes over the batch; fan-outs are structural (every weight position counts,
-padding excluded) and computed once per graph.
+each neuron's spikes over the batch. Synaptic operations of a layer fed by spikes (directly or
+through pooling/flatten) are each spike times its structural fan-out through that composition
+(every weight position counts, padding excluded, pooling folded into the layer), computed once
+per graph; for a layer fed directly by spikes this is spikingjelly's ``SynOpCounter`` count.
 """
 
 from __future__ import annotations
@@ -138,6 +140,16 @@ class Plan:
                 self.steps[index[src]].last_use = max(self.steps[index[src]].last_use, i)
         self.static_ops = [s.op.name for s in self.steps if s.static and s.op.kind not in ("input",)]
         self.index = index
+        # spikes x theta that only feed a sum: fused into it as addcmul (exact: s * theta is)
+        users: dict[str, list[Any]] = {}
+        for op in ops:
+            for src in op.inputs:
+                users.setdefault(src, []).append(op)
+        self.lazy_scales = {
+            op.name for op in ops
+            if op.kind == "scale" and len(op.inputs) == 1 and self.by_name[op.inputs[0]].kind == "neuron"
+            and len(users.get(op.name, ())) == 1 and len(users[op.name][0].inputs) >= 2
+            and users[op.name][0].kind not in ("output",)}
         self.fanout = self._fanouts()
         self.macs_per_image = self._macs()
 
@@ -176,7 +188,12 @@ class Plan:
         if kind == "scale":
             scale = _tensor(p["scale"], dt, dev)
             scale = _broadcastable(scale, op.in_shape, op.name)
-            return lambda x: x * scale
+
+            def scaled(x: torch.Tensor) -> torch.Tensor:
+                return x * scale
+
+            scaled.factor = scale
+            return scaled
         if kind == "neuron":
             nd = self.neuron_dtype
             theta = _tensor(p["theta"], nd, dev)
@@ -264,9 +281,10 @@ class Plan:
                                    f"{shape[0]} steps but T={T}")
             seq = True
         else:
+            dims = ", ".join(map(str, self.input_shape))
             raise BackendError(f"backend {self.backend!r}: input shape {shape} does not fit the "
-                               f"graph's input {self.input_shape}; give [B, {', '.join(map(str, self.input_shape))}]"
-                               f" (static) or [T, B, ...] (a sequence)")
+                               f"graph's input {self.input_shape}; give [B, {dims}] (static) or "
+                               "[T, B, ...] (a sequence)")
         if shape[-n - 1 if not seq else 1] == 0:
             raise BackendError(f"backend {self.backend!r}: the batch is empty (shape {shape})")
         return x.to(device=self.device, dtype=self.dtype), seq
@@ -299,6 +317,8 @@ class Plan:
                 values[op.name] = (u, dyn)
                 if fresh:
                     owned.add(op.name)
+            elif op.name in self.lazy_scales:
+                values[op.name] = (_Scaled(u, step.fn.factor), dyn)
             else:
                 values[op.name] = (step.fn(u), dyn)
                 if op.kind != "flatten" or fresh:
@@ -328,10 +348,35 @@ class Plan:
             fresh = (src in owned and self.steps[self.index[src]].last_use == i
                      and srcs.count(src) == 1 and d == dyn)
             return timed(t, d), dyn, fresh
-        acc = timed(*items[0])
-        for t, d in items[1:]:
-            acc = acc + timed(t, d)
+        entries = list(zip(items, srcs))
+        if len(entries) == 2 and isinstance(entries[0][0][0], _Scaled) \
+                and not isinstance(entries[1][0][0], _Scaled):
+            entries.reverse()  # a + b == b + a, exactly
+        (t0, d0), s0 = entries[0]
+        if isinstance(t0, _Scaled):
+            acc, acc_fresh = t0.spikes * t0.factor, True
+        else:
+            acc = timed(t0, d0)
+            acc_fresh = (s0 in owned and self.steps[self.index[s0]].last_use == i
+                         and srcs.count(s0) == 1 and d0 == dyn)
+        for (t, d), _ in entries[1:]:
+            # in place into a temporary nobody else reads: same bits, no allocation
+            if isinstance(t, _Scaled):  # acc + s * theta with s in {0, 1}: s * theta is exact
+                acc = acc.addcmul_(t.spikes, t.factor) if acc_fresh else torch.addcmul(acc, t.spikes, t.factor)
+            else:
+                t = timed(t, d)
+                acc = acc.add_(t) if acc_fresh else acc + t
+            acc_fresh = True
         return acc, dyn, True
+
+
+class _Scaled:
+    """A Scale of spikes not yet computed: summed into its consumer as ``addcmul``."""
+
+    __slots__ = ("spikes", "factor")
+
+    def __init__(self, spikes: torch.Tensor, factor: torch.Tensor):
+        self.spikes, self.factor = spikes, factor
 
 
 def _broadcastable(scale: torch.Tensor, in_shape: Sequence[int], name: str) -> torch.Tensor:
@@ -349,6 +394,10 @@ def _broadcastable(scale: torch.Tensor, in_shape: Sequence[int], name: str) -> t
     if len(scale.shape) > len(in_shape):
         raise BackendError(f"Scale node '{name}': factor of shape {tuple(scale.shape)} has more "
                            f"dimensions than its input {in_shape}")
+    if scale.dim() >= 2:  # a per-channel factor written out over the whole map: keep [C, 1, ...]
+        corner = scale[(slice(None),) + (slice(0, 1),) * (scale.dim() - 1)]
+        if torch.equal(scale, corner.expand_as(scale)):
+            return corner.contiguous()
     return scale
 
 
@@ -390,20 +439,20 @@ def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: 
         s = u  # step t's spikes overwrite step t's input once it has been added
         xs = u
     if reset == "subtract":
-        v = torch.full_like(s[0], 0.5)
+        half = torch.tensor(0.5, dtype=s.dtype, device=s.device)
         for t in range(T):
+            # v[0] = 1/2 added in the first step's operation (a + b == b + a), no fill pass
             if static:
-                v.add_(xs[t])
+                v = torch.add(xs[0], half) if t == 0 else v.add_(xs[t])
             else:  # v + x / theta, the division rounded first (as SpikingNetwork's x / theta)
-                v.addcdiv_(xs[t], theta)
+                v = torch.addcdiv(half, xs[0], theta) if t == 0 else v.addcdiv_(xs[t], theta)
             if ties is not None:
                 ties[1].add_ties(((v - 1.0).abs() <= ties[0]).sum())
             torch.ge(v, 1.0, out=s[t])
             v.sub_(s[t])
     else:
-        v = torch.zeros_like(s[0])
         for t in range(T):
-            v.add_(xs[t])
+            v = xs[0].clone() if t == 0 else v.add_(xs[t])  # 0 + x[0] == x[0]
             if ties is not None:
                 ties[1].add_ties(((v - theta).abs() <= ties[0] * theta).sum())
             torch.ge(v, theta, out=s[t])
@@ -415,15 +464,16 @@ def _if_fused(T: int, static: bool, reset: str) -> Callable:
     """The IF dynamics of :func:`_if_loop` unrolled over ``T`` steps, written out of place so
     that ``torch.compile`` fuses them into one kernel (one read of the input, one write of the
     spikes, the membrane in registers), with the batch sum of the spikes per step and position
-    (the statistics) in the same pass. Same operations in the same order: same bits."""
+    (the statistics) in the same pass. Same operations in the same order: same bits. Only
+    additions, subtractions, comparisons and products by 0/1 are fused (exact in any kernel);
+    the division by theta stays outside (Triton's fp32 ``/`` may be approximate)."""
 
-    def fused(u: torch.Tensor, theta: torch.Tensor):
-        x = u / theta if reset == "subtract" else u
+    def fused(x: torch.Tensor, theta: torch.Tensor):
         v = torch.full_like(x if static else x[0], 0.5 if reset == "subtract" else 0.0)
         out = []
         for t in range(T):
             h = v + (x if static else x[t])
-            s = (h >= (1.0 if reset == "subtract" else theta)).to(u.dtype)
+            s = (h >= (1.0 if reset == "subtract" else theta)).to(x.dtype)
             v = h - s if reset == "subtract" else h - h * s
             out.append(s)
         s = torch.stack(out)
@@ -461,6 +511,8 @@ def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, re
         M = math.prod(rest[1:])
         th = theta.reshape(C, 1)
         view = (*shape[:lead], C, M)
+    if reset == "subtract":  # IEEE division by torch, as SpikingNetwork's x / theta
+        u = u / theta if static else u.div_(theta)
     key = (T, static, reset, C == 1, M == 1, u.device.type)
     fn = _COMPILED.get(key)
     if fn is None:

@@ -96,7 +96,7 @@ class CPUProgram(Program):
         per = max(1, self.chunk_size // T) if self.chunk_size else B
         stats = Stats(self.plan, T)
         start = time.perf_counter()
-        with torch.inference_mode(), _threads(self.threads):
+        with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
             parts = x.split(per, dim=1 if seq else 0)
             outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

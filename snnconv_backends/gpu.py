@@ -120,7 +120,7 @@ class GPUProgram(Program):
         per = max(1, self.chunk_size // T) if self.chunk_size else B
         stats = Stats(self.plan, T)
         dev = self.plan.device
-        with torch.inference_mode(), _numerics(dev, self.deterministic):
+        with torch.no_grad(), _numerics(dev, self.deterministic):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             start = time.perf_counter()
