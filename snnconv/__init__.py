@@ -33,7 +33,6 @@ from .nir_io import export_nir, from_nir, load_nir, save_nir  # noqa: E402
 from .pipeline import convert  # noqa: E402
 from .qcfs import QCFS, QCFSTrainConfig, calibrate_qcfs  # noqa: E402
 from .spiking import IFNeuron, SpikingNetwork, to_spiking  # noqa: E402
-from . import backends  # noqa: E402  (snnconv.backends.get / available)
 
 __all__ = [
     "__version__",
@@ -66,3 +65,13 @@ __all__ = [
     "BackendError",
     "backends",
 ]
+
+
+def __getattr__(name: str):
+    # ``snnconv.backends`` is imported on first use: snnconv_backends imports snnconv.errors, so
+    # importing it here eagerly would make ``import snnconv_backends`` (first) circular.
+    if name == "backends":
+        import importlib
+
+        return importlib.import_module(".backends", __name__)
+    raise AttributeError(f"module 'snnconv' has no attribute {name!r}")
