@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from .progress import progress_bar
 
 from .data import split_batch, split_loader
 from .errors import DataError, UnsupportedLayerError
@@ -205,7 +205,7 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
     seen = 0
-    bar = tqdm(total=num_batches, desc="calibrate", disable=not progress, leave=False)
+    bar = progress_bar(total=num_batches, desc="calibrate", disable=not progress, leave=False)
     for i, batch in enumerate(loader):
         if i >= num_batches:
             break
@@ -316,7 +316,7 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     for epoch in range(cfg.epochs):
         gm.train()
         loss_sum = n = correct = 0
-        bar = tqdm(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
+        bar = progress_bar(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
         for batch in bar:
             x, y = split_batch(batch, where="training loader")
             if y is None:
