@@ -3,6 +3,9 @@ between neurons, and the linear-time bias calibration."""
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -28,3 +31,72 @@ def test_eval_loader_leaves_the_converted_network_bit_identical(small_digits_ann
     a, b = _state(plain), _state(evaluated)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+# --- item 7: bias calibration in one pass ---------------------------------------------------
+
+class _TinyResNet(torch.nn.Module):
+    """conv-BN-ReLU, a residual block with a reused ReLU and a 1x1 downsample, pool, linear."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16)
+        self.conv3, self.bn3 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 1, 2, bias=False), nn.BatchNorm2d(16))
+        self.relu = nn.ReLU(inplace=True)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(x)))
+        out = self.bn3(self.conv3(out))
+        out += self.down(x)
+        return self.fc(torch.flatten(self.pool(self.relu(out)), 1))
+
+
+def _trained_tiny_resnet(digits_data):
+    from snnconv.demo import train_ann
+
+    torch.manual_seed(0)
+    loader = DataLoader(digits_data[0], batch_size=64, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    return train_ann(_TinyResNet(), loader, epochs=3, progress=False)
+
+
+def _calls(snn):
+    """Forward-call counters on every Conv/Linear (hooks travel with deepcopy)."""
+    counts = {}
+    for name, m in snn.named_modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            counts[name] = 0
+            m.register_forward_hook(lambda mod, i, o, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("net, per_channel", [("cnn", True), ("resnet", False), ("resnet", True)])
+def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
+        net, per_channel, small_digits_ann, digits_data):
+    from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
+
+    model = small_digits_ann if net == "cnn" else _trained_tiny_resnet(digits_data)
+    loader = DataLoader(digits_data[0], batch_size=50)  # 4 batches of 50
+    qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(model), loader, L=4, per_channel=per_channel,
+                                  progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4)
+    fast_snn, slow_snn = copy.deepcopy(snn), copy.deepcopy(snn)
+    fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
+    fast = calibrate_bias(fast_snn, qcfs, loader, T=6)
+    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6)
+    assert fast.meta["bias_calibration"]["method"] == "one-pass"
+    assert slow.meta["bias_calibration"]["method"] == "rerun"
+    assert set(fast_calls.values()) == {1}, f"one pass over the concatenated batches: {fast_calls}"
+    assert max(slow_calls.values()) > 4
+    a, b = fast.meta["bias_calibration"]["mean_abs_shift"], slow.meta["bias_calibration"]["mean_abs_shift"]
+    assert a.keys() == b.keys() and all(isinstance(v, float) for v in a.values())
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
+    sa, sb = fast.state_dict(), slow.state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
