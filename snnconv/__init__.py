@@ -16,6 +16,7 @@ _logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
 from .errors import (  # noqa: E402
     BatchNormRemainsError,
     CheckpointError,
+    ConversionError,
     DataError,
     FoldError,
     SnnconvError,
@@ -54,4 +55,5 @@ __all__ = [
     "DataError",
     "StageOrderError",
     "CheckpointError",
+    "ConversionError",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "DataError",
     "StageOrderError",
     "CheckpointError",
+    "ConversionError",
 ]
 
 
@@ -55,3 +56,16 @@ class StageOrderError(SnnconvError):
 
 class CheckpointError(SnnconvError):
     """A checkpoint is corrupted, truncated or belongs to another model or run."""
+
+
+class ConversionError(SnnconvError):
+    """A stage left a collapsed network: layers silent or saturated on all calibration data,
+    or a network at chance where the ANN is not.
+
+    Attributes:
+        layers: one finding per problem, naming the layers (``"silent (...): qcfs_relu_3"``).
+    """
+
+    def __init__(self, message: str, layers: list[str] | None = None):
+        super().__init__(message)
+        self.layers = list(layers or [])

@@ -300,7 +300,9 @@ def make_optimizer(model: nn.Module, name: str, lr: float, *, weight_decay: floa
 
 
 def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
-                progress: bool) -> list[dict[str, float]]:
+                progress: bool, summary: dict[str, Any]) -> list[dict[str, float]]:
+    """Train weights and lambdas; keep the best epoch on the validation split, where the
+    calibrated state counts as epoch 0 (``summary`` gets ``calibrated_val_acc`` and ``best_epoch``)."""
     train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
     if val is not None and hasattr(val, "__len__") and len(val) == 0:
         val = None  # too few batches to hold any out: train without best-epoch selection
@@ -312,6 +314,12 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if steps else 1.0)
     history = []
     best = (-1.0, None)
+    if val is not None:
+        # the calibrated, untrained state is epoch 0: training can never return something worse
+        gm.eval()
+        best = (evaluate(gm, val, device), copy.deepcopy(gm.state_dict()))
+        summary["calibrated_val_acc"] = best[0]
+    best_epoch = 0
     torch.manual_seed(cfg.seed)
     for epoch in range(cfg.epochs):
         gm.train()
@@ -342,9 +350,11 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             record["val_acc"] = evaluate(gm, val, device)
             if record["val_acc"] > best[0]:
                 best = (record["val_acc"], copy.deepcopy(gm.state_dict()))
+                best_epoch = epoch + 1
         history.append(record)
     if best[1] is not None:
         gm.load_state_dict(best[1])
+        summary["best_epoch"] = best_epoch
     gm.eval()
     return history
 
@@ -415,7 +425,7 @@ def calibrate_qcfs(
     gm.delete_all_unused_submodules()
     gm.recompile()
     if train is not None and train.epochs > 0:
-        record["history"] = _train_qcfs(gm, loader, train, device, progress)
+        record["history"] = _train_qcfs(gm, loader, train, device, progress, record)
     for name, q in qcfs_sites(gm).items():
         site = record["sites"].setdefault(name, {"replaces": "an existing QCFS module (kept)"})
         site["lambda"] = q.lam.detach().cpu().tolist()

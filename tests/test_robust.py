@@ -100,3 +100,65 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     sa, sb = fast.state_dict(), slow.state_dict()
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+# --- item 4: no silent collapse -------------------------------------------------------------
+
+def _silenced(model):
+    """``model`` with its second conv's BatchNorm shifted so far down that its ReLU never fires."""
+    with torch.no_grad():
+        model.bn2.bias.fill_(-1e3)
+    return model
+
+
+def test_a_layer_silent_on_purpose_raises_a_conversion_error_naming_it(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    with pytest.raises(snnconv.ConversionError, match="silent") as info:
+        snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False)
+    assert isinstance(info.value, snnconv.SnnconvError)
+    assert any("relu_1" in finding for finding in info.value.layers), info.value.layers
+    assert "on_collapse='warn'" in str(info.value) and "after stage 'fold'" in str(info.value)
+
+
+def test_on_collapse_warn_returns_the_network_and_records_the_finding(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    with pytest.warns(RuntimeWarning, match="silent"):
+        snn, meta = snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False,
+                                    on_collapse="warn")
+    assert isinstance(snn, snnconv.SpikingNetwork)
+    assert any("relu_1" in f for f in meta.stage("fold").changes["collapse"])
+    assert meta.stage("qcfs").changes["activity"]["qcfs_relu_1"]["active"] == 0.0
+    with pytest.raises(ValueError, match="on_collapse"):
+        snnconv.convert(small_digits_ann, train, on_collapse="ignore", progress=False)
+
+
+def test_meta_json_holds_per_layer_activity_after_every_stage(small_digits_ann, digits_loaders, tmp_path):
+    import json
+
+    train, _ = digits_loaders
+    snn, meta = snnconv.convert(small_digits_ann, train, T=4, L=4, progress=False)
+    meta.to_json(tmp_path / "meta.json")
+    stages = {s["name"]: s["changes"] for s in json.loads((tmp_path / "meta.json").read_text())["stages"]}
+    sites = set(meta.stage("qcfs").changes["sites"])
+    assert set(stages["qcfs"]["activity"]) == sites
+    assert set(stages["spiking"]["activity"]) == set(snn.thresholds())
+    assert len(stages["fold"]["activity"]) == len(sites)
+    for stage in ("fold", "qcfs", "spiking"):
+        assert "collapse" not in stages[stage]
+        assert 0 <= stages[stage]["check_accuracy"] <= 100
+        for site, a in stages[stage]["activity"].items():
+            assert 0 < a["active"] <= 1, (stage, site)
+            assert a["saturated"] is None if stage == "fold" else 0 <= a["saturated"] < 1
+
+
+def test_qcfs_training_never_returns_worse_than_the_calibrated_state(small_digits_ann, digits_data):
+    """A learning rate that wrecks the network: the calibrated state (epoch 0) is kept."""
+    train = DataLoader(digits_data[0], batch_size=64)  # the same calibration batches both times
+    folded = snnconv.fold_batchnorm(small_digits_ann)
+    calibrated = snnconv.calibrate_qcfs(folded, train, L=4, progress=False)
+    wrecked = snnconv.calibrate_qcfs(folded, train, L=4, progress=False,
+                                     train=snnconv.QCFSTrainConfig(epochs=1, lr=1e4, weight_decay=0.0))
+    record = wrecked.meta["qcfs"]
+    assert record["best_epoch"] == 0 and record["history"][0]["val_acc"] < record["calibrated_val_acc"]
+    a, b = calibrated.state_dict(), wrecked.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
