@@ -29,7 +29,7 @@ import torch.nn as nn
 from .data import split_batch
 from .graph import capture, module_of
 
-__all__ = ["activity", "collapse_report", "accuracy_on", "chance_level"]
+__all__ = ["activity", "collapse_report", "dead_layers", "accuracy_on", "chance_level"]
 
 
 def _relu_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -78,7 +78,9 @@ def activity(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, dict[st
             qcfs = {n.name: module_of(gm, n) for n in gm.graph.nodes
                     if isinstance(module_of(gm, n), QCFS)}
             names = set(qcfs) | {n.name for n in _relu_nodes(gm)}
-            labels = {n.name: (str(n.target) if n.op == "call_module" else n.name) for n in gm.graph.nodes
+            # QCFS sites by module name; ReLU sites by fx node name (calibrate_qcfs names the
+            # QCFS of ReLU node ``n`` "qcfs_n")
+            labels = {n.name: (str(n.target) if n.name in qcfs else n.name) for n in gm.graph.nodes
                       if n.name in names}
             for x in batches:
                 values = capture(gm, (x,), names)
@@ -129,14 +131,28 @@ CHANCE_MARGIN = 5.0
 WORKING_MARGIN = 25.0
 
 
-def collapse_report(act: dict[str, dict[str, Any]], *, accuracy: float | None = None,
+def collapse_report(act: dict[str, dict[str, Any]], *, reference: dict[str, dict[str, Any]] | None = None,
+                    source: dict[str, str] | None = None, accuracy: float | None = None,
                     ann_accuracy: float | None = None, chance: float | None = None) -> list[str]:
-    """Human-readable findings: silent or saturated sites, a network at chance. Empty: healthy."""
+    """Human-readable findings: sites the stage made silent or saturated, a network at chance.
+
+    ``reference`` is the ANN's activity (by ReLU node name) and ``source`` maps a site of
+    ``act`` to its ReLU node name: a site that is silent because its ReLU was already dead in
+    the ANN is not a collapse of the conversion (the ANN's own dead layers are reported by
+    :func:`dead_layers`). Without a reference every silent site counts. Empty: healthy.
+    """
     found = []
-    silent = [n for n, a in act.items() if a["active"] == 0.0]
+    reference, source = reference or {}, source or {}
+
+    def was_alive(name: str) -> bool:
+        ref = reference.get(source.get(name, name))
+        return ref is None or ref["active"] > 0
+
+    silent = [n for n, a in act.items() if a["active"] == 0.0 and was_alive(n)]
     saturated = [n for n, a in act.items() if a["saturated"] is not None and a["saturated"] >= 1.0]
     if silent:
-        found.append(f"silent (no output above zero on any calibration sample): {', '.join(silent)}")
+        found.append(f"silent (no output above zero on any calibration sample, where the ANN's "
+                     f"ReLU was active): {', '.join(silent)}")
     if saturated:
         found.append(f"saturated (at its largest output on every calibration sample): {', '.join(saturated)}")
     if (accuracy is not None and ann_accuracy is not None and chance is not None
@@ -144,3 +160,8 @@ def collapse_report(act: dict[str, dict[str, Any]], *, accuracy: float | None = 
         found.append(f"at chance: {accuracy:.1f}% on the calibration batches (majority class "
                      f"{chance:.1f}%) where the ANN reaches {ann_accuracy:.1f}%")
     return found
+
+
+def dead_layers(act: dict[str, dict[str, Any]]) -> list[str]:
+    """ReLU sites of an ANN that output zero on every calibration sample."""
+    return [n for n, a in act.items() if a["active"] == 0.0]

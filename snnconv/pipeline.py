@@ -20,7 +20,7 @@ from .data import first_batch
 from .errors import ConversionError, DataError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
-from .health import accuracy_on, activity, chance_level, collapse_report
+from .health import accuracy_on, activity, chance_level, collapse_report, dead_layers
 from .guards import assert_no_batchnorm
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
@@ -93,29 +93,42 @@ class _Health:
             self.y = []
         self.chance = chance_level(self.y)
         self.ann_accuracy: float | None = None
+        self.reference: dict = {}
         self.on_collapse = on_collapse
 
     def check(self, rec: StageRecord, model: nn.Module, stage: str, act_model: nn.Module | None = None,
-              what: str = "the network") -> None:
+              what: str = "the network", source: dict[str, str] | None = None) -> None:
+        """Record activity and accuracy of ``model`` after ``stage``; raise or warn on a collapse.
+
+        ``source`` maps each activity site to the ANN ReLU node it came from.
+        """
+        import warnings
+
         act = activity(act_model if act_model is not None else model, self.x)
         acc = accuracy_on(model, self.x, self.y)
-        if stage == "fold":
-            self.ann_accuracy = acc
         rec.changes["activity"] = act
         rec.changes["check_accuracy"] = acc
-        findings = collapse_report(act, accuracy=acc, ann_accuracy=self.ann_accuracy, chance=self.chance)
+        if stage == "fold":
+            self.ann_accuracy, self.reference = acc, act
+            dead = dead_layers(act)
+            if dead:
+                rec.changes["dead_in_ann"] = dead
+                warnings.warn(f"the ANN has ReLU layer(s) that output zero on every calibration "
+                              f"sample: {', '.join(dead)}; their spiking counterparts will be silent "
+                              "too (not an error of the conversion)", RuntimeWarning, stacklevel=3)
+            return
+        findings = collapse_report(act, reference=self.reference, source=source, accuracy=acc,
+                                   ann_accuracy=self.ann_accuracy, chance=self.chance)
         if not findings:
             return
         rec.changes["collapse"] = findings
         n = sum(len(x) for x in self.x)
         message = (f"after stage '{stage}', {what} collapsed on {n} calibration samples: "
-                   + "; ".join(findings) + ". What to do: check the model and its weights (a layer "
-                   "silent already in the ANN is dead there too), try per_channel=True, a larger T, "
-                   "or bias_calibration; pass on_collapse='warn' to get the network anyway.")
+                   + "; ".join(findings) + ". What to do: try per_channel=True, a larger T, "
+                   "bias_calibration=True, or fewer QCFS training epochs / a lower learning rate; "
+                   "pass on_collapse='warn' to get the network anyway.")
         if self.on_collapse == "raise":
-            raise ConversionError(message, layers=[f for f in findings])
-        import warnings
-
+            raise ConversionError(message, layers=list(findings))
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
@@ -236,7 +249,9 @@ def convert(
                              device=device, progress=progress)
         assert_no_batchnorm(qgm, stage="qcfs")
         rec.changes = dict(qgm.meta["qcfs"])
-        health.check(rec, qgm, "qcfs", what="the QCFS-ANN")
+        qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
+                       if name.startswith("qcfs_")}
+        health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source)
     if eval_loader is not None:
         meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
 
@@ -247,7 +262,9 @@ def convert(
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")
         rec.changes = dict(snn.meta)
-        health.check(rec, snn, "spiking", what=f"the SNN at T={T}")
+        if_source = {n: qcfs_source.get(r.get("source"), r.get("source"))
+                     for n, r in snn.meta["neurons"].items()}
+        health.check(rec, snn, "spiking", what=f"the SNN at T={T}", source=if_source)
 
     if finetune_config is not None and finetune_config.epochs > 0:
         with _stage(meta, "finetune") as rec:
@@ -257,7 +274,7 @@ def convert(
                                     device=device, progress=progress)
             assert_no_batchnorm(snn, stage="finetune")
             rec.changes = {"history": history}
-            health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}")
+            health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}", source=if_source)
 
     if eval_loader is not None:
         Ts = sorted(set(eval_T) | {T})

@@ -195,8 +195,13 @@ def _absorb_target(gm: fx.GraphModule, user: fx.Node, src: fx.Node, sites: dict[
         prev, node = node, next(iter(node.users))
 
 
-def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool) -> torch.Tensor | None:
-    """A tensor broadcasting against ``layer.weight`` that multiplies each input column by theta."""
+def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool,
+                 ndim: int | None = None) -> torch.Tensor | None:
+    """A tensor broadcasting against ``layer.weight`` that multiplies each input column by theta.
+
+    ``ndim``: the rank of the neuron's output (None: unknown). Per-channel theta runs along
+    dim 1; a Linear reads the last dim, so without a flatten only a 2-D input lines them up.
+    """
     w = layer.weight
     if theta.dim() == 0:
         return theta
@@ -206,7 +211,7 @@ def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool) -> torc
         if n_in % C:
             return None
         per = n_in // C
-        if not flattened and per != 1:
+        if not flattened and (per != 1 or ndim != 2):
             return None
         return theta.repeat_interleave(per).reshape(1, n_in)
     groups = layer.groups
@@ -219,7 +224,7 @@ def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool) -> torc
 
 
 def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: dict[str, int],
-            used: set[str]) -> dict:
+            used: set[str], ndim: int | None = None) -> dict:
     absorbed, scaled = [], []
     scale_node = None
     for user in list(if_node.users):
@@ -227,7 +232,7 @@ def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: di
         factor = None
         if hit is not None:
             layer = module_of(gm, hit[0])
-            factor = _input_scale(layer, theta, hit[1])
+            factor = _input_scale(layer, theta, hit[1], ndim)
         if factor is not None:
             layer = module_of(gm, hit[0])
             with torch.no_grad():
@@ -330,7 +335,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
             new = gm.graph.call_module(name, (node.args[0],))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        record[name] = _absorb(gm, new, theta, sites, used)
+        record[name] = _absorb(gm, new, theta, sites, used, getattr(q, "input_ndim", None))
         record[name]["theta"] = theta.tolist()
         record[name]["source"] = target
     expanded = _insert_time_expand(gm, T, used)

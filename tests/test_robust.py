@@ -105,19 +105,22 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
 # --- item 4: no silent collapse -------------------------------------------------------------
 
 def _silenced(model):
-    """``model`` with its second conv's BatchNorm shifted so far down that its ReLU never fires."""
+    """``model`` whose second conv-BN gives outputs a million times smaller: its ReLU still passes
+    positive values in the ANN, but far below the smallest QCFS threshold (1e-3) on every sample."""
     with torch.no_grad():
-        model.bn2.bias.fill_(-1e3)
+        model.bn2.weight.mul_(1e-6)
+        model.bn2.bias.mul_(1e-6)
     return model
 
 
-def test_a_layer_silent_on_purpose_raises_a_conversion_error_naming_it(small_digits_ann, digits_loaders):
+def test_a_layer_silenced_by_conversion_raises_a_conversion_error_naming_it(small_digits_ann,
+                                                                            digits_loaders):
     train, _ = digits_loaders
     with pytest.raises(snnconv.ConversionError, match="silent") as info:
         snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False)
     assert isinstance(info.value, snnconv.SnnconvError)
-    assert any("relu_1" in finding for finding in info.value.layers), info.value.layers
-    assert "on_collapse='warn'" in str(info.value) and "after stage 'fold'" in str(info.value)
+    assert any("qcfs_relu_1" in finding for finding in info.value.layers), info.value.layers
+    assert "on_collapse='warn'" in str(info.value) and "after stage 'qcfs'" in str(info.value)
 
 
 def test_on_collapse_warn_returns_the_network_and_records_the_finding(small_digits_ann, digits_loaders):
@@ -126,10 +129,21 @@ def test_on_collapse_warn_returns_the_network_and_records_the_finding(small_digi
         snn, meta = snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False,
                                     on_collapse="warn")
     assert isinstance(snn, snnconv.SpikingNetwork)
-    assert any("relu_1" in f for f in meta.stage("fold").changes["collapse"])
+    assert any("qcfs_relu_1" in f for f in meta.stage("qcfs").changes["collapse"])
+    assert meta.stage("fold").changes["activity"]["relu_1"]["active"] > 0.2
     assert meta.stage("qcfs").changes["activity"]["qcfs_relu_1"]["active"] == 0.0
     with pytest.raises(ValueError, match="on_collapse"):
         snnconv.convert(small_digits_ann, train, on_collapse="ignore", progress=False)
+
+
+def test_a_layer_dead_in_the_ann_is_reported_not_refused(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    with torch.no_grad():
+        small_digits_ann.bn2.bias.fill_(-1e3)  # this ReLU never fires, in the ANN already
+    with pytest.warns(RuntimeWarning, match="relu_1"):
+        _, meta = snnconv.convert(small_digits_ann, train, T=4, L=4, progress=False)
+    assert meta.stage("fold").changes["dead_in_ann"] == ["relu_1"]
+    assert all("collapse" not in s.changes for s in meta.stages)
 
 
 def test_meta_json_holds_per_layer_activity_after_every_stage(small_digits_ann, digits_loaders, tmp_path):
@@ -162,3 +176,86 @@ def test_qcfs_training_never_returns_worse_than_the_calibrated_state(small_digit
     assert record["best_epoch"] == 0 and record["history"][0]["val_acc"] < record["calibrated_val_acc"]
     a, b = calibrated.state_dict(), wrecked.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- item 5: only operations that commute with the spike encoding between neurons ------------
+
+class _Between(torch.nn.Module):
+    """conv-ReLU, then ``op`` on the activations, then conv-ReLU-pool-linear."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.c1, self.c2 = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.c1(x))
+        a = self.op(a)
+        a = torch.relu(self.c2(a))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(a, 1), 1))
+
+
+_X = [torch.randn(16, 1, 8, 8)]
+
+_REFUSED = {
+    "clamp": lambda a: torch.clamp(a, max=1.0),
+    "abs": lambda a: a.abs(),
+    "maximum": lambda a: torch.maximum(a, a.flip(-1)),
+    "mul": lambda a: a * a.flip(-1),
+    "max": lambda a: a.max(dim=1, keepdim=True).values.expand_as(a),
+    "sigmoid_gate": lambda a: a * torch.sigmoid(a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED))
+def test_an_op_that_does_not_commute_with_spikes_is_refused_by_node(name):
+    model = _Between(_REFUSED[name])
+    with pytest.raises(snnconv.UnsupportedLayerError, match="fx node") as info:
+        snnconv.convert(model, _X, T=2, progress=False, bias_calibration=False)
+    word = {"sigmoid_gate": "sigmoid", "max": "max", "mul": "mul", "maximum": "maximum",
+            "clamp": "clamp", "abs": "abs"}[name]
+    assert word in str(info.value)
+
+
+_ALLOWED = {
+    "cat": lambda a: torch.cat([a[:, :2], a[:, 2:]], dim=1),
+    "dropout_view": lambda a: torch.nn.functional.dropout(a, 0.3, training=False).view(a.shape),
+    "scale_add": lambda a: 0.5 * a + a.flip(-1),
+    "pad_slice": lambda a: torch.nn.functional.pad(a, (1, 1, 1, 1))[:, :, 1:-1, 1:-1],
+    "mean_keepdim": lambda a: a + a.mean(dim=(2, 3), keepdim=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ALLOWED))
+def test_linear_and_layout_ops_between_neurons_convert(name):
+    snn, _ = snnconv.convert(_Between(_ALLOWED[name]), _X, T=2, progress=False, bias_calibration=False,
+                             on_collapse="warn")
+    assert snn(_X[0]).shape == (16, 10)
+
+
+class _LinearOnLastDim(torch.nn.Module):
+    """A Linear reading a 4-D activation whose last dimension (4) equals its channel count (4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.mix = torch.nn.Linear(4, 4)
+        self.fc = torch.nn.Linear(4 * 6 * 4, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.conv(x))          # [B, 4, 6, 4]: channels on dim 1, width 4
+        a = torch.relu(self.mix(a))           # mixes the last dimension
+        return self.fc(torch.flatten(a, 1))
+
+
+def test_per_channel_thresholds_are_scaled_on_the_channel_dimension_before_a_linear_on_the_last():
+    torch.manual_seed(0)
+    model = _LinearOnLastDim().eval()
+    x = torch.randn(64, 1, 6, 4)
+    qcfs = snnconv.calibrate_qcfs(model, [x], L=4, per_channel=True, progress=False)
+    lam = next(iter(snnconv.qcfs.qcfs_sites(qcfs).values())).lam
+    assert lam.shape == (4,) and lam.std() > 0.05 * lam.mean(), "channels must differ for the test"
+    snn = snnconv.to_spiking(qcfs, T=4)
+    with torch.no_grad():
+        torch.testing.assert_close(snn.rate(x, 4), qcfs(x), rtol=1e-4, atol=1e-4)
