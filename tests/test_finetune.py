@@ -524,35 +524,25 @@ def test_first_step_loss_mixes_cross_entropy_and_distillation(small_digits_snn, 
     assert history[0]["loss"] == pytest.approx(((1 - w) * ce + w * tau ** 2 * kl).item(), rel=1e-5)
 
 
-def test_distillation_moves_the_snn_towards_the_teacher_and_leaves_the_teacher_alone(
+def test_distillation_trains_on_the_teacher_and_leaves_the_teacher_alone(
         small_digits_snn, small_digits_ann, digits_loaders):
-    """Distillation minimises KL(teacher || snn): on held-out data the distilled SNN is closer to
-    the teacher's distribution than the plainly fine-tuned one, by a wide margin.
+    """The teacher (here in train mode, with BatchNorm) is read, never changed or switched to
+    eval; distilling gives other weights than plain fine-tuning from the same seed.
 
-    Not top-1 agreement: that differed by 0.016 on one seed (0.797 vs 0.813) and its sign
-    flipped between CPUs. The KL is the quantity distillation optimises; measured on digits at
-    T=2 it falls to well under half of the plain run's, on each of the seeds below.
+    Whether distillation moves the SNN towards the teacher is a training outcome, not a test:
+    the former assertion (top-1 agreement higher with distillation, 0.813 vs 0.797 here) failed
+    on an AMD EPYC machine, and on digits the KL to the teacher after one epoch came out no lower
+    with distillation (0.370 vs 0.363, seed 0); on Fashion-MNIST the GPU sweep measured equal
+    accuracy with and without it (benchmarks/results/sweep_knobs_gpu.json, distill0 / distill1).
+    The loss itself is pinned by test_first_step_loss_mixes_cross_entropy_and_distillation.
     """
-    train, test = digits_loaders
-    teacher = small_digits_ann.train()  # a teacher in train mode (BatchNorm) stays in train mode
+    train, _ = digits_loaders
+    teacher = small_digits_ann.train()
     before = copy.deepcopy(teacher.state_dict())
-    x = torch.cat([b[0] for b in test])
-    tau = 2.0
-    with torch.no_grad():
-        target = F.log_softmax(teacher.eval()(x) / tau, dim=1)
-    teacher.train()
-
-    def kl(snn):
-        snn.T = 2
-        with torch.no_grad():
-            return F.kl_div(F.log_softmax(snn(x) / tau, dim=1), target, log_target=True,
-                            reduction="batchmean").item()
-
-    for seed in (0, 1):
-        options = dict(T=2, epochs=1, lr=3e-3, seed=seed, distill_temperature=tau, progress=False)
-        plain, _ = finetune(small_digits_snn, train, **options)
-        taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
-        assert kl(taught) < 0.7 * kl(plain), (seed, kl(taught), kl(plain))
+    options = dict(T=2, epochs=1, max_steps_per_epoch=3, lr=3e-3, progress=False)
+    plain, _ = finetune(small_digits_snn, train, **options)
+    taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
+    assert _weights_changed(_state(plain), _state(taught))
     assert teacher.training
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
 
