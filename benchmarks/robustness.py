@@ -29,7 +29,9 @@ initialisation and data order, the calibration loader's order and ``convert(seed
 Each cell is ``convert(ann, loader, eval_loader=test, eval_T=(1, 2, 4, 8, 16, 32))`` with
 every other setting at its default (T=8), recording the ANN, the folded ANN, the QCFS-ANN and
 the SNN at each T; plus ``convert(..., T=4, finetune_epochs=1)`` on the 10-epoch
-``tv_resnet``, ``mobilenet``, ``resnet20`` and ``small_cnn``. A conversion that raises
+``tv_resnet``, ``mobilenet``, ``resnet20`` and ``small_cnn``. Comparison cells on the 10-epoch
+Fashion-MNIST networks (``--no-variants`` skips them): the other threshold granularity than the
+default (``per_channel`` flipped), and fine-tuning with alpha 4, lr 2e-3 (the ResNet-14 recipe). A conversion that raises
 ``ConversionError`` (collapse) is recorded as such and re-run with ``on_collapse="warn"`` to
 record its accuracies. Results: ``<out>.json`` (one record per cell and a summary over seeds:
 mean and worst), ``<out>.png``, and per-job JSON under ``<out>_runs/`` (an interrupted sweep
@@ -307,12 +309,25 @@ def run_job(job: dict) -> dict:
     if job["finetune"]:
         from snnconv import FinetuneConfig
 
+        limit = {"max_steps_per_epoch": 3} if job["smoke"] else {}
         if job["smoke"]:
-            ft = dict(finetune_config=FinetuneConfig(epochs=1, T=4, seed=job["seed"], max_steps_per_epoch=3))
+            ft = dict(finetune_config=FinetuneConfig(epochs=1, T=4, seed=job["seed"], **limit))
         else:
             ft = dict(finetune_epochs=1)
         out["cells"]["finetune"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], T=4,
                                                  **extra, **ft)
+        if job.get("variants"):
+            # the fine-tuning recipe of the ResNet-14 benchmark (run L), for comparison
+            cfg = FinetuneConfig(epochs=1, T=4, seed=job["seed"], alpha=4.0, lr=2e-3, **limit)
+            out["cells"]["finetune_a4_lr2e-3"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"],
+                                                               T=4, finetune_config=cfg, **extra)
+    if job.get("variants"):
+        import snnconv
+
+        # the other threshold granularity than convert()'s default, for comparison
+        other = not inspect.signature(snnconv.convert).parameters["per_channel"].default
+        out["cells"]["per_channel" if other else "per_layer"] = _convert_cell(
+            ann, loader, test, device, Ts, seed=job["seed"], per_channel=other, **extra)
     return out
 
 
@@ -336,7 +351,8 @@ def plan(args) -> list[dict]:
                              subset=subset if dataset == "fmnist" else None, smoke=args.smoke,
                              finetune=long and arch in FT_ARCHS and (dataset == "fmnist" or args.smoke),
                              device=args.device, threads=threads, cache=args.out + "_cache",
-                             fashion_root=args.fashion_root, test_limit=args.test_limit))
+                             fashion_root=args.fashion_root, test_limit=args.test_limit,
+                             variants=not args.no_variants and long and (dataset == "fmnist" or args.smoke)))
     cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1}
     jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (3 if j["dataset"] == "fmnist" else 1)
                               + 20 * j["finetune"]))
@@ -366,7 +382,7 @@ def summarize(records: list[dict]) -> list[dict]:
             vals = [c["snn"][t] for c in cs if t in c["snn"]]
             gaps = [c["ann"] - c["snn"][t] for c in cs if t in c["snn"]]
             row["snn"][t] = {"mean": statistics.fmean(vals), "worst": min(vals), "worst_gap": max(gaps)}
-        if cell == "default":
+        if not cell.startswith("finetune"):
             checks = {16: 3.0, 32: 1.0}
             row["floors_met"] = all(t in row["snn"] and row["snn"][t]["worst_gap"] <= g for t, g in checks.items())
         else:
@@ -392,7 +408,8 @@ def table(summary: list[dict], subset: int | None = None) -> str:
         flag = "met" if r["floors_met"] else "**missed**"
         if r["collapses"]:
             flag += f", {r['collapses']} collapse(s)"
-        name = "default" if r["cell"] == "default" else "finetune 1 ep, T=4"
+        name = {"default": "default", "finetune": "finetune 1 ep, T=4",
+                "finetune_a4_lr2e-3": "finetune 1 ep, T=4, alpha 4, lr 2e-3"}.get(r["cell"], r["cell"])
         lines.append("| " + " | ".join([r["dataset"], r["arch"], str(r["epochs"]), name, cell(r["ann"]),
                                         cell(r["qcfs"])] + [cell(snn.get(t)) for t in Ts] + [flag]) + " |")
     note = ("\nAccuracy (%) on the full test split, mean (worst) over seeds; convert() defaults "
@@ -450,6 +467,8 @@ def main(argv=None) -> int:
     p.add_argument("--fashion-root", default=None)
     p.add_argument("--test-limit", type=int, default=None,
                    help="evaluate on the first N test images only (debugging; the table wants the full split)")
+    p.add_argument("--no-variants", action="store_true",
+                   help="skip the comparison cells (other threshold granularity, fine-tuning alpha 4 lr 2e-3)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: digits, 2 small nets, 1 seed")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
     p.add_argument("--job", help=argparse.SUPPRESS)

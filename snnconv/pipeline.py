@@ -97,17 +97,19 @@ class _Health:
         self.on_collapse = on_collapse
 
     def check(self, rec: StageRecord, model: nn.Module, stage: str, act_model: nn.Module | None = None,
-              what: str = "the network", source: dict[str, str] | None = None) -> None:
+              what: str = "the network", source: dict[str, str] | None = None, hint: str = "") -> None:
         """Record activity and accuracy of ``model`` after ``stage``; raise or warn on a collapse.
 
         ``source`` maps each activity site to the ANN ReLU node it came from.
         """
         import warnings
 
+        start = time.perf_counter()
         act = activity(act_model if act_model is not None else model, self.x)
         acc = accuracy_on(model, self.x, self.y)
         rec.changes["activity"] = act
         rec.changes["check_accuracy"] = acc
+        rec.changes["check_seconds"] = time.perf_counter() - start  # included in the stage's time
         if stage == "fold":
             self.ann_accuracy, self.reference = acc, act
             dead = dead_layers(act)
@@ -124,7 +126,7 @@ class _Health:
         rec.changes["collapse"] = findings
         n = sum(len(x) for x in self.x)
         message = (f"after stage '{stage}', {what} collapsed on {n} calibration samples: "
-                   + "; ".join(findings) + ". What to do: try per_channel=True, a larger T, "
+                   + "; ".join(findings) + f". What to do: {hint}try per_channel=True, a larger T, "
                    "bias_calibration=True, or fewer QCFS training epochs / a lower learning rate; "
                    "pass on_collapse='warn' to get the network anyway.")
         if self.on_collapse == "raise":
@@ -251,7 +253,10 @@ def convert(
         rec.changes = dict(qgm.meta["qcfs"])
         qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
                        if name.startswith("qcfs_")}
-        health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source)
+        pooled = qgm.meta["qcfs"].get("maxpool_replaced")
+        hint = (f"max-pooling ({', '.join(pooled)}) was replaced by average pooling, a different "
+                "function: retrain with it, or pass qcfs_epochs >= 1 to adapt the weights; ") if pooled else ""
+        health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source, hint=hint)
     if eval_loader is not None:
         meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
 
