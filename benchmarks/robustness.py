@@ -302,7 +302,7 @@ def run_job(job: dict) -> dict:
     out = dict(job, ann_cached=cached, ann_seconds=time.perf_counter() - t0, cells={})
     loader = DataLoader(train, batch_size=128, shuffle=True,
                         generator=torch.Generator().manual_seed(job["seed"]))
-    test = DataLoader(test_set, batch_size=1000 if device.type == "cuda" else 250)
+    test = DataLoader(test_set, batch_size=500 if device.type == "cuda" else 250)  # 500 x T=32 fits 12 processes
     Ts = tuple(job["Ts"])
     extra = {"maxpool": "avg"} if job["arch"] == "vgg_max" else {}
     out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)

@@ -259,3 +259,31 @@ def test_per_channel_thresholds_are_scaled_on_the_channel_dimension_before_a_lin
     snn = snnconv.to_spiking(qcfs, T=4)
     with torch.no_grad():
         torch.testing.assert_close(snn.rate(x, 4), qcfs(x), rtol=1e-4, atol=1e-4)
+
+
+class _SharedConvOutput(torch.nn.Module):
+    """conv2's output feeds a ReLU and, unactivated, a later add (as in pre-activation ResNets)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.c3, self.fc = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        b = self.c2(torch.relu(self.c1(x)))
+        z = torch.relu(self.c3(torch.relu(b)) + b)
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(z, 1), 1))
+
+
+def test_bias_calibration_falls_back_to_the_rerun_where_a_shift_would_reach_other_nodes():
+    from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
+
+    torch.manual_seed(0)
+    x = [torch.randn(32, 1, 6, 6)]
+    qcfs = snnconv.calibrate_qcfs(_SharedConvOutput().eval(), x, L=4, progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4)
+    out = calibrate_bias(snn, qcfs, x)
+    assert out.meta["bias_calibration"]["method"] == "rerun"
+    ref = _calibrate_bias_by_rerun(snn, qcfs, x)
+    a, b = out.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
