@@ -240,6 +240,7 @@ def train_ann(model: nn.Module, train: TensorDataset, epochs: int, seed: int, de
 def cached_ann(job: dict, train: TensorDataset, device: torch.device) -> tuple[nn.Module, bool]:
     path = os.path.join(job["cache"], f"{job['dataset']}-{job['arch']}-e{job['epochs']}-s{job['seed']}"
                         f"-n{job['subset'] or 'all'}{'-smoke' if job['smoke'] else ''}.pt")
+    torch.manual_seed(job["seed"])  # the initialisation depends on the seed alone
     model = build(job["arch"], job["dataset"], job["smoke"])
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
