@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     for arch in args.archs:
         for epochs in args.epochs:
             for seed in range(args.seeds):
+                torch.manual_seed(seed)
                 ann = rb.train_ann(rb.build(arch, "digits", smoke=True), train, epochs, seed, torch.device("cpu"))
                 for variant in args.variants:
                     loader = DataLoader(train, batch_size=128, shuffle=True,
