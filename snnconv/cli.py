@@ -1,4 +1,4 @@
-"""Command line: ``snnconv demo`` and ``snnconv check``."""
+"""Command line: ``snnconv demo``, ``check``, ``export`` (a saved network to NIR) and ``inspect``."""
 
 from __future__ import annotations
 
@@ -83,6 +83,95 @@ def _check(args) -> int:
         return 2
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _cmd_export(args) -> int:
+    """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
+    import os
+
+    from .errors import SnnconvError
+    from .nir_io import export_nir, save_nir
+    from .spiking import SpikingNetwork
+
+    try:
+        snn = SpikingNetwork.load(args.network)
+        shape = None
+        if args.input_shape:
+            try:
+                shape = tuple(int(v) for v in args.input_shape.split(","))
+            except ValueError:
+                raise SnnconvError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
+        graph = export_nir(snn, input_shape=shape)
+        save_nir(graph, args.out)
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv export: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    neurons = sum(1 for n in graph.nodes.values() if type(n).__name__ in ("I", "IF"))
+    print(f"wrote {args.out}: {len(graph.nodes)} nodes, {len(graph.edges)} edges, {neurons} neuron "
+          f"layers, reset={graph.metadata['reset']}, T={graph.metadata['T']}, "
+          f"{os.path.getsize(args.out) / 1e6:.2f} MB")
+    return 0
+
+
+def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
+    import numpy as np
+
+    from snnconv_backends.nirgraph import parse
+
+    parsed = parse(graph)
+    rows, totals = [], {"ops": 0, "neuron layers": 0, "neurons": 0, "parameters": 0}
+    for op in parsed.ops:
+        node = graph.nodes[op.name]
+        kind = type(node).__name__
+        theta, count = "", 0
+        if op.kind == "neuron":
+            t = np.asarray(op.params["theta"], dtype=np.float64)
+            theta = f"{t.min():.4g} / {t.mean():.4g} / {t.max():.4g}"
+            kind = "IF (reset zero)" if kind == "IF" else "I+Threshold+Scale (subtract)"
+            count = t.size
+            totals["neuron layers"] += 1
+            totals["neurons"] += int(np.prod(op.out_shape))
+        elif op.kind == "sum":
+            kind = "sum"
+        else:
+            count = sum(int(np.asarray(op.params[k]).size) for k in ("weight", "bias") if k in op.params)
+            if op.kind == "scale":
+                count = int(np.unique(np.asarray(op.params["scale"])).size)
+        if op.kind == "avgpool2d" and op.params["adaptive"]:
+            kind += " (adaptive)"
+        totals["ops"] += 1
+        totals["parameters"] += count
+        rows.append([op.name, kind, "x".join(map(str, op.out_shape)), theta, str(count) if count else ""])
+    return rows, totals
+
+
+def _cmd_inspect(args) -> int:
+    """``snnconv inspect FILE.nir``: one row per op (node, type, shape, thresholds, parameters)."""
+    import os
+
+    from .errors import SnnconvError
+    from .nir_io import load_nir
+
+    try:
+        graph = load_nir(args.file)
+        rows, totals = _inspect_rows(graph)
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv inspect: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    header = ["node", "type", "shape", "theta min / mean / max", "parameters"]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths]] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    meta = {k: v for k, v in graph.metadata.items()}
+    print(f"total: {totals['ops']} ops, {totals['neuron layers']} neuron layers "
+          f"({totals['neurons']} neurons), {totals['parameters']} parameters; "
+          f"reset={meta.get('reset')}, T={meta.get('T')}, producer={meta.get('producer')}, "
+          f"{os.path.getsize(args.file) / 1e6:.2f} MB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="snnconv", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,7 +191,22 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--trust-pickle", action="store_true",
                        help="allow unpickling a whole saved module (runs code from the file)")
 
+    export = sub.add_parser("export", help="write a saved SpikingNetwork (NETWORK.pt) as a NIR file",
+                            description="example: snnconv export runs/net.pt runs/net.nir")
+    export.add_argument("network", help="a file written by SpikingNetwork.save")
+    export.add_argument("out", help="the NIR (HDF5) file to write")
+    export.add_argument("--input-shape", help="batch-free input shape, e.g. 3,32,32 (default: the "
+                        "shape recorded at conversion)")
+
+    inspect = sub.add_parser("inspect", help="list the nodes of a NIR file (type, shape, thresholds)",
+                             description="example: snnconv inspect runs/net.nir")
+    inspect.add_argument("file", help="a NIR (HDF5) file")
+
     args = parser.parse_args(argv)
+    if args.command == "export":
+        return _cmd_export(args)
+    if args.command == "inspect":
+        return _cmd_inspect(args)
     if args.command == "demo":
         from .demo import run_demo
 
