@@ -95,6 +95,7 @@ class _Health:
         self.ann_accuracy: float | None = None
         self.reference: dict = {}
         self.on_collapse = on_collapse
+        self.finetune_follows = False
 
     def check(self, rec: StageRecord, model: nn.Module, stage: str, act_model: nn.Module | None = None,
               what: str = "the network", source: dict[str, str] | None = None, hint: str = "") -> None:
@@ -124,12 +125,18 @@ class _Health:
         if not findings:
             return
         rec.changes["collapse"] = findings
+        # A QCFS-ANN with dead or clipped sites is broken thresholds; an SNN with silent deep
+        # layers at a small T (or with hard reset) may still be fine-tuned back: there, silent
+        # layers alone warn, and only a network at chance is an error.
+        fatal = stage == "qcfs" or any(f.startswith("at chance") for f in findings)
+        if stage == "spiking" and self.finetune_follows:
+            fatal = False  # fine-tuning comes next; its result is checked
         n = sum(len(x) for x in self.x)
         message = (f"after stage '{stage}', {what} collapsed on {n} calibration samples: "
                    + "; ".join(findings) + f". What to do: {hint}try per_channel=True, a larger T, "
                    "bias_calibration=True, or fewer QCFS training epochs / a lower learning rate; "
                    "pass on_collapse='warn' to get the network anyway.")
-        if self.on_collapse == "raise":
+        if fatal and self.on_collapse == "raise":
             raise ConversionError(message, layers=list(findings))
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
@@ -141,7 +148,7 @@ def convert(
     T: int = 8,
     L: int = 8,
     percentile: float = 99.9,
-    per_channel: bool = False,
+    per_channel: bool = True,
     calib_batches: int = 10,
     maxpool: str = "error",
     reset: str = "subtract",
@@ -170,6 +177,10 @@ def convert(
             QCFS training and fine-tuning. Validation data is split from it.
         T: time steps of the returned network (settable later with ``snn.T``).
         L: QCFS quantisation levels.
+        per_channel: one threshold per channel (default) or one per layer. Per-channel won on
+            4 of 4 networks of the CPU matrix at T <= 16 (pending_docs/robust.md); pass
+            ``False`` for consumers that need one threshold per layer (spikingjelly's NIR
+            importer with ``reset="zero"``).
         eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
             it is never used to choose anything.
         eval_T: extra T values at which to record SNN accuracy.
@@ -183,10 +194,13 @@ def convert(
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
-            activity on the first two calibration batches goes into that stage's
-            ``meta`` record (``changes["activity"]``, see :mod:`snnconv.health`); a layer
-            silent or saturated on all of them, or a network at chance there while the ANN is
-            not, raises :class:`ConversionError` naming the layers (or warns).
+            activity on the first two calibration batches goes into that stage's ``meta``
+            record (``changes["activity"]``, see :mod:`snnconv.health`). A QCFS site that
+            calibration left silent (where the ANN's ReLU was active) or saturated on all of
+            them, or a network at chance there while the ANN is not, raises
+            :class:`ConversionError` naming the layers (or warns). Silent SNN layers alone
+            warn: a small T or hard reset can leave deep layers silent, and fine-tuning can
+            bring them back.
 
     Returns:
         ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
@@ -239,6 +253,7 @@ def convert(
         rec.changes = {"input_shape": list(x0.shape), "parameters": sum(p.numel() for p in gm.parameters())}
         health = _Health(loader, min(2, calib_batches) if isinstance(calib_batches, int) else 2,
                          device, on_collapse)
+        health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
     if eval_loader is not None:
         meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
 
