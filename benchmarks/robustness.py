@@ -2,7 +2,7 @@
 
 The GPU sweep (one H200, 16 CPU cores; about 5-7 minutes wall), run from the repository root:
 
-    .venv/bin/python benchmarks/robustness.py --device cuda --jobs 12 --out $OUT/robustness
+    .venv/bin/python benchmarks/robustness.py --device cuda --jobs 14 --out $OUT/robustness
 
 then, here, the table for benchmarks/README.md and the plot from its JSON:
 

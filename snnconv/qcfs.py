@@ -341,18 +341,20 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
         _check_finite(x, f"calibration batch {i}")
         values = capture(gm, (x.to(device),), set(inputs.values()))
         for site, src in inputs.items():
-            v = values[src].detach().float().cpu()
+            # samples stay on the calibration device (the quantiles run there: on a GPU, much
+            # faster than on one CPU thread); the subsampling indices come from a CPU generator
+            v = values[src].detach().float()
             if ndims is not None:
                 ndims[site] = v.dim()
             if per_channel:
                 v = v.transpose(0, 1).reshape(v.shape[1], -1)
                 if v.shape[1] > max_samples // max(1, v.shape[0]) * 4:
                     keep = torch.randperm(v.shape[1], generator=gen)[: max(1, max_samples // v.shape[0]) * 4]
-                    v = v[:, keep]
+                    v = v[:, keep.to(v.device)]
             else:
                 v = v.reshape(-1)
                 if v.numel() > max_samples:
-                    v = v[torch.randperm(v.numel(), generator=gen)[:max_samples]]
+                    v = v[torch.randperm(v.numel(), generator=gen)[:max_samples].to(v.device)]
             samples[site].append(v)
         seen += 1
         bar.update(1)
