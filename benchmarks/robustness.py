@@ -317,12 +317,12 @@ def run_job(job: dict) -> dict:
             ft = dict(finetune_epochs=1)
         out["cells"]["finetune"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], T=4,
                                                  **extra, **ft)
-        if job.get("variants"):
+        if job.get("variants") and time.time() < job.get("variants_until", math.inf):
             # the fine-tuning recipe of the ResNet-14 benchmark (run L), for comparison
             cfg = FinetuneConfig(epochs=1, T=4, seed=job["seed"], alpha=4.0, lr=2e-3, **limit)
             out["cells"]["finetune_a4_lr2e-3"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"],
                                                                T=4, finetune_config=cfg, **extra)
-    if job.get("variants"):
+    if job.get("variants") and time.time() < job.get("variants_until", math.inf):
         import snnconv
 
         # the other threshold granularity than convert()'s default, for comparison
@@ -470,6 +470,8 @@ def main(argv=None) -> int:
                    help="evaluate on the first N test images only (debugging; the table wants the full split)")
     p.add_argument("--no-variants", action="store_true",
                    help="skip the comparison cells (other threshold granularity, fine-tuning alpha 4 lr 2e-3)")
+    p.add_argument("--variants-budget", type=float, default=240.0,
+                   help="seconds after the start within which comparison cells may still start (0: always)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: digits, 2 small nets, 1 seed")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
     p.add_argument("--job", help=argparse.SUPPRESS)
@@ -497,6 +499,9 @@ def main(argv=None) -> int:
     from snnconv.meta import atomic_write_text
 
     jobs = plan(args)
+    if args.variants_budget:
+        for job in jobs:  # comparison cells start only within this many seconds of the sweep
+            job["variants_until"] = time.time() + args.variants_budget
     runs = args.out + "_runs"
     os.makedirs(runs, exist_ok=True)
     start = time.perf_counter()
