@@ -77,6 +77,9 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
             total, best_meta = time.perf_counter() - t0, meta
     result["convert_seconds"] = total
     result["stages"] = {s.name: s.seconds for s in best_meta.stages}
+    result["health_check_seconds"] = {s.name: s.changes.get("check_seconds") for s in best_meta.stages
+                                      if "check_seconds" in s.changes}
+    print("convert", result["convert_seconds"], result["stages"], flush=True)
     ann = copy.deepcopy(model).to(device)
     xs = [xb.to(device) for xb, _ in loader]
 
@@ -86,8 +89,11 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
                 ann(xb)
 
     result["ann_forwards_seconds"] = _best(ann_passes, repeat, device)
+    print("ann forwards", result["ann_forwards_seconds"], flush=True)
     folded = snnconv.fold_batchnorm(model)
-    qcfs = snnconv.calibrate_qcfs(folded, loader, num_batches=batches, progress=False, device=device)
+    per_channel = inspect.signature(snnconv.convert).parameters["per_channel"].default
+    qcfs = snnconv.calibrate_qcfs(folded, loader, num_batches=batches, progress=False, device=device,
+                                  per_channel=per_channel)
     snn = snnconv.to_spiking(qcfs, T=T).to(device)
     bias_batches = 4
     bx = xs[:bias_batches]
@@ -98,8 +104,10 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
                 snn.net(xb)
 
     result["snn_pass_seconds"] = _best(snn_pass, repeat, device)
+    print("snn pass", result["snn_pass_seconds"], flush=True)
     result["bias_calibration_seconds"] = _best(lambda: calibrate_bias(snn, qcfs, loader, T=T), repeat, device)
     result["bias_calibration_over_snn_pass"] = result["bias_calibration_seconds"] / result["snn_pass_seconds"]
+    print("bias calibration", result["bias_calibration_seconds"], flush=True)
     if rerun:
         result["bias_calibration_rerun_seconds"] = _best(
             lambda: _calibrate_bias_by_rerun(snn, qcfs, loader, T=T), 1, device)
