@@ -8,7 +8,7 @@ then, here, the table for benchmarks/README.md and the plot from its JSON:
 
     .venv/bin/python benchmarks/robustness.py --table $OUT/robustness.json
 
-The CPU smoke test (digits, two tiny networks, 1 seed; about a minute on 2 cores):
+The CPU smoke test (digits, two tiny networks, 1 seed; 1-5 minutes on 2 shared cores):
 
     .venv/bin/python benchmarks/robustness.py --smoke --out /tmp/robustness_smoke
 
@@ -30,8 +30,10 @@ Each cell is ``convert(ann, loader, eval_loader=test, eval_T=(1, 2, 4, 8, 16, 32
 every other setting at its default (T=8), recording the ANN, the folded ANN, the QCFS-ANN and
 the SNN at each T; plus ``convert(..., T=4, finetune_epochs=1)`` on the 10-epoch
 ``tv_resnet``, ``mobilenet``, ``resnet20`` and ``small_cnn``. Comparison cells on the 10-epoch
-Fashion-MNIST networks (``--no-variants`` skips them): the other threshold granularity than the
-default (``per_channel`` flipped), and fine-tuning with alpha 4, lr 2e-3 (the ResNet-14 recipe). A conversion that raises
+Fashion-MNIST networks (``--no-variants`` skips them; they start only within
+``--variants-budget`` seconds of the sweep's start, 240 by default, so the core cells finish in
+the budget): the other threshold granularity than the default (``per_channel`` flipped), and
+fine-tuning with alpha 4, lr 2e-3 (the ResNet-14 recipe). A conversion that raises
 ``ConversionError`` (collapse) is recorded as such and re-run with ``on_collapse="warn"`` to
 record its accuracies. Results: ``<out>.json`` (one record per cell and a summary over seeds:
 mean and worst), ``<out>.png``, and per-job JSON under ``<out>_runs/`` (an interrupted sweep
