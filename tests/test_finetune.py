@@ -301,13 +301,18 @@ def test_warmup_scales_the_first_step(small_digits_snn, digits_loaders):
     warm, _ = finetune(small_digits_snn, train, warmup_steps=4, **common)
     moved = [k for k in _weights_changed(start, _state(full))]
     assert moved
+    large = []
     for k in moved:
         d_full = _state(full)[k] - start[k]
         d_warm = _state(warm)[k] - start[k]
         # d = (w + lr*g) - w is exact up to one ulp of w, hence the absolute tolerance
-        assert d_full.abs().max() > 1e-4
         ulp = torch.finfo().eps * start[k].abs().max().item()
         torch.testing.assert_close(d_warm, d_full / 4, rtol=1e-3, atol=4 * ulp)
+        if d_full.abs().max() > 100 * ulp:
+            large.append(k)
+    # the comparison means something only where the step is large against the tolerance (a
+    # fixed 1e-4 on every tensor depended on the fixture network's gradients)
+    assert len(large) >= len(moved) // 2, (large, moved)
 
 
 def test_a_single_epoch_limit_caps_the_steps(small_digits_snn, digits_data):
