@@ -17,6 +17,7 @@ from .errors import (  # noqa: E402
     BackendError,
     BatchNormRemainsError,
     CheckpointError,
+    ConversionError,
     DataError,
     FoldError,
     NIRError,
@@ -64,6 +65,7 @@ __all__ = [
     "NIRError",
     "BackendError",
     "backends",
+    "ConversionError",
 ]
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "CheckpointError",
     "NIRError",
     "BackendError",
+    "ConversionError",
 ]
 
 
@@ -69,3 +70,16 @@ class NIRError(SnnconvError):
 class BackendError(SnnconvError):
     """A backend cannot run what it was given: an unknown or unavailable backend, a NIR node or
     option it does not support, or an input of the wrong shape, dtype or number of steps."""
+
+
+class ConversionError(SnnconvError):
+    """A stage left a collapsed network: layers silent or saturated on all calibration data,
+    or a network at chance where the ANN is not.
+
+    Attributes:
+        layers: one finding per problem, naming the layers (``"silent (...): qcfs_relu_3"``).
+    """
+
+    def __init__(self, message: str, layers: list[str] | None = None):
+        super().__init__(message)
+        self.layers = list(layers or [])

@@ -86,7 +86,7 @@ def test_convert_without_bias_calibration_is_fold_calibrate_replace(trained_digi
     snn, _ = snnconv.convert(trained_digits_cnn, loader, T=8, L=8, calib_batches=4,
                              bias_calibration=False, progress=False)
     qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn), loader, L=8, num_batches=4,
-                                  progress=False)
+                                  per_channel=True, progress=False)  # convert()'s default
     with torch.no_grad():
         assert torch.equal(snn(x), snnconv.to_spiking(qann, T=8)(x))
 
@@ -99,7 +99,7 @@ def test_convert_is_fold_calibrate_replace(trained_digits_cnn, digits_data):
     snn, _ = snnconv.convert(trained_digits_cnn, loader, T=8, L=8, calib_batches=4, progress=False)
     x0 = next(iter(loader))[0]
     qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn, x0), loader, L=8,
-                                  num_batches=4, progress=False)
+                                  num_batches=4, per_channel=True, progress=False)  # convert()'s default
     manual = calibrate_bias(snnconv.to_spiking(qann, T=8), qann, loader, T=8)
     assert isinstance(snn, SpikingNetwork) and snn.T == 8
     assert snn.thresholds().keys() == manual.thresholds().keys()
@@ -126,9 +126,10 @@ def test_meta_records_every_stage_and_round_trips_through_json(trained_digits_cn
     sites = meta.stage("qcfs").changes["sites"]
     assert len(sites) == 4
     thetas = snn.thresholds()
-    for name, site in sites.items():
-        assert site["lambda"] > 0
-        assert thetas[name.replace("qcfs_", "if_", 1)].item() == pytest.approx(site["lambda"])
+    for name, site in sites.items():  # per channel by default: one lambda per channel
+        lam = torch.tensor(site["lambda"])
+        assert lam.dim() == 1 and (lam > 0).all()
+        assert torch.equal(thetas[name.replace("qcfs_", "if_", 1)], lam)
     assert set(meta.stage("spiking").changes["neurons"]) == set(thetas)
     acc = meta.accuracy
     assert set(acc) == {"ann", "folded", "qcfs", "snn"}

@@ -301,13 +301,18 @@ def test_warmup_scales_the_first_step(small_digits_snn, digits_loaders):
     warm, _ = finetune(small_digits_snn, train, warmup_steps=4, **common)
     moved = [k for k in _weights_changed(start, _state(full))]
     assert moved
+    large = []
     for k in moved:
         d_full = _state(full)[k] - start[k]
         d_warm = _state(warm)[k] - start[k]
         # d = (w + lr*g) - w is exact up to one ulp of w, hence the absolute tolerance
-        assert d_full.abs().max() > 1e-4
         ulp = torch.finfo().eps * start[k].abs().max().item()
         torch.testing.assert_close(d_warm, d_full / 4, rtol=1e-3, atol=4 * ulp)
+        if d_full.abs().max() > 100 * ulp:
+            large.append(k)
+    # the comparison means something only where the step is large against the tolerance (a
+    # fixed 1e-4 on every tensor depended on the fixture network's gradients)
+    assert len(large) >= len(moved) // 2, (large, moved)
 
 
 def test_a_single_epoch_limit_caps_the_steps(small_digits_snn, digits_data):
@@ -524,25 +529,25 @@ def test_first_step_loss_mixes_cross_entropy_and_distillation(small_digits_snn, 
     assert history[0]["loss"] == pytest.approx(((1 - w) * ce + w * tau ** 2 * kl).item(), rel=1e-5)
 
 
-def test_distillation_moves_the_snn_towards_the_teacher_and_leaves_the_teacher_alone(
+def test_distillation_trains_on_the_teacher_and_leaves_the_teacher_alone(
         small_digits_snn, small_digits_ann, digits_loaders):
-    train, test = digits_loaders
-    teacher = small_digits_ann.train()  # a teacher in train mode (BatchNorm) stays in train mode
+    """The teacher (here in train mode, with BatchNorm) is read, never changed or switched to
+    eval; distilling gives other weights than plain fine-tuning from the same seed.
+
+    Whether distillation moves the SNN towards the teacher is a training outcome, not a test:
+    the former assertion (top-1 agreement higher with distillation, 0.813 vs 0.797 here) failed
+    on an AMD EPYC machine, and on digits the KL to the teacher after one epoch came out no lower
+    with distillation (0.370 vs 0.363, seed 0); on Fashion-MNIST the GPU sweep measured equal
+    accuracy with and without it (benchmarks/results/sweep_knobs_gpu.json, distill0 / distill1).
+    The loss itself is pinned by test_first_step_loss_mixes_cross_entropy_and_distillation.
+    """
+    train, _ = digits_loaders
+    teacher = small_digits_ann.train()
     before = copy.deepcopy(teacher.state_dict())
-    x = torch.cat([b[0] for b in test])
-    with torch.no_grad():
-        target = teacher.eval()(x).argmax(1)
-    teacher.train()
-
-    def agreement(snn):
-        snn.T = 2
-        with torch.no_grad():
-            return (snn(x).argmax(1) == target).float().mean().item()
-
-    options = dict(T=2, epochs=1, lr=3e-3, progress=False)
+    options = dict(T=2, epochs=1, max_steps_per_epoch=3, lr=3e-3, progress=False)
     plain, _ = finetune(small_digits_snn, train, **options)
     taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
-    assert agreement(taught) > agreement(plain), (agreement(taught), agreement(plain))
+    assert _weights_changed(_state(plain), _state(taught))
     assert teacher.training
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
 
