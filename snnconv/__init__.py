@@ -16,6 +16,7 @@ _logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
 from .errors import (  # noqa: E402
     BatchNormRemainsError,
     CheckpointError,
+    ConversionError,
     DataError,
     FoldError,
     NIRError,
@@ -61,4 +62,5 @@ __all__ = [
     "StageOrderError",
     "CheckpointError",
     "NIRError",
+    "ConversionError",
 ]

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+from .progress import progress_bar
 
 from .data import digits
 from .fold import fold_batchnorm
@@ -30,7 +30,7 @@ def train_ann(model: nn.Module, loader: DataLoader, *, epochs: int, lr: float = 
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * len(loader))
     model.train()
-    for _ in tqdm(range(epochs), desc="train ANN", disable=not progress, leave=False):
+    for _ in progress_bar(range(epochs), desc="train ANN", disable=not progress, leave=False):
         for x, y in loader:
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()

@@ -15,6 +15,7 @@ __all__ = [
     "StageOrderError",
     "CheckpointError",
     "NIRError",
+    "ConversionError",
 ]
 
 
@@ -63,3 +64,15 @@ class NIRError(SnnconvError):
 
     The message names the node, edge, module or file concerned.
     """
+
+class ConversionError(SnnconvError):
+    """A stage left a collapsed network: layers silent or saturated on all calibration data,
+    or a network at chance where the ANN is not.
+
+    Attributes:
+        layers: one finding per problem, naming the layers (``"silent (...): qcfs_relu_3"``).
+    """
+
+    def __init__(self, message: str, layers: list[str] | None = None):
+        super().__init__(message)
+        self.layers = list(layers or [])

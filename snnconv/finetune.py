@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm.auto import tqdm
+from .progress import progress_bar
 
 from .data import split_batch, split_dataset
 from .errors import CheckpointError, DataError, StageOrderError
@@ -550,7 +550,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         sums = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
         if skip and resume_partial is not None:
             sums = torch.tensor(resume_partial, dtype=torch.float64)
-        bar = tqdm(total=steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
+        bar = progress_bar(total=steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
                    disable=not progress, leave=False)
         batches = iter(data.train)
         if cfg.max_steps_per_epoch:

@@ -1,4 +1,9 @@
-"""Accuracy and agreement measures shared by the stages, the demo and the benchmarks."""
+"""Accuracy and agreement measures shared by the stages, the demo and the benchmarks.
+
+Evaluation never touches the global RNG: it runs under ``torch.random.fork_rng`` (creating a
+DataLoader iterator draws a worker base seed from the global generator even with
+``shuffle=False``), so evaluating between two training stages cannot change what they train on.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ def predictions(model: nn.Module, loader: Iterable, device: torch.device | str =
     was = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             for batch in loader:
                 x, y = split_batch(batch, where="evaluation loader")
                 if y is None:
@@ -56,7 +61,7 @@ def accuracy_by_T(snn: nn.Module, loader: Iterable, Ts: Iterable[int],
     was = snn.training
     snn.eval()
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
             for batch in loader:
                 x, y = split_batch(batch, where="evaluation loader")
                 if y is None:

@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 from .data import first_batch
-from .errors import DataError, UnsupportedModelError
+from .errors import ConversionError, DataError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
+from .health import accuracy_on, activity, chance_level, collapse_report, dead_layers
 from .guards import assert_no_batchnorm
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
@@ -74,6 +75,63 @@ def _check_batch(gm: nn.Module, x: torch.Tensor, device: torch.device) -> None:
             "convert() expects one [B, classes] tensor")
 
 
+class _Health:
+    """Per-stage activity and the collapse check on a few labelled calibration batches."""
+
+    def __init__(self, loader: Iterable, n: int, device: torch.device, on_collapse: str):
+        from .data import split_batch
+
+        self.x, self.y = [], []
+        with torch.random.fork_rng(devices=[]):  # drawing them must not move the global RNG
+            for batch in loader:
+                if len(self.x) >= n:
+                    break
+                x, y = split_batch(batch, where="the conversion loader")
+                self.x.append(x.to(device))
+                self.y.append(y)
+        if any(y is None for y in self.y):
+            self.y = []
+        self.chance = chance_level(self.y)
+        self.ann_accuracy: float | None = None
+        self.reference: dict = {}
+        self.on_collapse = on_collapse
+
+    def check(self, rec: StageRecord, model: nn.Module, stage: str, act_model: nn.Module | None = None,
+              what: str = "the network", source: dict[str, str] | None = None) -> None:
+        """Record activity and accuracy of ``model`` after ``stage``; raise or warn on a collapse.
+
+        ``source`` maps each activity site to the ANN ReLU node it came from.
+        """
+        import warnings
+
+        act = activity(act_model if act_model is not None else model, self.x)
+        acc = accuracy_on(model, self.x, self.y)
+        rec.changes["activity"] = act
+        rec.changes["check_accuracy"] = acc
+        if stage == "fold":
+            self.ann_accuracy, self.reference = acc, act
+            dead = dead_layers(act)
+            if dead:
+                rec.changes["dead_in_ann"] = dead
+                warnings.warn(f"the ANN has ReLU layer(s) that output zero on every calibration "
+                              f"sample: {', '.join(dead)}; their spiking counterparts will be silent "
+                              "too (not an error of the conversion)", RuntimeWarning, stacklevel=3)
+            return
+        findings = collapse_report(act, reference=self.reference, source=source, accuracy=acc,
+                                   ann_accuracy=self.ann_accuracy, chance=self.chance)
+        if not findings:
+            return
+        rec.changes["collapse"] = findings
+        n = sum(len(x) for x in self.x)
+        message = (f"after stage '{stage}', {what} collapsed on {n} calibration samples: "
+                   + "; ".join(findings) + ". What to do: try per_channel=True, a larger T, "
+                   "bias_calibration=True, or fewer QCFS training epochs / a lower learning rate; "
+                   "pass on_collapse='warn' to get the network anyway.")
+        if self.on_collapse == "raise":
+            raise ConversionError(message, layers=list(findings))
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def convert(
     model: nn.Module,
     loader: Iterable,
@@ -96,6 +154,7 @@ def convert(
     seed: int = 0,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    on_collapse: str = "raise",
 ) -> tuple[SpikingNetwork, ConversionMeta]:
     """Convert a trained ReLU network into a spiking network of IF neurons.
 
@@ -121,6 +180,11 @@ def convert(
             every T on deep networks; see the benchmarks.
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher.
+        on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
+            activity on the first two calibration batches goes into that stage's
+            ``meta`` record (``changes["activity"]``, see :mod:`snnconv.health`); a layer
+            silent or saturated on all of them, or a network at chance there while the ANN is
+            not, raises :class:`ConversionError` naming the layers (or warns).
 
     Returns:
         ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
@@ -128,6 +192,8 @@ def convert(
     from .finetune import FinetuneConfig, finetune
 
     eval_T = tuple(eval_T)
+    if on_collapse not in ("raise", "warn"):
+        raise ValueError(f"on_collapse must be 'raise' or 'warn', got {on_collapse!r}")
     T = int(T) if isinstance(T, numbers.Integral) and not isinstance(T, bool) else T
     for name, value in [("T", T), *(("eval_T", t) for t in eval_T)]:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
@@ -169,6 +235,8 @@ def convert(
         x0, _ = first_batch(loader, where="the conversion loader")
         _check_batch(gm, x0, device)
         rec.changes = {"input_shape": list(x0.shape), "parameters": sum(p.numel() for p in gm.parameters())}
+        health = _Health(loader, min(2, calib_batches) if isinstance(calib_batches, int) else 2,
+                         device, on_collapse)
     if eval_loader is not None:
         meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
 
@@ -177,6 +245,7 @@ def convert(
         assert_no_batchnorm(gm, stage="fold")
         rec.changes = {"folded": [p.to_dict() for p in pairs],
                        "max_abs_diff": max((p.max_abs_diff or 0.0 for p in pairs), default=0.0)}
+        health.check(rec, gm, "fold", what="the (folded) ANN")
     if eval_loader is not None:
         meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
 
@@ -185,7 +254,10 @@ def convert(
                              num_batches=calib_batches, maxpool=maxpool, train=qcfs_train,
                              device=device, progress=progress)
         assert_no_batchnorm(qgm, stage="qcfs")
-        rec.changes = qgm.meta["qcfs"]
+        rec.changes = dict(qgm.meta["qcfs"])
+        qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
+                       if name.startswith("qcfs_")}
+        health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source)
     if eval_loader is not None:
         meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
 
@@ -196,7 +268,10 @@ def convert(
         snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")
-        rec.changes = snn.meta
+        rec.changes = dict(snn.meta)
+        if_source = {n: qcfs_source.get(r.get("source"), r.get("source"))
+                     for n, r in snn.meta["neurons"].items()}
+        health.check(rec, snn, "spiking", what=f"the SNN at T={T}", source=if_source)
 
     if finetune_config is not None and finetune_config.epochs > 0:
         with _stage(meta, "finetune") as rec:
@@ -206,6 +281,7 @@ def convert(
                                     device=device, progress=progress)
             assert_no_batchnorm(snn, stage="finetune")
             rec.changes = {"history": history}
+            health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}", source=if_source)
 
     if eval_loader is not None:
         Ts = sorted(set(eval_T) | {T})

@@ -10,8 +10,10 @@ then optionally trained together with the weights (QCFS-aware ANN training).
 
 from __future__ import annotations
 
+import builtins
 import copy
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -19,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+from .progress import progress_bar
 
 from .data import split_batch, split_loader
 from .errors import DataError, UnsupportedLayerError
@@ -165,6 +167,131 @@ def _check_activations(gm: fx.GraphModule, maxpool: str, *, stage: str = "QCFS c
             raise UnsupportedLayerError(
                 f"max-pooling at {describe_node(node)} found at {stage}: a max over spike trains "
                 f"is not the spike train of the max, so it has no exact IF equivalent; {hint}.")
+    _check_between_neurons(gm, maxpool, stage)
+
+
+# --- what may stand between two spiking layers ------------------------------------------------
+#
+# Between neurons only spike trains travel, and a layer sees the average of its input over T.
+# An operation f keeps the converted network right only if the average of f over the steps is
+# f of the average: linear maps (conv, linear, average pooling, sums, scaling by a constant),
+# selections and rearrangements (reshape, flatten, slicing, concatenation, zero padding), and
+# identities at inference (dropout). Anything else (clamp, abs, max, min, a product of two
+# activations, normalisation...) is refused by name.
+
+_ALLOWED_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                    nn.ConvTranspose3d, nn.Linear, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+                    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.Flatten,
+                    nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
+                    nn.ReLU, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.modules.batchnorm._BatchNorm)
+_ALLOWED_FUNCTIONS = {operator.add, operator.sub, operator.neg, operator.pos, operator.getitem,
+                      torch.add, torch.sub, torch.subtract, torch.neg, torch.cat, torch.concat,
+                      torch.stack, torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze,
+                      torch.transpose, torch.permute, torch.chunk, torch.split, torch.narrow,
+                      F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, torch.avg_pool1d,
+                      F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+                      F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.linear, F.conv1d,
+                      F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d, getattr,
+                      builtins.len, torch.nn.functional.pad, torch.flip, torch.roll}
+_ALLOWED_FUNCTIONS |= _RELU_FUNCTIONS
+_ALLOWED_METHODS = {"view", "reshape", "flatten", "size", "dim", "contiguous", "permute", "transpose",
+                    "squeeze", "unsqueeze", "chunk", "split", "narrow", "add", "add_", "sub", "sub_",
+                    "neg", "expand", "expand_as", "view_as", "reshape_as", "float", "to", "type_as",
+                    "clone", "detach", "__getitem__", "flip", "roll"} | _RELU_METHODS
+_SCALING_FUNCTIONS = {operator.mul, operator.truediv, torch.mul, torch.multiply, torch.div,
+                      torch.true_divide, operator.matmul, torch.matmul, torch.mm, operator.imul}
+_SCALING_METHODS = {"mul", "mul_", "div", "div_", "matmul", "__mul__", "__truediv__"}
+_REDUCTIONS_FUNCTIONS = {torch.mean, torch.sum}
+_REDUCTION_METHODS = {"mean", "sum"}
+
+
+def _spike_carriers(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on the output of an activation site (a neuron after conversion)."""
+    seeds = set(relu_sites(gm))
+    for node in gm.graph.nodes:
+        mod = module_of(gm, node)
+        if mod is not None and (isinstance(mod, QCFS) or type(mod).__name__ == "IFNeuron"):
+            seeds.add(node)
+    carriers: set[fx.Node] = set()
+    for node in gm.graph.nodes:  # topological order
+        if node in seeds or any(i in carriers for i in node.all_input_nodes):
+            carriers.add(node)
+    return carriers
+
+
+def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool: str) -> str | None:
+    """Why ``node`` (reading spike trains) cannot be converted, or None when it can."""
+    if node.op in ("output", "placeholder", "get_attr"):
+        return None
+    mod = module_of(gm, node)
+    if node.op == "call_module":
+        if isinstance(mod, _ALLOWED_MODULES) or isinstance(mod, QCFS) or type(mod).__name__ in (
+                "IFNeuron", "Scale", "TimeExpand"):
+            return None
+        if maxpool == "avg" and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}:
+            return None
+        return f"{type(mod).__name__} module"
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    moving = [a for a in node.all_input_nodes if a in carriers]
+    if node.op == "call_function":
+        if target in _ALLOWED_FUNCTIONS:
+            if target is torch.nn.functional.pad:
+                value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0)
+                mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+                if mode != "constant" or value not in (0, 0.0, None):
+                    return f"padding with mode {mode!r} and value {value!r} (only zero padding commutes)"
+            return None
+        if target in _SCALING_FUNCTIONS:
+            if len(moving) > 1:
+                return f"'{name}' of two activations (a product is not linear in the spike rates)"
+            if target in (operator.truediv, torch.div, torch.true_divide) and node.args[1:2] and \
+                    node.args[1] in carriers:
+                return f"'{name}' by an activation"
+            return None
+        if target in _REDUCTIONS_FUNCTIONS:
+            return _reduction_refusal(node, name, 1)
+        return f"'{name}'"
+    if node.op == "call_method":
+        if target in _ALLOWED_METHODS:
+            return None
+        if target in _SCALING_METHODS:
+            if len(moving) > 1:
+                return f"'{name}' of two activations (a product is not linear in the spike rates)"
+            if target in ("div", "div_", "__truediv__") and node.args[1:2] and node.args[1] in carriers:
+                return f"'{name}' by an activation"
+            return None
+        if target in _REDUCTION_METHODS:
+            return _reduction_refusal(node, name, 1)
+        return f"method '{name}'"
+    return f"{node.op} '{name}'"
+
+
+def _reduction_refusal(node: fx.Node, name: str, dim_pos: int) -> str | None:
+    dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim")
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if dim is None or any(not isinstance(d, int) or d == 0 for d in dims):
+        return f"'{name}' over the batch dimension (or all dimensions); reduce over dims >= 1 only"
+    return None
+
+
+def _check_between_neurons(gm: fx.GraphModule, maxpool: str, stage: str) -> None:
+    """Refuse any operation on spike trains outside the allow-list (see above), by fx node."""
+    carriers = _spike_carriers(gm)
+    bad = []
+    for node in gm.graph.nodes:
+        if node in carriers:
+            why = _refusal(gm, node, carriers, maxpool)
+            if why is not None:
+                bad.append(f"{why} at {describe_node(node)}")
+    if bad:
+        raise UnsupportedLayerError(
+            f"{len(bad)} operation(s) after a ReLU found at {stage} have no spiking equivalent: "
+            + "; ".join(bad) + ". Between spiking layers only operations that commute with "
+            "averaging over time steps are exact: conv, linear, average pooling, flatten/reshape/"
+            "view, add/sub, concatenation, slicing, zero padding, dropout, identity, scaling by a "
+            "constant. Remove or replace the operation (e.g. a clamp by a ReLU, max-pooling by "
+            "average pooling) and retrain the ANN.")
 
 
 def _replace_maxpool(gm: fx.GraphModule) -> list[str]:
@@ -200,12 +327,13 @@ def _site_name(node: fx.Node, used: set[str]) -> str:
 
 def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, percentile: float,
                  per_channel: bool, num_batches: int, device: torch.device,
-                 progress: bool, max_samples: int = 1 << 18) -> dict[str, torch.Tensor]:
+                 progress: bool, max_samples: int = 1 << 18,
+                 ndims: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     inputs = {s.name: _relu_input(s).name for s in sites}
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
     seen = 0
-    bar = tqdm(total=num_batches, desc="calibrate", disable=not progress, leave=False)
+    bar = progress_bar(total=num_batches, desc="calibrate", disable=not progress, leave=False)
     for i, batch in enumerate(loader):
         if i >= num_batches:
             break
@@ -214,6 +342,8 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
         values = capture(gm, (x.to(device),), set(inputs.values()))
         for site, src in inputs.items():
             v = values[src].detach().float().cpu()
+            if ndims is not None:
+                ndims[site] = v.dim()
             if per_channel:
                 v = v.transpose(0, 1).reshape(v.shape[1], -1)
                 if v.shape[1] > max_samples // max(1, v.shape[0]) * 4:
@@ -300,7 +430,9 @@ def make_optimizer(model: nn.Module, name: str, lr: float, *, weight_decay: floa
 
 
 def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
-                progress: bool) -> list[dict[str, float]]:
+                progress: bool, summary: dict[str, Any]) -> list[dict[str, float]]:
+    """Train weights and lambdas; keep the best epoch on the validation split, where the
+    calibrated state counts as epoch 0 (``summary`` gets ``calibrated_val_acc`` and ``best_epoch``)."""
     train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
     if val is not None and hasattr(val, "__len__") and len(val) == 0:
         val = None  # too few batches to hold any out: train without best-epoch selection
@@ -312,11 +444,17 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if steps else 1.0)
     history = []
     best = (-1.0, None)
+    if val is not None:
+        # the calibrated, untrained state is epoch 0: training can never return something worse
+        gm.eval()
+        best = (evaluate(gm, val, device), copy.deepcopy(gm.state_dict()))
+        summary["calibrated_val_acc"] = best[0]
+    best_epoch = 0
     torch.manual_seed(cfg.seed)
     for epoch in range(cfg.epochs):
         gm.train()
         loss_sum = n = correct = 0
-        bar = tqdm(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
+        bar = progress_bar(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
         for batch in bar:
             x, y = split_batch(batch, where="training loader")
             if y is None:
@@ -342,9 +480,11 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             record["val_acc"] = evaluate(gm, val, device)
             if record["val_acc"] > best[0]:
                 best = (record["val_acc"], copy.deepcopy(gm.state_dict()))
+                best_epoch = epoch + 1
         history.append(record)
     if best[1] is not None:
         gm.load_state_dict(best[1])
+        summary["best_epoch"] = best_epoch
     gm.eval()
     return history
 
@@ -391,8 +531,9 @@ def calibrate_qcfs(
     gm.recompile()
     gm.to(device)
     sites = relu_sites(gm)
+    ndims: dict[str, int] = {}
     lams = _percentiles(gm, loader, sites, percentile=percentile, per_channel=per_channel,
-                        num_batches=num_batches, device=device, progress=progress)
+                        num_batches=num_batches, device=device, progress=progress, ndims=ndims)
     used: set[str] = set(n for n, _ in gm.named_modules())
     record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -400,7 +541,11 @@ def calibrate_qcfs(
         name = _site_name(node, used)
         src = _relu_input(node)
         inplace = _is_inplace(gm, node)
-        gm.add_submodule(name, QCFS(L, lams[node.name]).to(device))
+        site = QCFS(L, lams[node.name]).to(device)
+        # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
+        # that reads this site's output on the right dimension
+        site.input_ndim = ndims.get(node.name)
+        gm.add_submodule(name, site)
         with gm.graph.inserting_after(node):
             new = gm.graph.call_module(name, (src,))
         node.replace_all_uses_with(new)
@@ -415,7 +560,7 @@ def calibrate_qcfs(
     gm.delete_all_unused_submodules()
     gm.recompile()
     if train is not None and train.epochs > 0:
-        record["history"] = _train_qcfs(gm, loader, train, device, progress)
+        record["history"] = _train_qcfs(gm, loader, train, device, progress, record)
     for name, q in qcfs_sites(gm).items():
         site = record["sites"].setdefault(name, {"replaces": "an existing QCFS module (kept)"})
         site["lambda"] = q.lam.detach().cpu().tolist()

@@ -526,23 +526,33 @@ def test_first_step_loss_mixes_cross_entropy_and_distillation(small_digits_snn, 
 
 def test_distillation_moves_the_snn_towards_the_teacher_and_leaves_the_teacher_alone(
         small_digits_snn, small_digits_ann, digits_loaders):
+    """Distillation minimises KL(teacher || snn): on held-out data the distilled SNN is closer to
+    the teacher's distribution than the plainly fine-tuned one, by a wide margin.
+
+    Not top-1 agreement: that differed by 0.016 on one seed (0.797 vs 0.813) and its sign
+    flipped between CPUs. The KL is the quantity distillation optimises; measured on digits at
+    T=2 it falls to well under half of the plain run's, on each of the seeds below.
+    """
     train, test = digits_loaders
     teacher = small_digits_ann.train()  # a teacher in train mode (BatchNorm) stays in train mode
     before = copy.deepcopy(teacher.state_dict())
     x = torch.cat([b[0] for b in test])
+    tau = 2.0
     with torch.no_grad():
-        target = teacher.eval()(x).argmax(1)
+        target = F.log_softmax(teacher.eval()(x) / tau, dim=1)
     teacher.train()
 
-    def agreement(snn):
+    def kl(snn):
         snn.T = 2
         with torch.no_grad():
-            return (snn(x).argmax(1) == target).float().mean().item()
+            return F.kl_div(F.log_softmax(snn(x) / tau, dim=1), target, log_target=True,
+                            reduction="batchmean").item()
 
-    options = dict(T=2, epochs=1, lr=3e-3, progress=False)
-    plain, _ = finetune(small_digits_snn, train, **options)
-    taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
-    assert agreement(taught) > agreement(plain), (agreement(taught), agreement(plain))
+    for seed in (0, 1):
+        options = dict(T=2, epochs=1, lr=3e-3, seed=seed, distill_temperature=tau, progress=False)
+        plain, _ = finetune(small_digits_snn, train, **options)
+        taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
+        assert kl(taught) < 0.7 * kl(plain), (seed, kl(taught), kl(plain))
     assert teacher.training
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
 

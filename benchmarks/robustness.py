@@ -1,0 +1,531 @@
+"""Robustness matrix: convert() with default settings on networks nobody tuned it for.
+
+The GPU sweep (one H200, 16 CPU cores; about 5-7 minutes wall), run from the repository root:
+
+    .venv/bin/python benchmarks/robustness.py --device cuda --jobs 12 --out $OUT/robustness
+
+then, here, the table for benchmarks/README.md and the plot from its JSON:
+
+    .venv/bin/python benchmarks/robustness.py --table $OUT/robustness.json
+
+The CPU smoke test (digits, two tiny networks, 1 seed; about a minute on 2 cores):
+
+    .venv/bin/python benchmarks/robustness.py --smoke --out /tmp/robustness_smoke
+
+What runs. Five architectures written the way people write them (defined below, none from
+the zoo's training set-up): ``tv_resnet`` (torchvision-style BasicBlocks that reuse one
+``nn.ReLU(inplace=True)`` twice, ``F.relu`` in the stem, a ``downsample`` shortcut, ``out +=
+identity``), ``mobilenet`` (depthwise-separable blocks, a Linear-BatchNorm1d-ReLU-Dropout head),
+``vgg_max`` (VGG with max-pooling, converted with ``maxpool="avg"``, the one non-default
+argument), ``resnet20`` (the CIFAR ResNet-20 of ``snnconv.models``) and ``small_cnn``. Each is
+trained on real Fashion-MNIST (28x28) for 2 epochs and for 10 epochs (SGD Nesterov, OneCycle
+peak 0.1, batch 128, weight decay 5e-4, no augmentation), and the two small nets also on
+scikit-learn's digits (2 and 30 epochs). To fit the GPU budget, ANN training (and the data
+convert() calibrates and fine-tunes on) uses a seeded random subset of ``--train-subset``
+Fashion-MNIST training images (default 20,000 of 60,000); every accuracy is on the FULL test
+split (10,000 Fashion-MNIST images, 450 digits). Seeds 0, 1, 2: the seed decides the ANN's
+initialisation and data order, the calibration loader's order and ``convert(seed=)``.
+
+Each cell is ``convert(ann, loader, eval_loader=test, eval_T=(1, 2, 4, 8, 16, 32))`` with
+every other setting at its default (T=8), recording the ANN, the folded ANN, the QCFS-ANN and
+the SNN at each T; plus ``convert(..., T=4, finetune_epochs=1)`` on the 10-epoch
+``tv_resnet``, ``mobilenet``, ``resnet20`` and ``small_cnn``. A conversion that raises
+``ConversionError`` (collapse) is recorded as such and re-run with ``on_collapse="warn"`` to
+record its accuracies. Results: ``<out>.json`` (one record per cell and a summary over seeds:
+mean and worst), ``<out>.png``, and per-job JSON under ``<out>_runs/`` (an interrupted sweep
+keeps what finished; a re-run skips finished jobs). ANN checkpoints are cached under
+``<out>_cache/`` (state dicts).
+
+Floors checked in the table (worst seed): conversion within 3.0 points of the ANN at T=16 and
+1.0 at T=32; after fine-tuning, within 2.0 at T=4 and T=8 not below T=4 by more than 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+TS = (1, 2, 4, 8, 16, 32)
+FT_ARCHS = ("tv_resnet", "mobilenet", "resnet20", "small_cnn")
+
+
+# --- architectures, written the way people write them ---------------------------------------
+
+def _conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+
+
+class TVBasicBlock(nn.Module):
+    """torchvision's BasicBlock: one ReLU module used twice, ``downsample``, ``out += identity``."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = _conv3x3(inplanes, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+
+    def forward(self, x):
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+class TVResNet(nn.Module):
+    """A torchvision-style ResNet for small grey images: 3 stages of 2 blocks, width 16."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 16):
+        super().__init__()
+        self.inplanes = width
+        self.conv1 = _conv3x3(in_channels, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.layer1 = self._make_layer(width, 2)
+        self.layer2 = self._make_layer(2 * width, 2, stride=2)
+        self.layer3 = self._make_layer(4 * width, 2, stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(4 * width, num_classes)
+
+    def _make_layer(self, planes, blocks, stride=1):
+        downsample = None
+        if stride != 1 or self.inplanes != planes:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes, 1, stride, bias=False),
+                                       nn.BatchNorm2d(planes))
+        layers = [TVBasicBlock(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes
+        layers += [TVBasicBlock(planes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        x = self.avgpool(x)
+        x = torch.flatten(x, 1)
+        return self.fc(x)
+
+
+def _dw_separable(cin: int, cout: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False), nn.BatchNorm2d(cin), nn.ReLU(inplace=True),
+        nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True))
+
+
+class MobileNetish(nn.Module):
+    """Depthwise-separable blocks (MobileNet v1 style, ReLU) and a BatchNorm1d MLP head."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 16):
+        super().__init__()
+        w = width
+        self.stem = nn.Sequential(_conv3x3(in_channels, w), nn.BatchNorm2d(w), nn.ReLU(inplace=True))
+        self.features = nn.Sequential(_dw_separable(w, 2 * w, 1), _dw_separable(2 * w, 4 * w, 2),
+                                      _dw_separable(4 * w, 4 * w, 1), _dw_separable(4 * w, 8 * w, 2),
+                                      _dw_separable(8 * w, 8 * w, 1))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * w, 4 * w, bias=False), nn.BatchNorm1d(4 * w),
+                                  nn.ReLU(inplace=True), nn.Dropout(0.2), nn.Linear(4 * w, num_classes))
+
+    def forward(self, x):
+        return self.head(self.pool(self.features(self.stem(x))))
+
+
+class VGGMax(nn.Module):
+    """A VGG with max-pooling and a dropout MLP classifier (for 28x28 or 8x8 inputs)."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 32, size: int = 28):
+        super().__init__()
+        cfg = [width, "M", 2 * width, "M", 4 * width, 4 * width, "M"]
+        layers, cin = [], in_channels
+        for v in cfg:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+                size //= 2
+            else:
+                layers += [nn.Conv2d(cin, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU(inplace=True)]
+                cin = v
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Linear(cin * size * size, 256), nn.ReLU(True), nn.Dropout(0.3),
+                                        nn.Linear(256, num_classes))
+
+    def forward(self, x):
+        x = self.features(x)
+        x = x.view(x.size(0), -1)
+        return self.classifier(x)
+
+
+def build(arch: str, dataset: str, smoke: bool = False) -> nn.Module:
+    """The network ``arch`` for ``dataset`` ("fmnist": 1x28x28, "digits": 1x8x8)."""
+    from snnconv import models
+
+    size = 28 if dataset == "fmnist" else 8
+    if arch == "tv_resnet":
+        return TVResNet(width=4 if smoke else 16)
+    if arch == "mobilenet":
+        return MobileNetish(width=4 if smoke else 16)
+    if arch == "vgg_max":
+        return VGGMax(width=8 if smoke else 32, size=size)
+    if arch == "resnet20":
+        return models.resnet20(num_classes=10, in_channels=1)
+    if arch == "small_cnn":
+        return models.small_cnn(num_classes=10, in_channels=1, width=8 if smoke else 32)
+    raise ValueError(f"unknown architecture {arch!r}")
+
+
+# --- data and ANN training ------------------------------------------------------------------
+
+def datasets(dataset: str, subset: int | None, seed: int, fashion_root: str | None = None):
+    """(train, test) TensorDatasets; the training set subsampled (seeded) to ``subset`` images."""
+    from snnconv.data import digits, fashion_mnist
+
+    if dataset == "digits":
+        train, test = digits(seed=0)
+    else:
+        train, test = fashion_mnist(fashion_root, train=True), fashion_mnist(fashion_root, train=False)
+    if subset and subset < len(train):
+        idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(1000 + seed))[:subset]
+        train = TensorDataset(*(t[idx] for t in train.tensors))
+    return train, test
+
+
+def train_ann(model: nn.Module, train: TensorDataset, epochs: int, seed: int, device: torch.device,
+              batch: int = 128) -> nn.Module:
+    """SGD Nesterov 0.9, weight decay 5e-4, OneCycle peak 0.1, batch 128; data on the device."""
+    torch.manual_seed(seed)
+    x, y = (t.to(device) for t in train.tensors)
+    model.to(device)
+    steps = epochs * (len(x) // batch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=max(1, steps))
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=gen).to(device)
+        for i in range(len(x) // batch):
+            j = perm[i * batch:(i + 1) * batch]
+            loss = F.cross_entropy(model(x[j]), y[j])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model.eval().cpu()
+
+
+def cached_ann(job: dict, train: TensorDataset, device: torch.device) -> tuple[nn.Module, bool]:
+    path = os.path.join(job["cache"], f"{job['dataset']}-{job['arch']}-e{job['epochs']}-s{job['seed']}"
+                        f"-n{job['subset'] or 'all'}{'-smoke' if job['smoke'] else ''}.pt")
+    model = build(job["arch"], job["dataset"], job["smoke"])
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.eval(), True
+    model = train_ann(model, train, job["epochs"], job["seed"], device)
+    os.makedirs(job["cache"], exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, path)
+    return model, False
+
+
+# --- one job: train (or load) one ANN, run its cells ----------------------------------------
+
+def _convert_cell(ann, loader, test, device, Ts, **options) -> dict:
+    import snnconv
+
+    has_on_collapse = "on_collapse" in inspect.signature(snnconv.convert).parameters
+    t0 = time.perf_counter()
+    record: dict = {"options": {k: v for k, v in options.items() if k != "finetune_config"}}
+    try:
+        _, meta = snnconv.convert(ann, loader, eval_loader=test, eval_T=Ts, device=device,
+                                  progress=False, **options)
+    except snnconv.SnnconvError as exc:
+        if not (has_on_collapse and type(exc).__name__ == "ConversionError"):
+            raise
+        record["collapse"] = str(exc)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, meta = snnconv.convert(ann, loader, eval_loader=test, eval_T=Ts, device=device,
+                                      progress=False, on_collapse="warn", **options)
+    record["seconds"] = time.perf_counter() - t0
+    acc = meta.accuracy
+    record.update(ann=acc.get("ann"), folded=acc.get("folded"), qcfs=acc.get("qcfs"),
+                  snn={int(t): a for t, a in acc.get("snn", {}).items()},
+                  stage_seconds={s.name: s.seconds for s in meta.stages})
+    for s in meta.stages:
+        if s.name == "finetune":
+            record["finetune_history"] = s.changes.get("history")
+    activity = {s.name: s.changes["activity"] for s in meta.stages if "activity" in s.changes}
+    if activity:
+        record["activity"] = activity
+    return record
+
+
+def run_job(job: dict) -> dict:
+    """Train or load the ANN of ``job``, then its default cell and (if asked) its fine-tuning cell."""
+    import logging
+
+    logging.getLogger("spikingjelly").setLevel(logging.ERROR)
+    torch.set_num_threads(job["threads"])
+    device = torch.device(job["device"])
+    train, test_set = datasets(job["dataset"], job["subset"], job["seed"], job.get("fashion_root"))
+    if job.get("test_limit"):
+        test_set = TensorDataset(*(t[:job["test_limit"]] for t in test_set.tensors))
+    t0 = time.perf_counter()
+    ann, cached = cached_ann(job, train, device)
+    out = dict(job, ann_cached=cached, ann_seconds=time.perf_counter() - t0, cells={})
+    loader = DataLoader(train, batch_size=128, shuffle=True,
+                        generator=torch.Generator().manual_seed(job["seed"]))
+    test = DataLoader(test_set, batch_size=1000 if device.type == "cuda" else 250)
+    Ts = tuple(job["Ts"])
+    extra = {"maxpool": "avg"} if job["arch"] == "vgg_max" else {}
+    out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)
+    if job["finetune"]:
+        from snnconv import FinetuneConfig
+
+        if job["smoke"]:
+            ft = dict(finetune_config=FinetuneConfig(epochs=1, T=4, seed=job["seed"], max_steps_per_epoch=3))
+        else:
+            ft = dict(finetune_epochs=1)
+        out["cells"]["finetune"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], T=4,
+                                                 **extra, **ft)
+    return out
+
+
+# --- the sweep --------------------------------------------------------------------------------
+
+def plan(args) -> list[dict]:
+    if args.smoke:
+        grid = [("digits", a, e) for a in ("small_cnn", "tv_resnet") for e in (1, 3)]
+        seeds, Ts, subset = (0,), (1, 2, 4, 8), None
+    else:
+        archs = args.archs or ["tv_resnet", "mobilenet", "vgg_max", "resnet20", "small_cnn"]
+        grid = [("fmnist", a, e) for a in archs for e in (2, args.long_epochs)]
+        grid += [("digits", a, e) for a in ("small_cnn", "tv_resnet") if a in archs for e in (2, 30)]
+        seeds, Ts, subset = tuple(range(args.seeds)), TS, args.train_subset
+    threads = args.threads or max(1, (os.cpu_count() or 2) // max(1, args.jobs))
+    jobs = []
+    for dataset, arch, epochs in grid:
+        for seed in seeds:
+            long = epochs == max(e for d, a, e in grid if d == dataset and a == arch)
+            jobs.append(dict(dataset=dataset, arch=arch, epochs=epochs, seed=seed, Ts=list(Ts),
+                             subset=subset if dataset == "fmnist" else None, smoke=args.smoke,
+                             finetune=long and arch in FT_ARCHS and (dataset == "fmnist" or args.smoke),
+                             device=args.device, threads=threads, cache=args.out + "_cache",
+                             fashion_root=args.fashion_root, test_limit=args.test_limit))
+    cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1}
+    jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (3 if j["dataset"] == "fmnist" else 1)
+                              + 20 * j["finetune"]))
+    return jobs
+
+
+def job_key(job: dict) -> str:
+    return f"{job['dataset']}-{job['arch']}-e{job['epochs']}-s{job['seed']}"
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (dataset, arch, epochs, cell): mean and worst over seeds, gaps, floors."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        for cell, c in r.get("cells", {}).items():
+            groups.setdefault((r["dataset"], r["arch"], r["epochs"], cell), []).append(c)
+    rows = []
+    for (dataset, arch, epochs, cell), cs in sorted(groups.items()):
+        Ts = sorted({t for c in cs for t in c["snn"]})
+        row = {"dataset": dataset, "arch": arch, "epochs": epochs, "cell": cell, "seeds": len(cs),
+               "collapses": sum("collapse" in c for c in cs)}
+        for key in ("ann", "qcfs"):
+            vals = [c[key] for c in cs if c.get(key) is not None]
+            row[key] = {"mean": statistics.fmean(vals), "worst": min(vals)} if vals else None
+        row["snn"] = {}
+        for t in Ts:
+            vals = [c["snn"][t] for c in cs if t in c["snn"]]
+            gaps = [c["ann"] - c["snn"][t] for c in cs if t in c["snn"]]
+            row["snn"][t] = {"mean": statistics.fmean(vals), "worst": min(vals), "worst_gap": max(gaps)}
+        if cell == "default":
+            checks = {16: 3.0, 32: 1.0}
+            row["floors_met"] = all(t in row["snn"] and row["snn"][t]["worst_gap"] <= g for t, g in checks.items())
+        else:
+            drop = max(c["snn"][4] - c["snn"].get(8, math.inf) for c in cs) if 4 in row["snn"] else math.inf
+            row["t8_minus_t4_worst"] = -drop
+            row["floors_met"] = 4 in row["snn"] and row["snn"][4]["worst_gap"] <= 2.0 and drop <= 0.5
+        row["convert_seconds_mean"] = statistics.fmean(c["seconds"] for c in cs)
+        rows.append(row)
+    return rows
+
+
+def table(summary: list[dict], subset: int | None = None) -> str:
+    """The markdown table for benchmarks/README.md."""
+    Ts = sorted({int(t) for r in summary for t in r["snn"]})
+    head = ["data", "network", "ANN epochs", "cell", "ANN", "QCFS-ANN"] + [f"T={t}" for t in Ts] + ["floors"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(v):
+        return "-" if v is None else f"{v['mean']:.2f} ({v['worst']:.2f})"
+
+    for r in summary:
+        snn = {int(t): v for t, v in r["snn"].items()}
+        flag = "met" if r["floors_met"] else "**missed**"
+        if r["collapses"]:
+            flag += f", {r['collapses']} collapse(s)"
+        name = "default" if r["cell"] == "default" else "finetune 1 ep, T=4"
+        lines.append("| " + " | ".join([r["dataset"], r["arch"], str(r["epochs"]), name, cell(r["ann"]),
+                                        cell(r["qcfs"])] + [cell(snn.get(t)) for t in Ts] + [flag]) + " |")
+    note = ("\nAccuracy (%) on the full test split, mean (worst) over seeds; convert() defaults "
+            "(vgg_max: maxpool='avg'). Floors: worst seed within 3.0 of the ANN at T=16 and 1.0 at "
+            "T=32; fine-tuned: within 2.0 at T=4 and T=8 >= T=4 - 0.5.")
+    if subset:
+        note += f" Fashion-MNIST ANNs trained (and converted) on a seeded subset of {subset} training images."
+    return "\n".join(lines) + note
+
+
+def plot(summary: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets_ = sorted({r["dataset"] for r in summary})
+    fig, axes = plt.subplots(1, len(datasets_), figsize=(6 * len(datasets_), 4.5), squeeze=False)
+    for ax, d in zip(axes[0], datasets_):
+        for r in (r for r in summary if r["dataset"] == d):
+            Ts = sorted(int(t) for t in r["snn"])
+            gaps = [r["ann"]["mean"] - r["snn"][t]["mean"] for t in Ts]
+            style = "-" if r["cell"] == "default" else ":"
+            ax.plot(Ts, gaps, style, marker="o", label=f"{r['arch']} e{r['epochs']} {r['cell']}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.axhline(3.0, color="grey", lw=0.5)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set_xlabel("T")
+        ax.set_ylabel("ANN - SNN accuracy (points, mean over seeds)")
+        ax.set_title(d)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _normalize(obj):
+    """JSON round trip turns int keys into strings; make summary keys ints again."""
+    for r in obj:
+        r["snn"] = {int(t): v for t, v in r["snn"].items()}
+    return obj
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (default cores/jobs)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "robustness"))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--long-epochs", type=int, default=10)
+    p.add_argument("--train-subset", type=int, default=20000)
+    p.add_argument("--archs", nargs="*")
+    p.add_argument("--fashion-root", default=None)
+    p.add_argument("--test-limit", type=int, default=None,
+                   help="evaluate on the first N test images only (debugging; the table wants the full split)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run: digits, 2 small nets, 1 seed")
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.table:
+        with open(args.table) as fh:
+            data = json.load(fh)
+        summary = _normalize(data["summary"])
+        print(table(summary, data.get("train_subset")))
+        plot(summary, os.path.splitext(args.table)[0] + ".png")
+        return 0
+    if args.job:
+        job = json.loads(args.job)
+        path = os.path.join(args.out + "_runs", job_key(job) + ".json")
+        try:
+            result = run_job(job)
+        except Exception:
+            result = dict(job, error=traceback.format_exc())
+        from snnconv.meta import atomic_write_text
+
+        atomic_write_text(path, json.dumps(result, indent=1) + "\n")
+        return 0 if "error" not in result else 1
+
+    from snnconv.meta import atomic_write_text
+
+    jobs = plan(args)
+    runs = args.out + "_runs"
+    os.makedirs(runs, exist_ok=True)
+    start = time.perf_counter()
+    print(f"{len(jobs)} jobs, {args.jobs} at a time, {jobs[0]['threads']} thread(s) each", flush=True)
+
+    def launch(job):
+        path = os.path.join(runs, job_key(job) + ".json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                done = json.load(fh)
+            if "error" not in done:
+                return done
+        log = open(os.path.join(runs, job_key(job) + ".log"), "w")
+        t0 = time.perf_counter()
+        env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]), PYTHONWARNINGS="ignore")
+        rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", args.out,
+                              "--job", json.dumps(job)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        with open(path) as fh:
+            done = json.load(fh)
+        print(f"[{time.perf_counter() - start:6.0f}s] {job_key(job)} rc={rc} "
+              f"{time.perf_counter() - t0:.0f}s" + (" ERROR" if "error" in done else ""), flush=True)
+        return done
+
+    records = []
+
+    def write():
+        ok = [r for r in records if "error" not in r]
+        summary = summarize(ok)
+        atomic_write_text(args.out + ".json", json.dumps(
+            {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "table")},
+             "train_subset": None if args.smoke else args.train_subset,
+             "wall_seconds": time.perf_counter() - start, "errors": [job_key(r) for r in records if "error" in r],
+             "summary": summary, "records": ok}, indent=1) + "\n")
+        return summary
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for done in pool.map(launch, jobs):
+            records.append(done)
+            write()
+    summary = _normalize(json.loads(json.dumps(write())))
+    plot(summary, args.out + ".png")
+    print(table(summary, None if args.smoke else args.train_subset))
+    print(f"wall {time.perf_counter() - start:.0f}s; {args.out}.json, {args.out}.png")
+    errors = [job_key(r) for r in records if "error" in r]
+    if errors:
+        print("errors in: " + ", ".join(errors) + f" (see {runs}/*.log)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

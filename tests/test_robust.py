@@ -1,0 +1,261 @@
+"""Robust conversion (issue 14): reproducibility, collapse detection, the allow-list of ops
+between neurons, and the linear-time bias calibration."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import snnconv
+
+
+def _state(snn):
+    return {k: v.clone() for k, v in snn.state_dict().items()}
+
+
+# --- item 3: the result is a function of model, data, settings and seed ---------------------
+
+def test_eval_loader_leaves_the_converted_network_bit_identical(small_digits_ann, digits_data):
+    """A loader shuffled by the global RNG: evaluating between stages must not reshuffle it."""
+    train_set, test_set = digits_data
+    loader = DataLoader(train_set, batch_size=64, shuffle=True)  # global-RNG shuffling
+    test = DataLoader(test_set, batch_size=256)
+    options = dict(T=4, L=4, calib_batches=2, qcfs_epochs=1, progress=False, seed=3)
+    plain, _ = snnconv.convert(small_digits_ann, loader, **options)
+    evaluated, meta = snnconv.convert(small_digits_ann, loader, eval_loader=test, eval_T=(2,),
+                                      **options)
+    assert set(meta.accuracy) >= {"ann", "folded", "qcfs", "snn"}
+    a, b = _state(plain), _state(evaluated)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+# --- item 7: bias calibration in one pass ---------------------------------------------------
+
+class _TinyResNet(torch.nn.Module):
+    """conv-BN-ReLU, a residual block with a reused ReLU and a 1x1 downsample, pool, linear."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.conv1, self.bn1 = nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16)
+        self.conv3, self.bn3 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+        self.down = nn.Sequential(nn.Conv2d(8, 16, 1, 2, bias=False), nn.BatchNorm2d(16))
+        self.relu = nn.ReLU(inplace=True)
+        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(x)))
+        out = self.bn3(self.conv3(out))
+        out += self.down(x)
+        return self.fc(torch.flatten(self.pool(self.relu(out)), 1))
+
+
+def _trained_tiny_resnet(digits_data):
+    from snnconv.demo import train_ann
+
+    torch.manual_seed(0)
+    loader = DataLoader(digits_data[0], batch_size=64, shuffle=True,
+                        generator=torch.Generator().manual_seed(0))
+    return train_ann(_TinyResNet(), loader, epochs=3, progress=False)
+
+
+def _calls(snn):
+    """Forward-call counters on every Conv/Linear (hooks travel with deepcopy)."""
+    counts = {}
+    for name, m in snn.named_modules():
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+            counts[name] = 0
+            m.register_forward_hook(lambda mod, i, o, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("net, per_channel", [("cnn", True), ("resnet", False), ("resnet", True)])
+def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
+        net, per_channel, small_digits_ann, digits_data):
+    from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
+
+    model = small_digits_ann if net == "cnn" else _trained_tiny_resnet(digits_data)
+    loader = DataLoader(digits_data[0], batch_size=50)  # 4 batches of 50
+    qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(model), loader, L=4, per_channel=per_channel,
+                                  progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4)
+    fast_snn, slow_snn = copy.deepcopy(snn), copy.deepcopy(snn)
+    fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
+    fast = calibrate_bias(fast_snn, qcfs, loader, T=6)
+    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6)
+    assert fast.meta["bias_calibration"]["method"] == "one-pass"
+    assert slow.meta["bias_calibration"]["method"] == "rerun"
+    assert set(fast_calls.values()) == {1}, f"one pass over the concatenated batches: {fast_calls}"
+    assert max(slow_calls.values()) > 4
+    a, b = fast.meta["bias_calibration"]["mean_abs_shift"], slow.meta["bias_calibration"]["mean_abs_shift"]
+    assert a.keys() == b.keys() and all(isinstance(v, float) for v in a.values())
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
+    sa, sb = fast.state_dict(), slow.state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+# --- item 4: no silent collapse -------------------------------------------------------------
+
+def _silenced(model):
+    """``model`` whose second conv-BN gives outputs a million times smaller: its ReLU still passes
+    positive values in the ANN, but far below the smallest QCFS threshold (1e-3) on every sample."""
+    with torch.no_grad():
+        model.bn2.weight.mul_(1e-6)
+        model.bn2.bias.mul_(1e-6)
+    return model
+
+
+def test_a_layer_silenced_by_conversion_raises_a_conversion_error_naming_it(small_digits_ann,
+                                                                            digits_loaders):
+    train, _ = digits_loaders
+    with pytest.raises(snnconv.ConversionError, match="silent") as info:
+        snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False)
+    assert isinstance(info.value, snnconv.SnnconvError)
+    assert any("qcfs_relu_1" in finding for finding in info.value.layers), info.value.layers
+    assert "on_collapse='warn'" in str(info.value) and "after stage 'qcfs'" in str(info.value)
+
+
+def test_on_collapse_warn_returns_the_network_and_records_the_finding(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    with pytest.warns(RuntimeWarning, match="silent"):
+        snn, meta = snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False,
+                                    on_collapse="warn")
+    assert isinstance(snn, snnconv.SpikingNetwork)
+    assert any("qcfs_relu_1" in f for f in meta.stage("qcfs").changes["collapse"])
+    assert meta.stage("fold").changes["activity"]["relu_1"]["active"] > 0.2
+    assert meta.stage("qcfs").changes["activity"]["qcfs_relu_1"]["active"] == 0.0
+    with pytest.raises(ValueError, match="on_collapse"):
+        snnconv.convert(small_digits_ann, train, on_collapse="ignore", progress=False)
+
+
+def test_a_layer_dead_in_the_ann_is_reported_not_refused(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    with torch.no_grad():
+        small_digits_ann.bn2.bias.fill_(-1e3)  # this ReLU never fires, in the ANN already
+    with pytest.warns(RuntimeWarning, match="relu_1"):
+        _, meta = snnconv.convert(small_digits_ann, train, T=4, L=4, progress=False)
+    assert meta.stage("fold").changes["dead_in_ann"] == ["relu_1"]
+    assert all("collapse" not in s.changes for s in meta.stages)
+
+
+def test_meta_json_holds_per_layer_activity_after_every_stage(small_digits_ann, digits_loaders, tmp_path):
+    import json
+
+    train, _ = digits_loaders
+    snn, meta = snnconv.convert(small_digits_ann, train, T=4, L=4, progress=False)
+    meta.to_json(tmp_path / "meta.json")
+    stages = {s["name"]: s["changes"] for s in json.loads((tmp_path / "meta.json").read_text())["stages"]}
+    sites = set(meta.stage("qcfs").changes["sites"])
+    assert set(stages["qcfs"]["activity"]) == sites
+    assert set(stages["spiking"]["activity"]) == set(snn.thresholds())
+    assert len(stages["fold"]["activity"]) == len(sites)
+    for stage in ("fold", "qcfs", "spiking"):
+        assert "collapse" not in stages[stage]
+        assert 0 <= stages[stage]["check_accuracy"] <= 100
+        for site, a in stages[stage]["activity"].items():
+            assert 0 < a["active"] <= 1, (stage, site)
+            assert a["saturated"] is None if stage == "fold" else 0 <= a["saturated"] < 1
+
+
+def test_qcfs_training_never_returns_worse_than_the_calibrated_state(small_digits_ann, digits_data):
+    """A learning rate that wrecks the network: the calibrated state (epoch 0) is kept."""
+    train = DataLoader(digits_data[0], batch_size=64)  # the same calibration batches both times
+    folded = snnconv.fold_batchnorm(small_digits_ann)
+    calibrated = snnconv.calibrate_qcfs(folded, train, L=4, progress=False)
+    wrecked = snnconv.calibrate_qcfs(folded, train, L=4, progress=False,
+                                     train=snnconv.QCFSTrainConfig(epochs=1, lr=1e4, weight_decay=0.0))
+    record = wrecked.meta["qcfs"]
+    assert record["best_epoch"] == 0 and record["history"][0]["val_acc"] < record["calibrated_val_acc"]
+    a, b = calibrated.state_dict(), wrecked.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- item 5: only operations that commute with the spike encoding between neurons ------------
+
+class _Between(torch.nn.Module):
+    """conv-ReLU, then ``op`` on the activations, then conv-ReLU-pool-linear."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.c1, self.c2 = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.c1(x))
+        a = self.op(a)
+        a = torch.relu(self.c2(a))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(a, 1), 1))
+
+
+_X = [torch.randn(16, 1, 8, 8)]
+
+_REFUSED = {
+    "clamp": lambda a: torch.clamp(a, max=1.0),
+    "abs": lambda a: a.abs(),
+    "maximum": lambda a: torch.maximum(a, a.flip(-1)),
+    "mul": lambda a: a * a.flip(-1),
+    "max": lambda a: a.max(dim=1, keepdim=True).values.expand_as(a),
+    "sigmoid_gate": lambda a: a * torch.sigmoid(a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REFUSED))
+def test_an_op_that_does_not_commute_with_spikes_is_refused_by_node(name):
+    model = _Between(_REFUSED[name])
+    with pytest.raises(snnconv.UnsupportedLayerError, match="fx node") as info:
+        snnconv.convert(model, _X, T=2, progress=False, bias_calibration=False)
+    word = {"sigmoid_gate": "sigmoid", "max": "max", "mul": "mul", "maximum": "maximum",
+            "clamp": "clamp", "abs": "abs"}[name]
+    assert word in str(info.value)
+
+
+_ALLOWED = {
+    "cat": lambda a: torch.cat([a[:, :2], a[:, 2:]], dim=1),
+    "dropout_view": lambda a: torch.nn.functional.dropout(a, 0.3, training=False).view(a.shape),
+    "scale_add": lambda a: 0.5 * a + a.flip(-1),
+    "pad_slice": lambda a: torch.nn.functional.pad(a, (1, 1, 1, 1))[:, :, 1:-1, 1:-1],
+    "mean_keepdim": lambda a: a + a.mean(dim=(2, 3), keepdim=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ALLOWED))
+def test_linear_and_layout_ops_between_neurons_convert(name):
+    snn, _ = snnconv.convert(_Between(_ALLOWED[name]), _X, T=2, progress=False, bias_calibration=False,
+                             on_collapse="warn")
+    assert snn(_X[0]).shape == (16, 10)
+
+
+class _LinearOnLastDim(torch.nn.Module):
+    """A Linear reading a 4-D activation whose last dimension (4) equals its channel count (4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.mix = torch.nn.Linear(4, 4)
+        self.fc = torch.nn.Linear(4 * 6 * 4, 10)
+
+    def forward(self, x):
+        a = torch.relu(self.conv(x))          # [B, 4, 6, 4]: channels on dim 1, width 4
+        a = torch.relu(self.mix(a))           # mixes the last dimension
+        return self.fc(torch.flatten(a, 1))
+
+
+def test_per_channel_thresholds_are_scaled_on_the_channel_dimension_before_a_linear_on_the_last():
+    torch.manual_seed(0)
+    model = _LinearOnLastDim().eval()
+    x = torch.randn(64, 1, 6, 4)
+    qcfs = snnconv.calibrate_qcfs(model, [x], L=4, per_channel=True, progress=False)
+    lam = next(iter(snnconv.qcfs.qcfs_sites(qcfs).values())).lam
+    assert lam.shape == (4,) and lam.std() > 0.05 * lam.mean(), "channels must differ for the test"
+    snn = snnconv.to_spiking(qcfs, T=4)
+    with torch.no_grad():
+        torch.testing.assert_close(snn.rate(x, 4), qcfs(x), rtol=1e-4, atol=1e-4)
