@@ -13,10 +13,10 @@ converted per method and per T with every calibration at that T (the run T). Met
 - ``subtract+bias``: the default neuron with bias calibration (the reference row).
 - ``zero``: hard reset, no fix. ``zero+bias``: with bias calibration (the old default).
 - ``zero+shift`` / ``zero+shift+bias``: per-step bias shift theta/(2T) (hard_reset.shift_bias).
-- ``zero+thr`` / ``zero+thr+bias``: per-layer threshold calibration
-  (hard_reset.calibrate_thresholds), then bias calibration.
-- ``zero+thrs`` / ``zero+thrs+bias``: the same with a per-step bias shift fitted jointly
-  (``shifts=SHIFT_GRID``; slow).
+- ``zero+thr`` / ``zero+thr+bias``: threshold calibration (hard_reset.calibrate_thresholds:
+  per-layer threshold factor and least-squares output scale), then bias calibration.
+- ``zero+thrk`` / ``zero+thrk+bias``: the threshold factor alone (``rescale=False``).
+- ``zero+thrc+bias``: per-channel threshold factors (``rescale=False``), then bias calibration.
 - ``zero+thrc+bias``: per-channel threshold factors, then bias calibration.
 - ``zero+thr+bias+ft``: the default, then BPTT fine-tuning (2 epochs, AdamW, lr 1e-3, T=run T).
 
@@ -42,7 +42,7 @@ from snnconv.data import digits  # noqa: E402
 from snnconv.demo import train_ann  # noqa: E402
 from snnconv.fold import fold_graph  # noqa: E402
 from snnconv.graph import prepare  # noqa: E402
-from snnconv.hard_reset import DEFAULT_SHIFTS, SHIFT_GRID, calibrate_thresholds, shift_bias  # noqa: E402
+from snnconv.hard_reset import calibrate_thresholds, shift_bias  # noqa: E402
 from snnconv.meta import atomic_write_bytes  # noqa: E402
 from snnconv.metrics import evaluate  # noqa: E402
 from snnconv.models import VGG, resnet8, small_cnn  # noqa: E402
@@ -50,7 +50,7 @@ from snnconv.qcfs import calibrate_qcfs  # noqa: E402
 from snnconv.spiking import calibrate_bias, to_spiking  # noqa: E402
 
 TS = (4, 8, 16, 32)
-METHODS = ("subtract+bias", "zero", "zero+bias", "zero+shift", "zero+shift+bias", "zero+thrs", "zero+thrs+bias", "zero+thr",
+METHODS = ("subtract+bias", "zero", "zero+bias", "zero+shift", "zero+shift+bias", "zero+thrk", "zero+thrk+bias", "zero+thr",
            "zero+thr+bias", "zero+thrc+bias", "zero+thr+bias+ft")
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "results", "cache")
@@ -90,9 +90,9 @@ def convert_one(qgm, train, method: str, T: int):
     parts = method.split("+")[1:]
     if "shift" in parts:
         snn = shift_bias(snn, T=T)
-    if {"thr", "thrc", "thrs"} & set(parts):
+    if {"thr", "thrc", "thrk"} & set(parts):
         snn = calibrate_thresholds(snn, qgm, train, T=T, per_channel="thrc" in parts,
-                                   shifts=SHIFT_GRID if "thrs" in parts else DEFAULT_SHIFTS)
+                                   rescale="thr" in parts)
     if "bias" in parts:
         snn = calibrate_bias(snn, qgm, train, T=T)
     if "ft" in parts:
@@ -107,7 +107,7 @@ def convert_one(qgm, train, method: str, T: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nets", default="small_cnn,resnet8,vgg")
-    ap.add_argument("--methods", default=",".join(m for m in METHODS if not ("thrs" in m or "ft" in m)))
+    ap.add_argument("--methods", default=",".join(m for m in METHODS if "ft" not in m))
     ap.add_argument("--T", default=",".join(map(str, TS)))
     ap.add_argument("--out", default=os.path.join(HERE, "results", "hard_reset.json"))
     args = ap.parse_args()

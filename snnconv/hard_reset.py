@@ -26,28 +26,24 @@ calibration); see ``pending_docs/hard.md`` for the measurements behind that choi
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 from .data import split_batch
 from .errors import DataError, StageOrderError
 from .graph import capture, module_of, prepare
 from .qcfs import QCFS
-from .spiking import (IFNeuron, SpikingNetwork, _apply_shift, _bias_path, _channel_view,
-                      _check_T, _shift_reaches_only)
+from .spiking import (_LAYERS, IFNeuron, Scale, SpikingNetwork, TimeExpand, _apply_shift,
+                      _bias_path, _channel_view, _check_T)
 
-__all__ = ["DEFAULT_FACTORS", "DEFAULT_SHIFTS", "SHIFT_GRID", "calibrate_thresholds", "shift_bias"]
+__all__ = ["DEFAULT_FACTORS", "calibrate_thresholds", "shift_bias"]
 
-#: threshold factors tried by :func:`calibrate_thresholds`: 2^(j/8) for j = -16..5 (0.25 .. 1.54)
-DEFAULT_FACTORS: tuple[float, ...] = tuple(2.0 ** (j / 8) for j in range(-16, 6))
-#: per-step bias shifts tried by default: none (a shift grid such as :data:`SHIFT_GRID` costs
-#: ``len(shifts)`` times more and did not raise accuracy on digits; see pending_docs/hard.md)
-DEFAULT_SHIFTS: tuple[float, ...] = (0.0,)
-#: a shift grid, as the charge added over the whole run in units of the new threshold (``c``
-#: adds ``c * theta' / T`` per step; 0.5 is the phi = 1/2 of QCFS)
-SHIFT_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+#: threshold factors tried by :func:`calibrate_thresholds`: 2^(j/8) for j = -16..16 (0.25 .. 4)
+DEFAULT_FACTORS: tuple[float, ...] = tuple(2.0 ** (j / 8) for j in range(-16, 17))
 
 
 def _calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch.Tensor]:
@@ -64,48 +60,96 @@ def _calibration_batches(loader: Any, num_batches: int, where: str) -> list[torc
 def _check_network(snn: Any, what: str) -> None:
     if not isinstance(snn, SpikingNetwork) or "neurons" not in snn.meta:
         raise StageOrderError(f"{what} needs a SpikingNetwork made by to_spiking (its meta maps "
-                              "each neuron to its QCFS site and the scale its consumers carry)")
+                              "each neuron to its QCFS site and the layers that carry its scale)")
+
+
+def _through_time_expand(gm: fx.GraphModule, node: Any) -> Any:
+    while isinstance(node, fx.Node) and isinstance(module_of(gm, node), TimeExpand) \
+            and len(node.users) == 1:
+        node = node.args[0]
+    return node
+
+
+def _input_terms(gm: fx.GraphModule, node: fx.Node, calls: dict[str, int]) -> list[nn.Module] | None:
+    """The modules whose outputs sum to IF ``node``'s input and feed nothing else, or None.
+
+    Each is a Conv/Linear or a :class:`Scale`, reached through TimeExpand or one add; scaling
+    all of them by ``f`` scales the neuron's input by ``f`` and changes nothing else.
+    """
+    src = _through_time_expand(gm, node.args[0])
+    if not isinstance(src, fx.Node) or len(src.users) != 1:
+        return None
+    args = [src]
+    if src.op == "call_function" and src.target in (operator.add, torch.add) and not src.kwargs:
+        args = [_through_time_expand(gm, a) for a in src.args]
+    terms = []
+    for a in args:
+        mod = module_of(gm, a) if isinstance(a, fx.Node) else None
+        if not isinstance(mod, (_LAYERS, Scale)) or len(a.users) != 1 \
+                or calls.get(str(a.target), 0) != 1:
+            return None
+        terms.append(mod)
+    return terms
+
+
+def _scale_output(mod: nn.Module, f: torch.Tensor) -> None:
+    """Multiply ``mod``'s output by ``f`` (scalar, or per output channel) in place."""
+    with torch.no_grad():
+        if isinstance(mod, Scale):
+            mod.theta = nn.Parameter((mod.theta.detach() * f).to(mod.theta.dtype), requires_grad=False)
+            return
+        view = f if f.dim() == 0 else f.reshape(-1, *([1] * (mod.weight.dim() - 1)))
+        mod.weight.mul_(view.to(mod.weight.dtype))
+        if mod.bias is not None:
+            mod.bias.mul_(f.to(mod.bias.dtype))
 
 
 def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
                          T: int | None = None, num_batches: int = 4,
                          factors: tuple[float, ...] = DEFAULT_FACTORS,
-                         shifts: tuple[float, ...] = DEFAULT_SHIFTS,
-                         per_channel: bool = False) -> SpikingNetwork:
-    """Fit each IF layer's threshold (and a bias shift) so its output matches the QCFS-ANN's.
+                         rescale: bool = True, per_channel: bool = False) -> SpikingNetwork:
+    """Fit each IF layer's threshold and output scale so its output matches the QCFS-ANN's.
 
-    In graph order, for each neuron with threshold ``theta`` whose spikes its consumers read
-    as ``theta_out`` (the threshold it was converted with, absorbed into their weights), every
-    pair ``(k, c)`` of ``factors`` x ``shifts`` is tried: the neuron runs at threshold
-    ``theta' = k * theta`` on its input in the already-calibrated network plus ``c * theta' / T``
-    per step, over ``T`` steps (default ``snn.T``), and the pair whose ``theta_out * spike
-    rate`` has the smallest mean squared error against the QCFS output of the same site in
-    ``reference`` (the model ``snn`` was made from) is kept: the threshold becomes ``theta'``
-    and the shift goes into the bias of the Conv/Linear that feeds the neuron (only ``c = 0`` is
-    tried where there is none of its own). ``per_channel=True`` picks ``k`` per channel (the
-    threshold becomes per channel). The neuron model is untouched; only thresholds and biases
-    change. Works on a copy; ``result.meta["threshold_calibration"]`` records each layer's
-    ``factor``, ``shift`` and its error before (``mse_before``) and after (``mse``).
+    In graph order, for each neuron (threshold ``theta``, output scale ``theta`` carried by the
+    weights of its consumers), every ``k`` in ``factors`` is tried: the neuron is run at
+    threshold ``k * theta`` on its input in the already-calibrated network over ``T`` steps
+    (default ``snn.T``), and its output ``c * spike rate`` is compared with the QCFS output of
+    the same site in ``reference`` (the model ``snn`` was made from): with ``rescale=True``
+    (default) ``c`` is the least-squares output scale for that ``k``, otherwise ``c = theta``.
+    The ``(k, c)`` of least mean squared error is kept. ``per_channel=True`` picks ``k`` per
+    channel, with ``c = theta`` (the threshold stays per layer where the input layers can be
+    scaled per channel, see below).
+
+    It is written into the network so that the threshold remains the output scale (the
+    convention every stage relies on, e.g. :func:`snnconv.spiking.calibrate_bias`): the
+    neuron's threshold becomes ``c``, its input layers (the Conv/Linear or shortcut
+    :class:`Scale` modules summed into it) are multiplied by ``c / (k * theta)`` (an IF neuron
+    that starts at 0 and resets to 0 gives the same spikes for input and threshold scaled
+    together), and its consumers' weights by ``c / theta``. Where the input layers are shared
+    (or not Conv/Linear/Scale), the threshold becomes ``k * theta`` with ``c = theta`` instead
+    (``rescale`` is not applied there), recorded as ``"input_scaled": False``. The neuron model is untouched: only weights, biases
+    and thresholds change. Works on a copy; ``result.meta["threshold_calibration"]`` records
+    each layer's ``factor``, ``output_scale`` (``c / theta``) and error before and after.
 
     Cost: one T-step pass over ``num_batches`` batches (run as one batch), plus at each neuron
-    ``len(factors) * len(shifts)`` runs of that neuron alone and one ANN forward.
+    ``len(factors)`` runs of that neuron alone and one ANN forward.
 
     Raises:
         StageOrderError: ``snn`` was not made by ``to_spiking``, or a neuron module is called
             at several places (its threshold cannot be fitted to one site).
         DataError: the loader is empty.
-        ValueError: a bad ``T``, ``factors`` or ``shifts``.
+        ValueError: a bad ``T`` or ``factors``, or ``rescale`` with ``per_channel``.
     """
     _check_network(snn, "calibrate_thresholds")
     T = snn.T if T is None else T
     _check_T(T)
     factors = tuple(float(k) for k in factors)
-    shifts = tuple(float(c) for c in shifts)
-    if not factors or not all(0 < k < float("inf") for k in factors):
-        raise ValueError(f"factors must be positive and finite, got {factors}")
-    if 1.0 not in factors or 0.0 not in shifts or not all(abs(c) < float("inf") for c in shifts):
-        raise ValueError("factors must include 1.0 and shifts 0.0 (the unchanged neuron), all "
-                         f"finite; got factors={factors}, shifts={shifts}")
+    if not factors or not all(0 < k < float("inf") for k in factors) or 1.0 not in factors:
+        raise ValueError(f"factors must be positive and finite and include 1.0 (the unchanged "
+                         f"neuron); got {factors}")
+    if rescale and per_channel:
+        raise ValueError("rescale=True fits one output scale per layer; use it with "
+                         "per_channel=False, or pass rescale=False for per-channel factors")
     batches = _calibration_batches(loader, num_batches, "threshold calibration loader")
     out = copy.deepcopy(snn)
     gm = out.net
@@ -131,54 +175,56 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
                                   "calibrate_thresholds fits one threshold per call site")
         info = snn.meta["neurons"].get(name, {})
         source = info.get("source")
-        if source not in ref_nodes or "theta" not in info:
+        if source not in ref_nodes:
             records[name] = "skipped: no QCFS reference site"
             continue
-        hit = _bias_path(gm, node)
-        layer = None
-        if hit is not None and _shift_reaches_only(gm, node, hit, calls):
-            layer = module_of(gm, hit[0])
-        theta_out = torch.as_tensor(info["theta"], dtype=torch.float32, device=device)
+        terms = _input_terms(gm, node, calls)
+        consumers = [m for m in (gm.get_submodule(n) for n in info.get("absorbed_into", []))]
+        consumers += [module_of(gm, u) for u in node.users if isinstance(module_of(gm, u), Scale)]
 
-        def fit(m, args, name=name, source=source, theta_out=theta_out, layer=layer):
+        def fit(m, args, name=name, source=source, terms=terms, consumers=consumers):
             x = args[0]
-            target = capture(ref, (x_all,), [ref_nodes[source]])[ref_nodes[source]]
-            base = m.theta.detach().clone()
-            grid = [(k, c) for k in factors for c in (shifts if layer is not None else (0.0,))]
-            errs = []
+            target = capture(ref, (x_all,), [ref_nodes[source]])[ref_nodes[source]].double()
+            theta = m.theta.detach().clone()
+            dims = [i for i in range(x.dim()) if i != 1]
+            errs, scales = [], []
             try:
-                for k, c in grid:
-                    m.theta.data = base * k
-                    xs = x if c == 0 else x + _view(layer, base * k * (c / T), x.dim())
-                    rate = m.forward(xs).reshape(T, -1, *x.shape[1:]).mean(0)
-                    d = (rate * _channel_view(theta_out, rate.dim()) - target).double() ** 2
-                    errs.append(d.mean(dim=[i for i in range(d.dim()) if i != 1]))
+                for k in factors:
+                    m.theta.data = theta * k
+                    rate = m.forward(x).reshape(T, -1, *x.shape[1:]).double().mean(0)
+                    c = torch.ones((), dtype=torch.float64, device=x.device)
+                    if rescale and terms is not None:
+                        rr = (rate * rate).sum()
+                        c = (rate * target).sum() / (rr * theta) if rr > 0 else c
+                    out_val = rate * _channel_view(theta.double() * c, rate.dim())
+                    errs.append(((out_val - target) ** 2).mean(dim=dims))
+                    scales.append(float(c))
             finally:
-                m.theta.data = base
-            errs = torch.stack(errs)  # [len(grid), C]
-            before = float(errs[grid.index((1.0, 0.0))].mean())
+                m.theta.data = theta
+            errs = torch.stack(errs)  # [factors, C]
+            one = factors.index(1.0)
+            before = float(errs[one].mean())
             if per_channel:
-                # per channel, the best k at the one shift c that is best for the layer overall
-                c_best = grid[int(errs.mean(1).argmin())][1]
-                rows = [i for i, (_, c) in enumerate(grid) if c == c_best]
-                pick = errs[rows].argmin(0)
-                k_ch = torch.tensor([grid[rows[int(i)]][0] for i in pick], dtype=base.dtype,
-                                    device=base.device)
-                new = base * k_ch
-                after = float(errs[rows].gather(0, pick[None]).mean())
-                chosen: Any = k_ch.tolist()
+                pick = errs.argmin(0)
+                k = torch.tensor(factors, dtype=theta.dtype, device=theta.device)[pick]
+                c, after, chosen = 1.0, float(errs.gather(0, pick[None]).mean()), k.tolist()
             else:
                 i = int(errs.mean(1).argmin())
-                k, c_best = grid[i]
-                new = base * k
-                after = float(errs[i].mean())
-                chosen = k
-            m.theta.data = new.to(base.dtype)
-            records[name] = {"factor": chosen, "shift": c_best, "mse_before": before, "mse": after}
-            if c_best == 0:
+                k = torch.tensor(factors[i], dtype=theta.dtype, device=theta.device)
+                c, after, chosen = scales[i], float(errs[i].mean()), factors[i]
+            records[name] = {"factor": chosen, "output_scale": c, "mse_before": before,
+                             "mse": after, "input_scaled": terms is not None}
+            if terms is None:
+                m.theta.data = (theta * k).to(theta.dtype)
                 return None
-            added = _apply_shift(layer, new * (c_best / T))
-            return (x + _view(layer, added, x.dim()),)
+            # threshold c*theta on input scaled by c/k: the spikes of threshold k*theta
+            f = torch.as_tensor(c, dtype=theta.dtype, device=theta.device) / k
+            for t in terms:
+                _scale_output(t, f)
+            for t in consumers:
+                _scale_output_input(t, torch.as_tensor(c, dtype=theta.dtype, device=theta.device))
+            m.theta.data = theta * c
+            return (x * _channel_view(f, x.dim()),)
 
         handles.append(mod.register_forward_pre_hook(fit))
     old_T = out.T
@@ -192,16 +238,18 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
         out.T = old_T
     out.meta = copy.deepcopy(snn.meta)
     out.meta["threshold_calibration"] = {"T": T, "batches": len(batches), "factors": list(factors),
-                                         "shifts": list(shifts), "per_channel": bool(per_channel),
+                                         "rescale": bool(rescale), "per_channel": bool(per_channel),
                                          "layers": records}
     return out
 
 
-def _view(layer: nn.Module, shift: torch.Tensor, ndim: int) -> torch.Tensor:
-    """``shift`` (scalar or per output channel of ``layer``) shaped to add to its output."""
-    if shift.dim() == 0 or isinstance(layer, nn.Linear):
-        return shift  # a Linear's bias runs along the last dimension
-    return _channel_view(shift, ndim)
+def _scale_output_input(mod: nn.Module, c: torch.Tensor) -> None:
+    """Multiply what ``mod`` reads from a neuron by scalar ``c`` (its weights, or a Scale's theta)."""
+    with torch.no_grad():
+        if isinstance(mod, Scale):
+            mod.theta = nn.Parameter((mod.theta.detach() * c).to(mod.theta.dtype), requires_grad=False)
+        else:
+            mod.weight.mul_(c.to(mod.weight.dtype))
 
 
 def shift_bias(snn: SpikingNetwork, T: int | None = None) -> SpikingNetwork:
