@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 import snnconv
 from snnconv.errors import DataError, StageOrderError
-from snnconv.hard_reset import DEFAULT_FACTORS, SHIFT_GRID, calibrate_thresholds, shift_bias
+from snnconv.hard_reset import calibrate_thresholds, shift_bias
 from snnconv.metrics import evaluate
 from snnconv.qcfs import calibrate_qcfs
 from snnconv.spiking import IFNeuron, neurons, to_spiking
@@ -31,50 +31,64 @@ def digits_qcfs(_small_digits_ann, digits_data):
     return calibrate_qcfs(gm, train, L=8, progress=False), train, DataLoader(test_set, batch_size=256)
 
 
-def _params(snn):
-    return {k: v.clone() for k, v in snn.net.state_dict().items()}
+def _spikes(snn, x, T):
+    spikes = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: spikes.__setitem__(n, o.detach().clone()))
+             for n, m in neurons(snn.net).items()]
+    try:
+        with torch.no_grad():
+            out = snn.run(x, T)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, spikes
 
 
-def test_threshold_calibration_changes_only_thresholds_by_grid_factors(digits_qcfs):
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_factors_are_the_thresholds_they_claim(digits_qcfs, digits_data, per_channel):
+    """Without rescaling, the calibrated network fires like the original one with each
+    threshold multiplied by its recorded factor(s), while its own thresholds stay per layer
+    (the factor is written as a scaling of the neuron's input layer)."""
+    qgm, train, _ = digits_qcfs
+    T = 8
+    snn = to_spiking(qgm, T=T, reset="zero")
+    fixed = calibrate_thresholds(snn, qgm, train, T=T, num_batches=2, rescale=False,
+                                 per_channel=per_channel)
+    layers = fixed.meta["threshold_calibration"]["layers"]
+    assert set(layers) == set(neurons(fixed.net)) and all(r["input_scaled"] for r in layers.values())
+    assert any(torch.as_tensor(r["factor"]).ne(1.0).any() for r in layers.values())
+    # 1.0 is in the grid, so the fitted error is never worse than the unchanged neuron's
+    assert all(r["mse"] <= r["mse_before"] + 1e-12 for r in layers.values())
+    expect = copy.deepcopy(snn)
+    for name, m in neurons(expect.net).items():
+        m.theta.data = m.theta.data * torch.as_tensor(layers[name]["factor"], dtype=torch.float32)
+        assert neurons(fixed.net)[name].theta.shape == ()  # per layer stays per layer
+        assert torch.equal(neurons(fixed.net)[name].theta, neurons(snn.net)[name].theta)
+    assert {m.reset for m in neurons(fixed.net).values()} == {"zero"}
+    x = torch.stack([digits_data[1][i][0] for i in range(64)])
+    out_a, spk_a = _spikes(fixed, x, T)
+    out_b, spk_b = _spikes(expect, x, T)
+    assert sum(float(s.sum()) for s in spk_a.values()) > 0
+    for name in spk_a:  # the same spikes up to float rounding at exact ties
+        assert (spk_a[name] != spk_b[name]).float().mean() < 1e-3, name
+    torch.testing.assert_close(out_a, out_b, rtol=1e-3, atol=1e-3)
+
+
+def test_rescaled_calibration_keeps_threshold_equal_to_output_scale(digits_qcfs):
+    """With the fitted output scale c, a neuron's threshold becomes c * theta and its
+    consumers' weights are multiplied by c: spikes still carry their threshold."""
     qgm, train, _ = digits_qcfs
     snn = to_spiking(qgm, T=8, reset="zero")
     fixed = calibrate_thresholds(snn, qgm, train, T=8, num_batches=2)
-    before, after = _params(snn), _params(fixed)
-    assert before.keys() == after.keys()
-    for key in before:
-        if key.endswith(".theta"):
-            assert after[key].shape == before[key].shape == ()  # per layer stays per layer
-            ratio = float(after[key] / before[key])
-            assert min(abs(ratio - k) for k in DEFAULT_FACTORS) < 1e-6
-        else:
-            assert torch.equal(before[key], after[key]), key  # weights and biases untouched
-    assert {m.reset for m in neurons(fixed.net).values()} == {"zero"}
-    assert fixed.T == snn.T
-    for key, value in _params(snn).items():  # the input network is not changed
-        assert torch.equal(value, before[key])
     layers = fixed.meta["threshold_calibration"]["layers"]
-    assert set(layers) == set(neurons(fixed.net))
-    # 1.0 is in the grid, so the fitted error is never worse than the unchanged neuron's
-    assert all(r["mse"] <= r["mse_before"] for r in layers.values())
-    assert any(r["factor"] != 1.0 for r in layers.values())
-
-
-def test_joint_shift_goes_into_the_feeding_bias_exactly(digits_qcfs):
-    qgm, train, _ = digits_qcfs
-    T = 4
-    snn = to_spiking(qgm, T=T, reset="zero")
-    fixed = calibrate_thresholds(snn, qgm, train, T=T, num_batches=1, shifts=SHIFT_GRID,
-                                 factors=(0.5, 0.7, 1.0))
-    layers = fixed.meta["threshold_calibration"]["layers"]
-    assert any(r["shift"] != 0 for r in layers.values())
-    # each neuron's input moved by exactly shift * theta' / T per step, through its layer's bias
-    names = {"if_relu": "conv1", "if_relu_1": "conv2", "if_relu_2": "conv3", "if_relu_3": "fc1"}
     old, new = snn.net.state_dict(), fixed.net.state_dict()
-    for neuron_name, layer in names.items():
-        r = layers[neuron_name]
-        expect = new[f"{neuron_name}.theta"] * (r["shift"] / T)
-        torch.testing.assert_close(new[f"{layer}.bias"] - old[f"{layer}.bias"],
-                                   expect.expand_as(old[f"{layer}.bias"]), rtol=0, atol=1e-6)
+    for name, r in layers.items():
+        torch.testing.assert_close(new[f"{name}.theta"], old[f"{name}.theta"] * r["output_scale"])
+    # fc2 (the readout) reads only if_relu_3: its weights carry exactly that output scale
+    torch.testing.assert_close(new["fc2.weight"], old["fc2.weight"] * layers["if_relu_3"]["output_scale"])
+    torch.testing.assert_close(new["fc2.bias"], old["fc2.bias"])
+    assert all(r["mse"] <= r["mse_before"] + 1e-12 for r in layers.values())
+    assert fixed.T == snn.T
 
 
 def test_shift_bias_adds_theta_over_2T_to_every_neuron_input():
@@ -181,9 +195,11 @@ def test_bad_input_is_refused(digits_qcfs):
     qgm, train, _ = digits_qcfs
     snn = to_spiking(qgm, T=4, reset="zero")
     with pytest.raises(ValueError, match="factors"):
-        calibrate_thresholds(snn, qgm, train, factors=(0.5, -1.0))
+        calibrate_thresholds(snn, qgm, train, factors=(0.5, -1.0, 1.0))
     with pytest.raises(ValueError, match="1.0"):
         calibrate_thresholds(snn, qgm, train, factors=(0.5, 0.8))
+    with pytest.raises(ValueError, match="per_channel"):
+        calibrate_thresholds(snn, qgm, train, per_channel=True)
     with pytest.raises(DataError, match="empty"):
         calibrate_thresholds(snn, qgm, [])
     with pytest.raises(StageOrderError, match="to_spiking"):
