@@ -192,11 +192,12 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
                 for k in factors:
                     m.theta.data = theta * k
                     rate = m.forward(x).reshape(T, -1, *x.shape[1:]).double().mean(0)
+                    u = rate * _channel_view(theta.double(), rate.dim())  # the unscaled output
                     c = torch.ones((), dtype=torch.float64, device=x.device)
                     if rescale and terms is not None:
-                        rr = (rate * rate).sum()
-                        c = (rate * target).sum() / (rr * theta) if rr > 0 else c
-                    out_val = rate * _channel_view(theta.double() * c, rate.dim())
+                        uu = (u * u).sum()
+                        c = (u * target).sum() / uu if uu > 0 else c
+                    out_val = u * c
                     errs.append(((out_val - target) ** 2).mean(dim=dims))
                     scales.append(float(c))
             finally:
