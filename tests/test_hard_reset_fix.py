@@ -74,6 +74,35 @@ def test_factors_are_the_thresholds_they_claim(digits_qcfs, digits_data, per_cha
     torch.testing.assert_close(out_a, out_b, rtol=1e-3, atol=1e-3)
 
 
+def test_residual_network_scales_both_branches_of_the_add():
+    """In a ResNet the neurons after an add get their factor through both summed branches
+    (the conv and the shortcut conv or identity Scale): the same spikes as threshold k*theta."""
+    from snnconv.models import CifarResNet
+
+    torch.manual_seed(0)
+    from snnconv.fold import fold_graph
+    from snnconv.graph import prepare
+
+    model = prepare(CifarResNet([1, 1], [4, 8], num_classes=3, in_channels=1).eval())
+    x = torch.rand(32, 1, 8, 8)
+    fold_graph(model, (x,))
+    q = calibrate_qcfs(model, [(x, torch.zeros(32, dtype=torch.long))], L=4, progress=False)
+    T = 8
+    snn = to_spiking(q, T=T, reset="zero")
+    fixed = calibrate_thresholds(snn, q, [x], T=T, rescale=False)
+    layers = fixed.meta["threshold_calibration"]["layers"]
+    assert len(layers) == 5 and all(r["input_scaled"] for r in layers.values())
+    expect = copy.deepcopy(snn)
+    for name, m in neurons(expect.net).items():
+        m.theta.data = m.theta.data * layers[name]["factor"]
+    out_a, spk_a = _spikes(fixed, x, T)
+    out_b, spk_b = _spikes(expect, x, T)
+    assert sum(float(s.sum()) for s in spk_a.values()) > 0
+    for name in spk_a:
+        assert (spk_a[name] != spk_b[name]).float().mean() < 1e-3, name
+    torch.testing.assert_close(out_a, out_b, rtol=1e-3, atol=1e-3)
+
+
 def test_rescaled_calibration_keeps_threshold_equal_to_output_scale(digits_qcfs):
     """With the fitted output scale c, a neuron's threshold becomes c * theta and its
     consumers' weights are multiplied by c: spikes still carry their threshold."""
