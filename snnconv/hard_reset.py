@@ -7,14 +7,15 @@ throws away the charge above threshold, so on a constant input ``x`` it fires on
 ``ceil(theta / x)`` steps instead of ``x / theta`` times per step. Converted with QCFS
 thresholds it under-fires, layer after layer, and a deep network goes silent.
 
-These functions keep the neuron exactly as it is and change only thresholds and biases:
+These functions keep the neuron exactly as it is and change only weights, thresholds and
+biases:
 
-- :func:`calibrate_thresholds`: layer by layer in graph order, each neuron's threshold becomes
-  ``k * theta`` with ``k`` picked from a grid so that the neuron's output over T steps
-  (``theta_out * spike rate``, where ``theta_out`` is the scale its consumers' weights carry)
-  is closest in mean squared error to the QCFS-ANN's activation at the same site, on
-  calibration data, with the layers before it already calibrated. Per layer by default (a
-  per-layer threshold stays loadable by spikingjelly), per channel on request.
+- :func:`calibrate_thresholds`: layer by layer in graph order, each neuron gets the effective
+  threshold ``k * theta`` (``k`` from a grid) and output scale ``c`` (least squares) whose
+  output over T steps is closest in mean squared error to the QCFS-ANN's activation at the
+  same site, on calibration data, with the layers before it already calibrated; written as a
+  scaling of its input layers and consumers so that the threshold stays per layer (loadable
+  by spikingjelly) and equal to the value a spike carries.
 - :func:`shift_bias`: the per-step shift ``theta / (2T)`` added to the bias of the layer that
   feeds each neuron (over T steps it brings the charge ``theta / 2`` that the subtractive
   neuron starts with).
