@@ -22,6 +22,7 @@ from .fold import fold_graph
 from .graph import prepare
 from .health import accuracy_on, activity, chance_level, collapse_report, dead_layers
 from .guards import assert_no_batchnorm
+from .hard_reset import calibrate_thresholds
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
 from .qcfs import QCFSTrainConfig, calibrate_qcfs
@@ -154,6 +155,7 @@ def convert(
     reset: str = "subtract",
     bias_calibration: bool = True,
     bias_calibration_T: int | None = None,
+    threshold_calibration: bool | None = None,
     qcfs_epochs: int = 0,
     qcfs_train: QCFSTrainConfig | None = None,
     finetune_epochs: int = 0,
@@ -191,6 +193,11 @@ def convert(
             over ``bias_calibration_T`` steps (default ``T``) matches the QCFS-ANN on
             calibration batches (:func:`snnconv.spiking.calibrate_bias`). Raises accuracy at
             every T on deep networks; see the benchmarks.
+        threshold_calibration: before bias calibration, fit each layer's threshold to the
+            QCFS-ANN at ``bias_calibration_T`` steps
+            (:func:`snnconv.hard_reset.calibrate_thresholds`; weights and the neuron model are
+            untouched). ``None`` (default): on for ``reset="zero"``, whose neurons lose the
+            charge above threshold at every spike and start empty; off for ``"subtract"``.
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
@@ -224,8 +231,11 @@ def convert(
         raise ValueError(f"reset must be 'subtract' or 'zero', got {reset!r}")
     seed_everything(seed)
     device = torch.device(device)
+    if threshold_calibration is None:
+        threshold_calibration = reset == "zero"
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
                     bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
+                    threshold_calibration=bool(threshold_calibration),
                     calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
                     finetune_epochs=finetune_epochs, device=str(device))
     if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
@@ -283,6 +293,8 @@ def convert(
 
     with _stage(meta, "spiking") as rec:
         snn = to_spiking(qgm, T=T, reset=reset)
+        if threshold_calibration:
+            snn = calibrate_thresholds(snn, qgm, loader, T=bias_calibration_T or T)
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=bias_calibration_T or T)
         snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
