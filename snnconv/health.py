@@ -20,13 +20,12 @@ Activity measures, per site, over every element (sample x neuron) of the batches
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .data import split_batch
 from .graph import capture, module_of
 
 __all__ = ["activity", "collapse_report", "dead_layers", "accuracy_on", "chance_level"]
@@ -36,11 +35,6 @@ def _relu_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     from .qcfs import relu_sites
 
     return relu_sites(gm)
-
-
-def _stats(active: torch.Tensor, saturated: torch.Tensor | None, mean: torch.Tensor) -> dict:
-    return {"active": float(active), "saturated": None if saturated is None else float(saturated),
-            "mean": float(mean)}
 
 
 def activity(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, dict[str, Any]]:
