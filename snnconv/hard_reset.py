@@ -198,6 +198,8 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
                     if rescale and terms is not None:
                         uu = (u * u).sum()
                         c = (u * target).sum() / uu if uu > 0 else c
+                        if not c > 0:  # a site the reference leaves at zero: keep the scale
+                            c = torch.ones((), dtype=torch.float64, device=x.device)
                     out_val = u * c
                     errs.append(((out_val - target) ** 2).mean(dim=dims))
                     scales.append(float(c))

@@ -149,7 +149,7 @@ def convert(
     T: int = 8,
     L: int = 8,
     percentile: float = 99.9,
-    per_channel: bool = True,
+    per_channel: bool | None = None,
     calib_batches: int = 10,
     maxpool: str = "error",
     reset: str = "subtract",
@@ -179,10 +179,11 @@ def convert(
             QCFS training and fine-tuning. Validation data is split from it.
         T: time steps of the returned network (settable later with ``snn.T``).
         L: QCFS quantisation levels.
-        per_channel: one threshold per channel (default) or one per layer. Per-channel won on
-            4 of 4 networks of the CPU matrix at T <= 16 (pending_docs/robust.md); pass
-            ``False`` for consumers that need one threshold per layer (spikingjelly's NIR
-            importer with ``reset="zero"``).
+        per_channel: one threshold per channel or one per layer. The default (None) is per
+            channel for ``reset="subtract"`` (it won on 4 of 4 networks of the CPU matrix at
+            T <= 16; benchmarks/README.md) and per layer for ``reset="zero"``, whose plain NIR
+            ``IF`` nodes are read by consumers that need one threshold per layer
+            (spikingjelly's NIR importer).
         eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
             it is never used to choose anything.
         eval_T: extra T values at which to record SNN accuracy.
@@ -233,6 +234,8 @@ def convert(
     device = torch.device(device)
     if threshold_calibration is None:
         threshold_calibration = reset == "zero"
+    if per_channel is None:
+        per_channel = reset == "subtract"
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
                     bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
                     threshold_calibration=bool(threshold_calibration),
