@@ -1,4 +1,14 @@
-"""Command line: ``snnconv demo`` and ``snnconv check``."""
+"""The ``snnconv`` command line: one tool, shared flags, exit codes scripts can rely on.
+
+    snnconv demo                                       digits -> small CNN -> SNN, in a minute
+    snnconv convert --model small_cnn --data digits --train-epochs 30 --out runs/d
+    snnconv finetune runs/d --data digits --T 4 --epochs 2
+    snnconv export runs/d && snnconv run runs/d/snn.nir --backend cpu --data digits
+    snnconv report runs/d                              one HTML page with every plot
+
+Exit codes: 0 success, 1 a check failed (``check``: BatchNorm remains), 2 a usage or input
+error (one line on stderr, no traceback).
+"""
 
 from __future__ import annotations
 
@@ -83,32 +93,392 @@ def _check(args) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="snnconv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# --- shared helpers -------------------------------------------------------------------------
 
-    demo = sub.add_parser("demo", help="train a small BN CNN on scikit-learn digits and convert it")
-    demo.add_argument("--out", default="runs/demo", help="folder for meta.json and the plot")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--quiet", action="store_true", help="no progress bars")
+class UsageError(Exception):
+    """A command line that cannot be acted on (exit 2, one line on stderr)."""
 
-    check = sub.add_parser("check", help="exit non-zero (listing them) when BatchNorm remains")
-    check.add_argument("path", nargs="?", help="a saved state dict (with --model) or module")
-    check.add_argument("--model", help="zoo model name the state dict belongs to")
-    check.add_argument("--num-classes", type=int, default=10)
-    check.add_argument("--in-channels", type=int, default=3)
-    check.add_argument("--fold", action="store_true", help="fold BatchNorm first, then check")
-    check.add_argument("--zoo", action="store_true", help="check every zoo model")
-    check.add_argument("--trust-pickle", action="store_true",
-                       help="allow unpickling a whole saved module (runs code from the file)")
 
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import run_demo
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (exit 2) that points at ``--help``."""
 
-        run_demo(args.out, seed=args.seed, progress=not args.quiet)
-        return 0
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _say(args, *msg) -> None:
+    if not getattr(args, "quiet", False):
+        print(*msg, flush=True)
+
+
+def _out_dir(args, default: str) -> str:
+    import os
+
+    out = args.out or default
+    os.makedirs(out, exist_ok=True)
+    return out
+
+
+def _write_json(path: str, data) -> None:
+    import json
+
+    from .meta import _jsonable, atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=2, default=_jsonable) + "\n")
+
+
+def _datasets(args):
+    """``(train, test)`` for ``--data``, cut to ``--train-limit`` / ``--limit`` images."""
+    from torch.utils.data import Subset
+
+    from .data import load
+
+    train, test = load(args.data, root=args.data_root, download=args.download, seed=args.seed)
+    if args.train_limit:
+        train = Subset(train, range(min(args.train_limit, len(train))))
+    if args.limit:
+        test = Subset(test, range(min(args.limit, len(test))))
+    return train, test
+
+
+def _loaders(args):
+    import torch
+    from torch.utils.data import DataLoader
+
+    train, test = _datasets(args)
+    return (DataLoader(train, batch_size=args.batch_size, shuffle=True,
+                       generator=torch.Generator().manual_seed(args.seed)),
+            DataLoader(test, batch_size=max(args.batch_size, 256)))
+
+
+def _Ts(args) -> list[int]:
+    Ts = sorted(set(args.T))
+    if Ts[0] < 1:
+        raise UsageError(f"--T takes time steps >= 1, got {args.T}")
+    return Ts
+
+
+def _snn_path(path: str, name: str = "snn.pt") -> str:
+    """A saved SpikingNetwork: the file itself, or ``name`` in a run folder (the fine-tuned one first)."""
+    import os
+
+    if os.path.isdir(path):
+        for candidate in ("snn_finetuned.pt", name):
+            if os.path.exists(os.path.join(path, candidate)):
+                return os.path.join(path, candidate)
+        raise UsageError(f"{path} holds no snn.pt; run 'snnconv convert --out {path}' first")
+    if not os.path.exists(path):
+        raise UsageError(f"{path} does not exist")
+    return path
+
+
+def _evaluation(snn, test_loader, Ts, args, label: str) -> dict:
+    """Accuracy at every T and spike statistics on one test batch (``evaluation.json``)."""
+    import torch
+
+    from .analysis import analyse
+    from .data import first_batch
+    from .metrics import accuracy_by_T
+
+    _say(args, f"evaluating {label} at T = {', '.join(map(str, Ts))} ...")
+    acc = accuracy_by_T(snn, test_loader, Ts, args.device)
+    x, _ = first_batch(test_loader, where="the test loader")
+    with torch.no_grad():
+        stats = analyse(snn, x[:64].to(args.device), T=max(Ts))
+    return {"network": label, "accuracy": {str(t): a for t, a in acc.items()},
+            "analysis": stats.to_dict()}
+
+
+def _print_accuracy(args, rows: list[tuple[str, float]]) -> None:
+    _say(args, f"\n{'':28}accuracy (%)")
+    for name, value in rows:
+        _say(args, f"{name:28}{value:6.2f}")
+
+
+# --- commands: demo, convert, finetune, evaluate, report ------------------------------------
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out or "runs/demo", seed=args.seed, progress=not args.quiet)
+    return 0
+
+
+def _cmd_check(args) -> int:
+    args.in_channels = args.in_channels or 3
     return _check(args)
+
+
+def _cmd_convert(args) -> int:
+    import os
+
+    import torch
+
+    from . import models
+    from .demo import train_ann
+    from .pipeline import convert
+    from .plots import plot_accuracy_vs_T
+    from .qcfs import QCFSTrainConfig
+
+    out = _out_dir(args, "runs/convert")
+    Ts = _Ts(args)
+    train, test = _loaders(args)
+    x0 = train.dataset[0][0]
+    in_channels = args.in_channels or x0.shape[0]
+    if args.weights:
+        model = _load_model(args.weights, args.model, args.num_classes, in_channels, False)
+    elif args.train_epochs:
+        try:
+            model = models.get(args.model, num_classes=args.num_classes, in_channels=in_channels)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        _say(args, f"[1/3] training {args.model} on {args.data} for {args.train_epochs} epoch(s) ...")
+        torch.manual_seed(args.seed)
+        model = train_ann(model, train, epochs=args.train_epochs, lr=args.lr, progress=not args.quiet)
+        from .meta import atomic_write_bytes
+        import io
+
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        atomic_write_bytes(os.path.join(out, "ann.pt"), buf.getvalue())
+    else:
+        raise UsageError("give --weights FILE (a trained state dict of --model) or --train-epochs N "
+                         "(train --model on --data here first)")
+    _say(args, f"[2/3] converting (L={args.L}, T={max(Ts)}, QCFS epochs {args.qcfs_epochs}) ...")
+    qcfs_train = QCFSTrainConfig(epochs=args.qcfs_epochs, seed=args.seed) if args.qcfs_epochs else None
+    snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
+                        qcfs_train=qcfs_train, eval_loader=test, eval_T=Ts, seed=args.seed,
+                        device=args.device, progress=not args.quiet)
+    snn.to("cpu").save(os.path.join(out, "snn.pt"))
+    meta.to_json(os.path.join(out, "meta.json"))
+    acc = meta.accuracy
+    plot_accuracy_vs_T({"SNN": {t: acc["snn"][str(t)] for t in Ts}},
+                       os.path.join(out, "accuracy_vs_T.png"),
+                       references={"ANN": acc["ann"], "QCFS-ANN": acc["qcfs"]},
+                       title=f"{args.data}: {args.model or 'model'} converted to an SNN")
+    _say(args, "[3/3] spike statistics ...")
+    ev = _evaluation(snn.to(args.device), test, [max(Ts)], args, "snn.pt")
+    ev["accuracy"] = acc["snn"]
+    _write_json(os.path.join(out, "evaluation.json"), ev)
+    _print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
+                           (f"QCFS-ANN (L={args.L})", acc["qcfs"])]
+                    + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts])
+    _say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
+    return 0
+
+
+def _cmd_finetune(args) -> int:
+    import os
+
+    from .finetune import finetune
+    from .spiking import SpikingNetwork
+
+    src = _snn_path(args.snn, "snn.pt")
+    if os.path.basename(src) == "snn_finetuned.pt" and os.path.isdir(args.snn):
+        src = os.path.join(args.snn, "snn.pt")  # fine-tune the converted network, not a previous result
+    out = _out_dir(args, args.snn if os.path.isdir(args.snn) else os.path.dirname(src) or ".")
+    Ts = _Ts(args)
+    train, test = _loaders(args)
+    snn = SpikingNetwork.load(src)
+    T_train = min(Ts) if args.train_T is None else args.train_T
+    _say(args, f"fine-tuning {src} with BPTT at T={T_train} for {args.epochs} epoch(s) ...")
+    tuned, history = finetune(snn, train, T=T_train, epochs=args.epochs, lr=args.lr, alpha=args.alpha,
+                              train_thresholds=args.train_thresholds,
+                              max_steps_per_epoch=args.max_steps, checkpoint_dir=os.path.join(out, "finetune"),
+                              resume=args.resume, seed=args.seed, device=args.device,
+                              progress=not args.quiet)
+    tuned.to("cpu").save(os.path.join(out, "snn_finetuned.pt"))
+    ev = _evaluation(tuned.to(args.device), test, Ts, args, "snn_finetuned.pt")
+    _write_json(os.path.join(out, "evaluation.json"), ev)
+    _write_json(os.path.join(out, "finetune.json"),
+                {"source": src, "T": T_train, "epochs": args.epochs, "lr": args.lr, "alpha": args.alpha,
+                 "history": history, "accuracy": {"snn": ev["accuracy"]}})
+    _print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
+    _say(args, f"\nwrote {out}/snn_finetuned.pt, finetune.json, evaluation.json")
+    return 0
+
+
+def _cmd_evaluate(args) -> int:
+    import os
+
+    from .spiking import SpikingNetwork
+
+    src = _snn_path(args.snn)
+    Ts = _Ts(args)
+    _, test = _loaders(args)
+    snn = SpikingNetwork.load(src).to(args.device)
+    ev = _evaluation(snn, test, Ts, args, os.path.basename(src))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        _write_json(os.path.join(args.out, "evaluation.json"), ev)
+    _print_accuracy(args, [(f"SNN T={t}", ev["accuracy"][str(t)]) for t in Ts])
+    rates = ev["analysis"]["firing_rate"]
+    e = ev["analysis"]["energy"]
+    _say(args, f"mean firing rate {100 * sum(rates.values()) / max(1, len(rates)):.2f}% per step; "
+               f"energy estimate {e['snn_pj'] / 1e3:.1f} nJ (SNN) vs {e['ann_pj'] / 1e3:.1f} nJ (ANN) per image")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from .report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(path)
+    return 0
+
+
+# --- commands owned by the nir helper: export, inspect (issue 10) ---------------------------
+
+def _cmd_export(args) -> int:
+    raise UsageError("'snnconv export' is not part of this build (snnconv.nir_io lands with issue 10)")
+
+
+def _cmd_inspect(args) -> int:
+    raise UsageError("'snnconv inspect' is not part of this build (snnconv.nir_io lands with issue 10)")
+
+
+# --- commands owned by the backends helper: run, backends (issue 11) ------------------------
+
+def _cmd_run(args) -> int:
+    raise UsageError("'snnconv run' is not part of this build (snnconv_backends lands with issue 11)")
+
+
+def _cmd_backends(args) -> int:
+    raise UsageError("'snnconv backends' is not part of this build (snnconv_backends lands with issue 11)")
+
+
+# --- the parser -----------------------------------------------------------------------------
+
+def _parents() -> dict[str, argparse.ArgumentParser]:
+    """The shared flags, defined once: ``common``, ``data``, ``model``, ``time``."""
+    from .data import DATASETS
+
+    common = argparse.ArgumentParser(add_help=False)
+    g = common.add_argument_group("common")
+    g.add_argument("--out", help="output folder (or file, where the command writes one)")
+    g.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default cpu)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--quiet", action="store_true", help="no progress bars or tables")
+
+    data = argparse.ArgumentParser(add_help=False)
+    g = data.add_argument_group("data")
+    g.add_argument("--data", default="digits", choices=DATASETS,
+                   help="dataset (default digits, embedded; synthetic: CIFAR-shaped, made here)")
+    g.add_argument("--data-root", help="folder of the dataset's files (Fashion-MNIST IDX, CIFAR-10)")
+    g.add_argument("--download", action="store_true", help="download the dataset if missing")
+    g.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
+    g.add_argument("--limit", type=int, help="use only the first N test images")
+    g.add_argument("--train-limit", type=int, help="use only the first N training images")
+
+    model = argparse.ArgumentParser(add_help=False)
+    g = model.add_argument_group("model")
+    g.add_argument("--model", help="zoo model name (small_cnn, resnet18, ...; see snnconv check --zoo)")
+    g.add_argument("--num-classes", type=int, default=10)
+    g.add_argument("--in-channels", type=int, help="input channels (default: from the data, or 3)")
+
+    time = argparse.ArgumentParser(add_help=False)
+    g = time.add_argument_group("time")
+    g.add_argument("--T", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="time steps; several values evaluate at each (default 1 2 4 8)")
+    g.add_argument("--L", type=int, default=8, help="QCFS quantisation levels (default 8)")
+    return {"common": common, "data": data, "model": model, "time": time}
+
+
+def _add(sub, name: str, help: str, example: str, parents: list, func) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                       epilog=f"example:\n  {example}", parents=parents,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=func)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``snnconv`` parser: one subcommand per task, shared flags from :func:`_parents`."""
+    pa = _parents()
+    common, data, model, time = pa["common"], pa["data"], pa["model"], pa["time"]
+    parser = _Parser(prog="snnconv", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"snnconv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    _add(sub, "demo", "train a small BN CNN on scikit-learn digits and convert it",
+         "snnconv demo --out runs/demo", [common], _cmd_demo)
+
+    p = _add(sub, "convert", "train or load an ANN, convert it to an SNN, evaluate it by T",
+             "snnconv convert --model small_cnn --data digits --train-epochs 30 --T 1 2 4 8 --out runs/d",
+             [common, data, model, time], _cmd_convert)
+    p.add_argument("--weights", help="a trained state dict of --model (torch.load weights_only)")
+    p.add_argument("--train-epochs", type=int, default=0, help="train --model here for N epochs first")
+    p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
+    p.add_argument("--qcfs-epochs", type=int, default=0, help="QCFS-aware training epochs (default 0)")
+    p.add_argument("--per-channel", action="store_true", help="per-channel thresholds")
+
+    p = _add(sub, "finetune", "fine-tune a converted SNN with BPTT (atan surrogate)",
+             "snnconv finetune runs/d --data digits --T 2 4 8 --train-T 4 --epochs 2",
+             [common, data, time], _cmd_finetune)
+    p.add_argument("snn", help="a saved SNN (snn.pt) or the run folder holding it")
+    p.add_argument("--train-T", type=int, help="steps unrolled in training (default: the smallest --T)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    p.add_argument("--alpha", type=float, default=4.0, help="ATan surrogate sharpness (default 4)")
+    p.add_argument("--train-thresholds", action="store_true")
+    p.add_argument("--max-steps", type=int, help="at most N steps per epoch")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/finetune/finetune.ckpt")
+
+    p = _add(sub, "evaluate", "accuracy by T, firing rates, synaptic operations and energy of an SNN",
+             "snnconv evaluate runs/d/snn.pt --data digits --T 1 2 4 8 16 --out runs/d",
+             [common, data, time], _cmd_evaluate)
+    p.add_argument("snn", help="a saved SNN (snn.pt) or a run folder")
+
+    p = _add(sub, "check", "exit 1 (listing them) when BatchNorm remains in a model",
+             "snnconv check model_state.pt --model resnet18 --fold", [common, model], _cmd_check)
+    p.add_argument("path", nargs="?", help="a saved state dict (with --model) or module")
+    p.add_argument("--fold", action="store_true", help="fold BatchNorm first, then check")
+    p.add_argument("--zoo", action="store_true", help="check every zoo model")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="allow unpickling a whole saved module (runs code from the file)")
+
+    p = _add(sub, "report", "write one self-contained HTML page from a run folder",
+             "snnconv report runs/d   # writes runs/d/report.html", [common], _cmd_report)
+    p.add_argument("run_dir", help="a run folder (meta.json, finetune.json, evaluation.json, backends/)")
+
+    # SLOT export / inspect (nir helper, issue 10): flags as agreed, bodies above
+    p = _add(sub, "export", "write an SNN as a NIR graph file (HDF5)",
+             "snnconv export runs/d --out runs/d/snn.nir", [common, time], _cmd_export)
+    p.add_argument("snn", help="a saved SNN (snn.pt) or a run folder")
+    p.add_argument("--reset", choices=("subtract", "zero"), default="subtract",
+                   help="neuron reset written into the graph (default subtract, exact)")
+    p = _add(sub, "inspect", "print the nodes, shapes, thresholds and metadata of a NIR file",
+             "snnconv inspect runs/d/snn.nir", [common], _cmd_inspect)
+    p.add_argument("nir_file")
+
+    # SLOT run / backends (backends helper, issue 11)
+    p = _add(sub, "run", "run a NIR file on a backend and compare it with the torch SNN",
+             "snnconv run runs/d/snn.nir --backend loihi2-sim --data digits --T 8 --out runs/d",
+             [common, data, time], _cmd_run)
+    p.add_argument("nir_file")
+    p.add_argument("--backend", default="cpu", help="backend name (see snnconv backends; default cpu)")
+    _add(sub, "backends", "list the backends and whether each can run here",
+         "snnconv backends", [common], _cmd_backends)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; return its exit code (0 ok, 1 a check failed, 2 usage or input error)."""
+    from .errors import SnnconvError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)  # usage errors: argparse prints one line and exits 2
+    try:
+        return args.func(args)
+    except (UsageError, SnnconvError, OSError, ValueError) as exc:
+        print(f"snnconv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"snnconv {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover
