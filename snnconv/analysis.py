@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .spiking import IFNeuron, SpikingNetwork, TimeExpand, _check_T, neurons
 
-__all__ = ["SpikeAnalysis", "analyse", "E_MAC_PJ", "E_AC_PJ", "RASTER_NEURONS"]
+__all__ = ["SpikeAnalysis", "analyse", "backend_record", "E_MAC_PJ", "E_AC_PJ", "RASTER_NEURONS"]
 
 E_MAC_PJ = 4.6
 E_AC_PJ = 0.9
@@ -182,3 +182,70 @@ def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
                          spikes_per_step={n: [float(v) for v in c] for n, c in counts.items()},
                          firing_rate=firing, synops=synops, static_macs=static, macs=macs,
                          raster=raster)
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-ready copy: tensors and arrays as lists, other objects as strings."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist() if obj.numel() <= 4096 else f"tensor{tuple(obj.shape)}"
+    if hasattr(obj, "tolist") and hasattr(obj, "size"):  # numpy
+        return obj.tolist() if obj.size <= 4096 else f"array{tuple(obj.shape)}"
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _energy_nj(extra: Mapping[str, Any], batch: int) -> float | None:
+    """A backend's energy per image in nJ, from the keys a backend may report."""
+    energy = extra.get("energy")
+    if not isinstance(energy, Mapping):
+        return None
+    for key, scale in (("per_image_nj", 1.0), ("energy_per_image_nj", 1.0), ("per_image_j", 1e9),
+                       ("per_image_uj", 1e3), ("per_image_pj", 1e-3)):
+        if isinstance(energy.get(key), (int, float)):
+            return float(energy[key]) * scale
+    for key, scale in (("total_j", 1e9), ("total_nj", 1.0), ("total_uj", 1e3), ("total_pj", 1e-3)):
+        if isinstance(energy.get(key), (int, float)):
+            return float(energy[key]) * scale / batch
+    return None
+
+
+def backend_record(name: str, result: Any, labels: torch.Tensor, reference: torch.Tensor, *,
+                   T: int, wall_s: float) -> dict[str, Any]:
+    """One backend run as JSON-ready data (``backends/NAME.json`` of a run folder).
+
+    Args:
+        name: the backend's name.
+        result: its ``RunResult`` (``outputs`` ``[T, B, classes]``, ``synops``, ``macs``, ``extra``).
+        labels: ``[B]`` true classes.
+        reference: ``[B]`` the torch SpikingNetwork's predictions for the same images and T.
+        T, wall_s: steps run and the wall time of compile + run.
+
+    Returns:
+        ``backend``, ``T``, ``images``, ``accuracy`` and ``agreement`` (percent),
+        ``synops_total``, ``macs_total``, ``energy_per_image_nj`` (when the backend reports
+        energy), ``wall_s`` and ``extra`` (the backend's own report).
+    """
+    outputs = torch.as_tensor(result.outputs)
+    if outputs.dim() < 3 or outputs.shape[1] != len(labels):
+        raise ValueError(f"backend {name} returned outputs of shape {tuple(outputs.shape)}; expected "
+                         f"[T, {len(labels)}, classes]")
+    pred = outputs.float().mean(0).argmax(1).cpu()
+    extra = dict(getattr(result, "extra", {}) or {})
+    record = {
+        "backend": name, "T": int(T), "images": int(len(labels)),
+        "accuracy": 100.0 * (pred == labels.cpu()).float().mean().item(),
+        "agreement": 100.0 * (pred == reference.cpu()).float().mean().item(),
+        "synops_total": float(sum(float(v) for v in (result.synops or {}).values())),
+        "macs_total": float(sum(float(v) for v in (result.macs or {}).values())),
+        "wall_s": float(wall_s),
+        "extra": _plain(extra),
+    }
+    energy = _energy_nj(extra, len(labels))
+    if energy is not None:
+        record["energy_per_image_nj"] = energy
+    return record

@@ -380,8 +380,10 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
     g = time.add_argument_group("time")
     g.add_argument("--T", type=int, nargs="+", default=[1, 2, 4, 8],
                    help="time steps; several values evaluate at each (default 1 2 4 8)")
-    g.add_argument("--L", type=int, default=8, help="QCFS quantisation levels (default 8)")
-    return {"common": common, "data": data, "model": model, "time": time}
+    levels = argparse.ArgumentParser(add_help=False)
+    levels.add_argument_group("conversion").add_argument(
+        "--L", type=int, default=8, help="QCFS quantisation levels (default 8)")
+    return {"common": common, "data": data, "model": model, "time": time, "levels": levels}
 
 
 def _add(sub, name: str, help: str, example: str, parents: list, func) -> argparse.ArgumentParser:
@@ -408,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(sub, "convert", "train or load an ANN, convert it to an SNN, evaluate it by T",
              "snnconv convert --model small_cnn --data digits --train-epochs 30 --T 1 2 4 8 --out runs/d",
-             [common, data, model, time], _cmd_convert)
+             [common, data, model, time, pa["levels"]], _cmd_convert)
     p.add_argument("--weights", help="a trained state dict of --model (torch.load weights_only)")
     p.add_argument("--train-epochs", type=int, default=0, help="train --model here for N epochs first")
     p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
