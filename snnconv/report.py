@@ -215,6 +215,13 @@ td:first-child,th:first-child{text-align:left}
 """
 
 
+# Marks <body data-plots="loaded/total"> once the page has loaded: a browser check (and a
+# reader's devtools) can see that every embedded plot decoded.
+_LOADED_SCRIPT = """<script>window.addEventListener('load',function(){var i=document.images,n=0;
+for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0)n++;}
+document.body.setAttribute('data-plots',n+'/'+i.length);});</script>"""
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     def cell(v):
         if isinstance(v, float):
@@ -366,7 +373,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
                                size=(6.4, 0.5 * len(energy_rows) + 1.4)), "energy"))
 
     page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
-            f"</title><style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n")
+            f"</title><style>{_CSS}</style></head><body>{''.join(parts)}{_LOADED_SCRIPT}</body></html>\n")
     path = os.fspath(out) if out is not None else os.path.join(run_dir, REPORT_NAME)
     atomic_write_text(path, page)
     return path
