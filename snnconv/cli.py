@@ -339,12 +339,75 @@ def _cmd_inspect(args) -> int:
 
 # --- commands owned by the backends helper: run, backends (issue 11) ------------------------
 
+def _backend_api():
+    """``(nir_io, backends)``, or a UsageError naming what this build lacks."""
+    try:
+        from . import backends, nir_io
+    except ImportError as exc:
+        raise UsageError(f"this snnconv build has no NIR backends ({exc}); 'run' and 'backends' need "
+                         "snnconv.nir_io and snnconv_backends") from None
+    return nir_io, backends
+
+
 def _cmd_run(args) -> int:
-    raise UsageError("'snnconv run' is not part of this build (snnconv_backends lands with issue 11)")
+    import os
+    import time
+
+    import torch
+
+    from .analysis import backend_record
+    from .data import split_batch
+
+    nir_io, backends = _backend_api()
+    T = max(_Ts(args))
+    graph = nir_io.load_nir(args.nir_file)
+    backend = backends.get(args.backend)
+    _, test = _loaders(args)
+    reference_net = nir_io.from_nir(graph)
+    _say(args, f"running {args.nir_file} on {args.backend} for T={T} ...")
+    outputs, labels, refs = [], [], []
+    synops: dict[str, float] = {}
+    macs: dict[str, float] = {}
+    extra: dict = {}
+    t0 = time.perf_counter()
+    program = backend.compile(graph)
+    from tqdm.auto import tqdm
+
+    for batch in tqdm(test, desc=f"{args.backend}", disable=args.quiet, leave=False):
+        x, y = split_batch(batch, where="the test loader")
+        result = program.run(x, T=T)
+        outputs.append(torch.as_tensor(result.outputs).float().cpu())
+        labels.append(y)
+        for total, part in ((synops, result.synops), (macs, result.macs)):
+            for k, v in (part or {}).items():
+                total[k] = total.get(k, 0.0) + float(v)
+        extra = dict(result.extra or {})
+        with torch.no_grad():
+            refs.append(reference_net.run(x, T=T).mean(0).argmax(1))
+    wall = time.perf_counter() - t0
+
+    class _Merged:  # the batches as one RunResult-like record
+        pass
+
+    merged = _Merged()
+    merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
+    rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T, wall_s=wall)
+    out = _out_dir(args, os.path.dirname(os.path.abspath(args.nir_file)))
+    os.makedirs(os.path.join(out, "backends"), exist_ok=True)
+    _write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
+    _say(args, f"{args.backend}: accuracy {rec['accuracy']:.2f}% on {rec['images']} images, agreement with "
+               f"the torch SNN {rec['agreement']:.2f}%, {rec['synops_total']:.3g} synaptic ops, {wall:.1f} s")
+    _say(args, f"wrote {out}/backends/{args.backend}.json")
+    return 0
 
 
 def _cmd_backends(args) -> int:
-    raise UsageError("'snnconv backends' is not part of this build (snnconv_backends lands with issue 11)")
+    _, backends = _backend_api()
+    table = backends.available()
+    width = max(len(n) for n in table) if table else 4
+    for name, (ok, reason) in table.items():
+        print(f"{name:{width}}  {'yes' if ok else 'no '}  {reason if not ok else ''}".rstrip())
+    return 0
 
 
 # --- the parser -----------------------------------------------------------------------------
@@ -446,12 +509,14 @@ def build_parser() -> argparse.ArgumentParser:
              "snnconv report runs/d   # writes runs/d/report.html", [common], _cmd_report)
     p.add_argument("run_dir", help="a run folder (meta.json, finetune.json, evaluation.json, backends/)")
 
-    # SLOT export / inspect (nir helper, issue 10): flags as agreed, bodies above
+    # SLOT export / inspect (nir helper, issue 10): bodies in _cmd_export / _cmd_inspect
     p = _add(sub, "export", "write an SNN as a NIR graph file (HDF5)",
-             "snnconv export runs/d --out runs/d/snn.nir", [common, time], _cmd_export)
+             "snnconv export runs/d/snn.pt runs/d/snn.nir", [common], _cmd_export)
     p.add_argument("snn", help="a saved SNN (snn.pt) or a run folder")
-    p.add_argument("--reset", choices=("subtract", "zero"), default="subtract",
-                   help="neuron reset written into the graph (default subtract, exact)")
+    p.add_argument("nir_out", nargs="?", help="the NIR file to write (default: --out, or snn.nir "
+                   "beside the network)")
+    p.add_argument("--input-shape", help="batch-free input shape, e.g. 3,32,32 (default: recorded "
+                   "by convert)")
     p = _add(sub, "inspect", "print the nodes, shapes, thresholds and metadata of a NIR file",
              "snnconv inspect runs/d/snn.nir", [common], _cmd_inspect)
     p.add_argument("nir_file")
