@@ -45,7 +45,7 @@ def test_every_command_exists_and_its_help_shows_an_example(capsys):
         assert "--quiet" in text and "--out" in text, name  # the shared flags
 
 
-def test_usage_and_input_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
+def test_usage_and_input_errors_exit_2_with_one_line_and_no_traceback(tmp_path, capsys):
     cases = [
         ["convert", "--T", "x"],                                  # argparse
         ["convert", "--data", "digits", "--quiet"],               # neither --weights nor --train-epochs
@@ -54,12 +54,19 @@ def test_usage_and_input_errors_exit_2_with_one_line_and_no_traceback(tmp_path):
         ["convert", "--model", "nonet", "--train-epochs", "1", "--quiet"],
     ]
     for argv in cases:
-        proc = subprocess.run([sys.executable, "-m", "snnconv.cli", *argv], capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": ROOT})
-        assert proc.returncode == 2, (argv, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "error:" in lines[0], (argv, proc.stderr)
-        assert "Traceback" not in proc.stderr
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse exits itself
+            code = exit_.code
+        assert code == 2, argv
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"snnconv {argv[0]}: error: "), (argv, err)
+    # the installed entry point behaves the same in a fresh process
+    proc = subprocess.run([sys.executable, "-m", "snnconv.cli", "report", str(tmp_path / "missing")],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.fixture(scope="module")
