@@ -523,7 +523,7 @@ snn_file = os.path.join(out_dir, "snn_finetuned.pt")
 if not os.path.exists(snn_file):
     snn_file = os.path.join(out_dir, "snn.pt")
 snn = snnconv.SpikingNetwork.load(snn_file)
-graph = nir_io.export_nir(snn)
+graph = nir_io.export_nir(snn, input_shape=tuple(test_set[0][0].shape))  # batch-free (C, H, W)
 nir_path = os.path.join(out_dir, "snn.nir")
 nir_io.save_nir(graph, nir_path)
 print(f"exported {snn_file} -> {nir_path} ({os.path.getsize(nir_path) / 1e6:.2f} MB)")
