@@ -220,9 +220,12 @@ def _cmd_convert(args) -> int:
     from .plots import plot_accuracy_vs_T
     from .qcfs import QCFSTrainConfig
 
-    out = _out_dir(args, "runs/convert")
+    if not args.weights and not args.train_epochs:
+        raise UsageError("give --weights FILE (a trained state dict of --model) or --train-epochs N "
+                         "(train --model on --data here first)")
     Ts = _Ts(args)
     train, test = _loaders(args)
+    out = _out_dir(args, "runs/convert")
     x0 = train.dataset[0][0]
     in_channels = args.in_channels or x0.shape[0]
     if args.weights:
