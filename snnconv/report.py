@@ -156,6 +156,7 @@ def _plot_raster(ax, raster: Mapping[str, list[list[int]]], T: int, per_layer: i
     ax.set_yticks([i * per_layer + per_layer / 2 for i in range(len(names))])
     ax.set_yticklabels(names, fontsize=7)
     ax.set_xlim(0.5, T + 0.5)
+    ax.set_xticks(range(1, T + 1, max(1, T // 16)))
     ax.set_ylim(0, max(1, len(names)) * per_layer)
     ax.set_xlabel("time step")
     ax.set_title(f"Spike raster: first {per_layer} neurons of each layer, image 0")
@@ -180,12 +181,15 @@ def _plot_history(ax, history: list[Mapping[str, float]]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _plot_ops(ax, synops: Mapping[str, float], macs: Mapping[str, float]) -> None:
+def _plot_ops(ax, synops: Mapping[str, float], macs: Mapping[str, float],
+              static: Mapping[str, float]) -> None:
     names = list(macs)
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], [macs[n] for n in names], width=0.4, label="ANN MACs")
     ax.bar([x + 0.2 for x in xs], [synops.get(n, 0.0) for n in names], width=0.4,
-           label="SNN synaptic ops (whole run)")
+           label="SNN accumulates (whole run)", color="C1")
+    ax.bar([x + 0.2 for x in xs], [static.get(n, 0.0) for n in names], width=0.4,
+           label="SNN MACs (static input, once)", color="C1", hatch="//", alpha=0.6)
     ax.set_yscale("log")
     ax.set_xticks(list(xs))
     ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
@@ -338,7 +342,8 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     parts.append("<h2>Synaptic operations and energy</h2>")
     energy_rows: list[tuple[str, float]] = []
     if analysis and analysis.get("macs"):
-        parts.append(_img(_png(lambda ax: _plot_ops(ax, analysis["synops"], analysis["macs"]), size=(7.5, 3.8)),
+        parts.append(_img(_png(lambda ax: _plot_ops(ax, analysis["synops"], analysis["macs"],
+                                                 analysis.get("static_macs") or {}), size=(7.5, 3.8)),
                           "synaptic operations vs MACs"))
         e = analysis.get("energy") or {}
         if e:
