@@ -1,13 +1,15 @@
 """Accuracy vs T on Fashion-MNIST: snnconv against spikingjelly 2.0's converters, same ANN.
 
     .venv/bin/python benchmarks/accuracy_vs_T.py            # full 10k test set, about 30 min
+    .venv/bin/python benchmarks/accuracy_vs_T.py --reset subtract   # without the hard-reset row
 
 Trains (or loads from results/cache) a BN ResNet-14, converts it with snnconv (QCFS, at most
 2 epochs of QCFS training, no BPTT) and with spikingjelly's RateCodingRecipe ('max', '99.9%')
 and LocalThresholdBalancingRecipe, and evaluates all of them at T = 1, 2, 4, 8, 16, 32 on the
 full test set. Also times convert() against spikingjelly's converter on the same calibration
-batches, and one SNN forward at T=8 against 8 ANN forwards. Writes results/accuracy_vs_T.json
-and results/accuracy_vs_T.png.
+batches, and one SNN forward at T=8 against 8 ANN forwards. ``--reset both`` (the default) adds
+a row for the same QCFS-ANN converted with hard-reset neurons (``reset="zero"``, v[0] = 0), next
+to snnconv's subtractive reset. Writes results/accuracy_vs_T.json and results/accuracy_vs_T.png.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ def main():
     p.add_argument("--test-limit", type=int, default=0, help="evaluate on the first N test images only")
     p.add_argument("--per-T-calibration", action="store_true",
                    help="also report an SNN bias-calibrated at each evaluated T")
+    p.add_argument("--reset", choices=("subtract", "zero", "both"), default="both",
+                   help="neuron reset of the snnconv rows: subtraction (v[0] = theta/2), to zero "
+                        "(hard reset, v[0] = 0), or both side by side")
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.path.join(RESULTS, "accuracy_vs_T"))
@@ -132,30 +137,37 @@ def main():
     qcfs = snnconv.calibrate_qcfs(folded, train, L=args.L, percentile=args.percentile,
                                   per_channel=args.per_channel, num_batches=args.calib_batches,
                                   train=qcfs_cfg, progress=progress)
-    snn = snnconv.to_spiking(qcfs, T=8)
-    if args.bias_calibration_T:
-        snn = calibrate_bias(snn, qcfs, train, T=args.bias_calibration_T)
+    resets = ("subtract", "zero") if args.reset == "both" else (args.reset,)
+    snns = {}
+    for reset in resets:
+        snns[reset] = snnconv.to_spiking(qcfs, T=8, reset=reset)
+        if args.bias_calibration_T:
+            snns[reset] = calibrate_bias(snns[reset], qcfs, train, T=args.bias_calibration_T)
+    snn = snns[resets[0]]
     results["timing"]["snnconv_pipeline_with_qcfs_training_s"] = time.perf_counter() - t0
     results["qcfs_history"] = qcfs.meta["qcfs"].get("history", [])
     results["accuracy"]["qcfs-ann"] = evaluate(qcfs, test)
-    label = "snnconv"
-    if args.bias_calibration_T:
-        label += f" (bias calibrated at T={args.bias_calibration_T})"
-    acc = accuracy_by_T(snn, _progress(test, progress, "snnconv eval"), TS)
-    results["accuracy"][label] = acc
-    print(label, {t: round(a, 2) for t, a in acc.items()}, flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    snn.save(args.out + "_snn.pt")
-    write_json(results, args.out + ".json")
-    if args.per_T_calibration:
-        plain = snnconv.to_spiking(qcfs, T=8)
-        per_T = {}
-        for T in TS:
-            tuned = calibrate_bias(plain, qcfs, train, T=T)
-            per_T[T] = accuracy_by_T(tuned, test, [T])[T]
-            print(f"snnconv calibrated at T={T}: {per_T[T]:.2f}", flush=True)
-        results["accuracy"]["snnconv (bias calibrated at each T)"] = per_T
+    for reset, net in snns.items():
+        label = "snnconv" if reset == "subtract" else "snnconv hard reset"
+        if args.bias_calibration_T:
+            label += f" (bias calibrated at T={args.bias_calibration_T})"
+        acc = accuracy_by_T(net, _progress(test, progress, f"{label} eval"), TS)
+        results["accuracy"][label] = acc
+        print(label, {t: round(a, 2) for t, a in acc.items()}, flush=True)
+        net.save(args.out + ("_snn.pt" if reset == "subtract" else "_snn_hard.pt"))
         write_json(results, args.out + ".json")
+    if args.per_T_calibration:
+        for reset in resets:
+            plain = snnconv.to_spiking(qcfs, T=8, reset=reset)
+            name = "snnconv" if reset == "subtract" else "snnconv hard reset"
+            per_T = {}
+            for T in TS:
+                tuned = calibrate_bias(plain, qcfs, train, T=T)
+                per_T[T] = accuracy_by_T(tuned, test, [T])[T]
+                print(f"{name} calibrated at T={T}: {per_T[T]:.2f}", flush=True)
+            results["accuracy"][f"{name} (bias calibrated at each T)"] = per_T
+            write_json(results, args.out + ".json")
 
     # cost of one SNN forward at T=8 against 8 ANN forwards on the same batch of 256
     x = next(iter(torch.utils.data.DataLoader(test.dataset, batch_size=256)))[0]
@@ -203,12 +215,12 @@ def _progress(loader, progress, desc):
 
 
 def _table(results):
-    rows = [f"{'method':40}" + "".join(f"{f'T={t}':>8}" for t in TS)]
+    rows = [f"{'method':52}" + "".join(f"{f'T={t}':>8}" for t in TS)]
     for name, acc in results["accuracy"].items():
         if isinstance(acc, dict):
-            rows.append(f"{name:40}" + "".join(f"{acc[t]:8.2f}" for t in TS))
+            rows.append(f"{name:52}" + "".join(f"{acc[t]:8.2f}" for t in TS))
         else:
-            rows.append(f"{name:40}{acc:8.2f} (ANN)")
+            rows.append(f"{name:52}{acc:8.2f} (ANN)")
     return "\n".join(rows)
 
 

@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     CheckpointError,
     DataError,
     FoldError,
+    NIRError,
     SnnconvError,
     StageOrderError,
     UnsupportedLayerError,
@@ -54,4 +55,5 @@ __all__ = [
     "DataError",
     "StageOrderError",
     "CheckpointError",
+    "NIRError",
 ]

@@ -94,7 +94,6 @@ def _check(args) -> int:
 
 
 # --- shared helpers -------------------------------------------------------------------------
-
 class UsageError(Exception):
     """A command line that cannot be acted on (exit 2, one line on stderr)."""
 
@@ -332,12 +331,95 @@ def _cmd_report(args) -> int:
 
 # --- commands owned by the nir helper: export, inspect (issue 10) ---------------------------
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def _cmd_export(args) -> int:
-    raise UsageError("'snnconv export' is not part of this build (snnconv.nir_io lands with issue 10)")
+    """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
+    import os
+
+    from .errors import SnnconvError
+    from .nir_io import export_nir, save_nir
+    from .spiking import SpikingNetwork
+
+    try:
+        args.network = _snn_path(args.network)
+        args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
+        snn = SpikingNetwork.load(args.network)
+        shape = None
+        if args.input_shape:
+            try:
+                shape = tuple(int(v) for v in args.input_shape.split(","))
+            except ValueError:
+                raise SnnconvError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
+        graph = export_nir(snn, input_shape=shape)
+        save_nir(graph, args.out)
+    except (SnnconvError, OSError, UsageError) as exc:
+        print(f"snnconv export: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    neurons = sum(1 for n in graph.nodes.values() if type(n).__name__ in ("I", "IF"))
+    print(f"wrote {args.out}: {len(graph.nodes)} nodes, {len(graph.edges)} edges, {neurons} neuron "
+          f"layers, reset={graph.metadata['reset']}, T={graph.metadata['T']}, "
+          f"{os.path.getsize(args.out) / 1e6:.2f} MB")
+    return 0
+
+
+def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
+    import numpy as np
+
+    from snnconv_backends.nirgraph import parse
+
+    parsed = parse(graph)
+    rows, totals = [], {"ops": 0, "neuron layers": 0, "neurons": 0, "parameters": 0}
+    for op in parsed.ops:
+        node = graph.nodes[op.name]
+        kind = type(node).__name__
+        theta, count = "", 0
+        if op.kind == "neuron":
+            t = np.asarray(op.params["theta"], dtype=np.float64)
+            theta = f"{t.min():.4g} / {t.mean():.4g} / {t.max():.4g}"
+            kind = "IF (reset zero)" if kind == "IF" else "I+Threshold+Scale (subtract)"
+            count = t.size
+            totals["neuron layers"] += 1
+            totals["neurons"] += int(np.prod(op.out_shape))
+        elif op.kind == "sum":
+            kind = "sum"
+        else:
+            count = sum(int(np.asarray(op.params[k]).size) for k in ("weight", "bias") if k in op.params)
+            if op.kind == "scale":
+                count = int(np.unique(np.asarray(op.params["scale"])).size)
+        if op.kind == "avgpool2d" and op.params["adaptive"]:
+            kind += " (adaptive)"
+        totals["ops"] += 1
+        totals["parameters"] += count
+        rows.append([op.name, kind, "x".join(map(str, op.out_shape)), theta, str(count) if count else ""])
+    return rows, totals
 
 
 def _cmd_inspect(args) -> int:
-    raise UsageError("'snnconv inspect' is not part of this build (snnconv.nir_io lands with issue 10)")
+    """``snnconv inspect FILE.nir``: one row per op (node, type, shape, thresholds, parameters)."""
+    import os
+
+    from .errors import SnnconvError
+    from .nir_io import load_nir
+
+    try:
+        graph = load_nir(args.file)
+        rows, totals = _inspect_rows(graph)
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv inspect: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    header = ["node", "type", "shape", "theta min / mean / max", "parameters"]
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for r in [header, ["-" * w for w in widths]] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    meta = {k: v for k, v in graph.metadata.items()}
+    print(f"total: {totals['ops']} ops, {totals['neuron layers']} neuron layers "
+          f"({totals['neurons']} neurons), {totals['parameters']} parameters; "
+          f"reset={meta.get('reset')}, T={meta.get('T')}, producer={meta.get('producer')}, "
+          f"{os.path.getsize(args.file) / 1e6:.2f} MB")
+    return 0
 
 
 # --- commands owned by the backends helper: run, backends (issue 11) ------------------------
@@ -515,14 +597,14 @@ def build_parser() -> argparse.ArgumentParser:
     # SLOT export / inspect (nir helper, issue 10): bodies in _cmd_export / _cmd_inspect
     p = _add(sub, "export", "write an SNN as a NIR graph file (HDF5)",
              "snnconv export runs/d/snn.pt runs/d/snn.nir", [common], _cmd_export)
-    p.add_argument("snn", help="a saved SNN (snn.pt) or a run folder")
+    p.add_argument("network", help="a saved SNN (snn.pt, SpikingNetwork.save) or a run folder")
     p.add_argument("nir_out", nargs="?", help="the NIR file to write (default: --out, or snn.nir "
                    "beside the network)")
     p.add_argument("--input-shape", help="batch-free input shape, e.g. 3,32,32 (default: recorded "
                    "by convert)")
     p = _add(sub, "inspect", "print the nodes, shapes, thresholds and metadata of a NIR file",
              "snnconv inspect runs/d/snn.nir", [common], _cmd_inspect)
-    p.add_argument("nir_file")
+    p.add_argument("file", help="a NIR (HDF5) file")
 
     # SLOT run / backends (backends helper, issue 11)
     p = _add(sub, "run", "run a NIR file on a backend and compare it with the torch SNN",

@@ -14,6 +14,7 @@ __all__ = [
     "DataError",
     "StageOrderError",
     "CheckpointError",
+    "NIRError",
 ]
 
 
@@ -55,3 +56,10 @@ class StageOrderError(SnnconvError):
 
 class CheckpointError(SnnconvError):
     """A checkpoint is corrupted, truncated or belongs to another model or run."""
+
+
+class NIRError(SnnconvError):
+    """A NIR graph or file is malformed, or holds something snnconv cannot read or write exactly.
+
+    The message names the node, edge, module or file concerned.
+    """

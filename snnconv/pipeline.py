@@ -84,6 +84,7 @@ def convert(
     per_channel: bool = False,
     calib_batches: int = 10,
     maxpool: str = "error",
+    reset: str = "subtract",
     bias_calibration: bool = True,
     bias_calibration_T: int | None = None,
     qcfs_epochs: int = 0,
@@ -111,6 +112,9 @@ def convert(
         eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
             it is never used to choose anything.
         eval_T: extra T values at which to record SNN accuracy.
+        reset: ``"subtract"`` (default: IF with reset by subtraction and ``v[0] = theta/2``,
+            the exact QCFS equivalent) or ``"zero"`` (hard reset, ``v[0] = 0``: spikingjelly's
+            ``IFNode(v_reset=0.)``, for NIR consumers and chips whose neurons reset to zero).
         bias_calibration: after IF replacement, shift biases so that each layer's mean output
             over ``bias_calibration_T`` steps (default ``T``) matches the QCFS-ANN on
             calibration batches (:func:`snnconv.spiking.calibrate_bias`). Raises accuracy at
@@ -134,11 +138,13 @@ def convert(
                 f"{name} is a one-shot iterator ({type(data).__name__}); convert() reads it more "
                 "than once (checks, calibration, training, evaluation). Pass a DataLoader or a "
                 "list of batches instead.")
+    if reset not in ("subtract", "zero"):
+        raise ValueError(f"reset must be 'subtract' or 'zero', got {reset!r}")
     seed_everything(seed)
     device = torch.device(device)
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
                     bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
-                    calib_batches=calib_batches, maxpool=maxpool, qcfs_epochs=qcfs_epochs,
+                    calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
                     finetune_epochs=finetune_epochs, device=str(device))
     if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
         raise ValueError(f"qcfs_epochs={qcfs_epochs} disagrees with qcfs_train.epochs="
@@ -184,9 +190,10 @@ def convert(
         meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
 
     with _stage(meta, "spiking") as rec:
-        snn = to_spiking(qgm, T=T)
+        snn = to_spiking(qgm, T=T, reset=reset)
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=bias_calibration_T or T)
+        snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")
         rec.changes = snn.meta

@@ -42,7 +42,7 @@ def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
         "Flatten": (nn.Flatten, lambda m: dict(start_dim=m.start_dim, end_dim=m.end_dim)),
         "Identity": (nn.Identity, lambda m: {}),
         "IFNeuron": (IFNeuron, lambda m: dict(theta=torch.ones(m.theta.shape), T=m.T, alpha=m.alpha,
-                                              detach_reset=m.detach_reset)),
+                                              detach_reset=m.detach_reset, reset=m.reset)),
         "Scale": (Scale, lambda m: dict(theta=torch.ones(m.theta.shape))),
         "TimeExpand": (TimeExpand, lambda m: dict(T=m.T)),
     }

@@ -38,7 +38,7 @@ from .guards import assert_no_batchnorm
 from .meta import atomic_write_bytes
 from .qcfs import QCFS, _check_activations, _FloorSTE, relu_sites
 
-__all__ = ["IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "calibrate_bias", "neurons"]
+__all__ = ["RESETS", "IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "calibrate_bias", "neurons"]
 
 FORMAT = "snnconv.spiking"
 FORMAT_VERSION = 1
@@ -52,27 +52,40 @@ def _channel_view(theta: torch.Tensor, ndim: int, channel_dim: int = 1) -> torch
     return theta.reshape(shape)
 
 
-class IFNeuron(nn.Module):
-    """Multi-step soft-reset IF neuron with threshold ``theta`` and ``v[0] = theta / 2``.
+RESETS = ("subtract", "zero")
 
-    Wraps spikingjelly's :class:`HalfThresholdIFNode` (threshold 1) on the input divided by
-    ``theta``, so theta may be per layer (shape ``[]``) or per channel (``[C]``, dim 1) and
-    trainable. The state is reset at every call, so a call is a pure function of its input.
+
+class IFNeuron(nn.Module):
+    """Multi-step IF neuron with threshold ``theta``: reset by subtraction (default) or to zero.
+
+    ``reset="subtract"``: wraps spikingjelly's :class:`HalfThresholdIFNode` (threshold 1) on the
+    input divided by ``theta`` (``v[0] = theta / 2``; see the module docstring).
+    ``reset="zero"`` (hard reset, spikingjelly's ``IFNode(v_threshold=theta, v_reset=0.)``,
+    forward bit for bit)::
+
+        h[t] = v[t-1] + x[t];  s[t] = (h[t] - theta >= 0);  v[t] = (1 - s[t]) * h[t];  v[0] = 0
+
+    theta may be per layer (shape ``[]``) or per channel (``[C]``, dim 1) and trainable; both
+    modes use the ATan surrogate gradient. The state is reset at every call, so a call is a
+    pure function of its input.
 
     Shape:
         input ``[T*B, C, ...]`` (time-major), output: same, values in {0, 1}.
     """
 
     def __init__(self, theta: float | torch.Tensor, T: int = 8, *, alpha: float = 2.0,
-                 detach_reset: bool = False):
+                 detach_reset: bool = False, reset: str = "subtract"):
         super().__init__()
         theta = torch.as_tensor(theta, dtype=torch.float32).detach().clone()
         if theta.dim() > 1 or (theta <= 0).any() or not torch.isfinite(theta).all():
             raise ValueError(f"IF threshold must be positive and finite, shape [] or [C]; got {theta}")
+        if reset not in RESETS:
+            raise ValueError(f"IF reset must be one of {RESETS}, got {reset!r}")
         self.theta = nn.Parameter(theta, requires_grad=False)
         self.T = int(T)
         self.alpha = float(alpha)
         self.detach_reset = bool(detach_reset)
+        self.reset = reset
         self.node = neuron.HalfThresholdIFNode(
             v_threshold=1.0, surrogate_function=surrogate.ATan(alpha=self.alpha),
             detach_reset=self.detach_reset, step_mode="m")
@@ -87,8 +100,22 @@ class IFNeuron(nn.Module):
             self.detach_reset = bool(detach_reset)
             self.node.detach_reset = self.detach_reset
 
+    def _hard(self, seq: torch.Tensor) -> torch.Tensor:
+        theta = _channel_view(self.theta, seq.dim() - 1)
+        v = torch.zeros_like(seq[0])
+        spikes = []
+        for x in seq:
+            h = v + x
+            s = self.node.surrogate_function(h - theta)  # ATan: (h - theta >= 0) forward
+            spikes.append(s)
+            v = (1.0 - (s.detach() if self.detach_reset else s)) * h
+        return torch.stack(spikes)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rate_levels:
+            if self.reset != "subtract":
+                raise ValueError("SpikingNetwork.rate() is the QCFS limit of subtractive-reset "
+                                 "neurons; this network resets to zero")
             # the spike count of T = L steps on a constant input, divided by L: QCFS(L, theta)/theta
             L = self.rate_levels
             q = _FloorSTE.apply(x / _channel_view(self.theta, x.dim()) * L + 0.5)
@@ -97,6 +124,8 @@ class IFNeuron(nn.Module):
         if TB % self.T:
             raise ValueError(f"IFNeuron got a batch of {TB}, not a multiple of T={self.T}")
         seq = x.reshape(self.T, TB // self.T, *x.shape[1:])
+        if self.reset == "zero":
+            return self._hard(seq).reshape(x.shape)
         theta = _channel_view(self.theta, seq.dim(), channel_dim=2)
         self.node.reset()
         spikes = self.node(seq / theta)
@@ -105,7 +134,8 @@ class IFNeuron(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "per-layer" if self.theta.dim() == 0 else f"per-channel[{self.theta.numel()}]"
-        return f"theta={kind}, T={self.T}, alpha={self.alpha}, detach_reset={self.detach_reset}"
+        return (f"theta={kind}, T={self.T}, reset={self.reset}, alpha={self.alpha}, "
+                f"detach_reset={self.detach_reset}")
 
 
 class Scale(nn.Module):
@@ -284,17 +314,22 @@ def _insert_time_expand(gm: fx.GraphModule, T: int, used: set[str]) -> list[str]
 
 
 def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
-               detach_reset: bool = False) -> "SpikingNetwork":
+               detach_reset: bool = False, reset: str = "subtract") -> "SpikingNetwork":
     """Replace each QCFS(lambda) of a calibrated ANN by an IF neuron with threshold lambda.
 
     Spikes between layers are binary; lambda moves into the consuming layers' weights (or an
     explicit :class:`Scale`). Works on a copy; ``result.meta`` records what was absorbed where.
+    ``reset``: ``"subtract"`` (default, the exact QCFS equivalent) or ``"zero"`` (hard reset,
+    for consumers and chips whose neurons reset to zero; see :class:`IFNeuron`).
 
     Raises:
         BatchNormRemainsError: the graph still holds BatchNorm.
         StageOrderError: the graph still holds a bare ReLU (run ``calibrate_qcfs`` first).
+        ValueError: an unknown ``reset``.
     """
     _check_T(T)
+    if reset not in RESETS:
+        raise ValueError(f"reset must be one of {RESETS}, got {reset!r}")
     T = int(T)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before IF replacement")
@@ -325,7 +360,8 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
         target = str(node.target)
         base = target.replace("qcfs_", "if_", 1) if target.startswith("qcfs_") else f"if_{node.name}"
         name = _unique_name(base.replace(".", "_"), used)
-        gm.add_submodule(name, IFNeuron(theta, T, alpha=alpha, detach_reset=detach_reset))
+        gm.add_submodule(name, IFNeuron(theta, T, alpha=alpha, detach_reset=detach_reset,
+                                                reset=reset))
         with gm.graph.inserting_after(node):
             new = gm.graph.call_module(name, (node.args[0],))
         node.replace_all_uses_with(new)
@@ -338,7 +374,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
     gm.delete_all_unused_submodules()
     gm.recompile()
     snn = SpikingNetwork(gm, T).eval()
-    snn.meta = {"neurons": record, "time_expanded": expanded}
+    snn.meta = {"neurons": record, "time_expanded": expanded, "reset": reset}
     assert_no_batchnorm(snn, stage="IF replacement")
     return snn
 
