@@ -503,7 +503,7 @@ If this build lacks them, the next cell stops here with a message instead of fak
 '''),
     code('''
 import importlib.util
-missing = [m for m in ("snnconv.nir_io", "snnconv_backends") if importlib.util.find_spec(m) is None]
+missing = [m for m in ("snnconv.nir_io", "snnconv.backends") if importlib.util.find_spec(m) is None]
 if missing:
     raise RuntimeError(f"this snnconv build lacks {missing}: notebook 04 needs the NIR exporter "
                        "and the backends; install a release that has them")
