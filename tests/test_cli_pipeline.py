@@ -98,9 +98,18 @@ def test_export_run_report_and_the_page_in_chromium(run_dir):
         assert main(["export", run_dir, "--out", nir_file, "--quiet"]) == 0
         assert main(["inspect", nir_file]) == 0
         assert main(["backends"]) == 0
+        import snnconv.backends
+
+        ready = snnconv.backends.available()
         for backend in ("cpu", "loihi2-sim"):
-            assert main(["run", nir_file, "--backend", backend, "--data", "digits", "--T", "4",
-                         "--limit", "128", "--out", run_dir, "--quiet"]) == 0
+            argv = ["run", nir_file, "--backend", backend, "--data", "digits", "--T", "4", "--limit", "128",
+                    "--out", run_dir, "--quiet"]
+            if ready.get(backend, (False, ""))[0]:
+                assert main(argv) == 0, backend
+                rec = json.load(open(os.path.join(run_dir, "backends", f"{backend}.json")))
+                assert rec["images"] == 128 and 0 <= rec["accuracy"] <= 100
+            else:  # not in this build or not usable here: refused by name, never faked
+                assert main(argv) == 2, backend
         cpu = json.load(open(os.path.join(run_dir, "backends", "cpu.json")))
         assert cpu["agreement"] == 100.0
     else:  # the slots say what is missing instead of pretending
