@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
 
 from .errors import (  # noqa: E402
+    BackendError,
     BatchNormRemainsError,
     CheckpointError,
     DataError,
@@ -31,6 +32,7 @@ from .meta import ConversionMeta  # noqa: E402
 from .pipeline import convert  # noqa: E402
 from .qcfs import QCFS, QCFSTrainConfig, calibrate_qcfs  # noqa: E402
 from .spiking import IFNeuron, SpikingNetwork, to_spiking  # noqa: E402
+from . import backends  # noqa: E402  (snnconv.backends.get / available)
 
 __all__ = [
     "__version__",
@@ -56,4 +58,6 @@ __all__ = [
     "StageOrderError",
     "CheckpointError",
     "NIRError",
+    "BackendError",
+    "backends",
 ]

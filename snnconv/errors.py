@@ -15,6 +15,7 @@ __all__ = [
     "StageOrderError",
     "CheckpointError",
     "NIRError",
+    "BackendError",
 ]
 
 
@@ -63,3 +64,8 @@ class NIRError(SnnconvError):
 
     The message names the node, edge, module or file concerned.
     """
+
+
+class BackendError(SnnconvError):
+    """A backend cannot run what it was given: an unknown or unavailable backend, a NIR node or
+    option it does not support, or an input of the wrong shape, dtype or number of steps."""

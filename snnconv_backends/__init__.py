@@ -1,9 +1,21 @@
-"""Executors for snnconv's NIR graphs, and the strict NIR reader they share.
+"""snnconv_backends: executors of NIR graphs (cpu, gpu, loihi2-sim, lava), their registry, and the
+strict NIR reader they share (``snnconv_backends.nirgraph.parse``).
 
-``snnconv_backends.nirgraph.parse(graph)`` turns a ``nir.NIRGraph`` into a flat, topologically
-ordered list of operations with exact spiking semantics (see :mod:`snnconv_backends.nirgraph`).
-This package imports ``nir``, ``numpy``, ``torch``, ``spikingjelly``, ``h5py`` and
-``snnconv.errors`` only, never another snnconv module.
+This package reads ``nir.NIRGraph`` objects and never imports snnconv's conversion stages (an
+import-linter contract in pyproject.toml, checked by the tests): it may import ``nir``,
+``numpy``, ``torch``, ``spikingjelly``, ``h5py`` and ``snnconv.errors`` only.
 """
 
-__all__: list[str] = []
+from .registry import (
+    BUILTINS,
+    ENTRY_POINT_GROUP,
+    Backend,
+    Program,
+    RunResult,
+    available,
+    get,
+    names,
+)
+
+__all__ = ["Backend", "Program", "RunResult", "available", "get", "names", "BUILTINS",
+           "ENTRY_POINT_GROUP"]
