@@ -204,6 +204,7 @@ def _energy_nj(extra: Mapping[str, Any], batch: int) -> float | None:
     energy = extra.get("energy")
     if not isinstance(energy, Mapping):
         return None
+    energy = {str(k).lower(): v for k, v in energy.items()}  # per_image_J, per_image_j, ...
     for key, scale in (("per_image_nj", 1.0), ("energy_per_image_nj", 1.0), ("per_image_j", 1e9),
                        ("per_image_uj", 1e3), ("per_image_pj", 1e-3)):
         if isinstance(energy.get(key), (int, float)):
