@@ -285,7 +285,7 @@ def _cmd_finetune(args) -> int:
     Ts = _Ts(args)
     train, test = _loaders(args)
     snn = SpikingNetwork.load(src)
-    T_train = min(Ts) if args.train_T is None else args.train_T
+    T_train = args.train_T
     _say(args, f"fine-tuning {src} with BPTT at T={T_train} for {args.epochs} epoch(s) ...")
     tuned, history = finetune(snn, train, T=T_train, epochs=args.epochs, lr=args.lr, alpha=args.alpha,
                               train_thresholds=args.train_thresholds,
@@ -572,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
              "snnconv finetune runs/d --data digits --T 2 4 8 --train-T 4 --epochs 2",
              [common, data, time], _cmd_finetune)
     p.add_argument("snn", help="a saved SNN (snn.pt) or the run folder holding it")
-    p.add_argument("--train-T", type=int, help="steps unrolled in training (default: the smallest --T)")
+    p.add_argument("--train-T", type=int, default=4, help="steps unrolled in training (default 4)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--alpha", type=float, default=4.0, help="ATan surrogate sharpness (default 4)")
