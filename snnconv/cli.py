@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def _load_model(path: str, model_name: str | None, num_classes: int, in_channels: int,
