@@ -5,12 +5,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.snnconv-installed
 FMNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test setup data browser clean-venv
+.PHONY: demo test setup data browser clean-venv lava-env
 
 demo: $(STAMP)
 	$(BIN)/snnconv demo --out runs/demo
 
 test: $(STAMP) data browser
+	-@$(MAKE) --no-print-directory lava-env
 	$(BIN)/snnconv check --zoo --fold
 	$(BIN)/python -m pytest -n 2 -q
 
@@ -44,3 +45,23 @@ browser:
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Intel's Lava (lava-nc 0.10.0, Python 3.10 only) in a side environment for the `lava` backend and
+# the Loihi 2 cross-check tests. Optional: without a Python 3.10 interpreter it says so and stops;
+# `make test` runs it with errors ignored (the tests then skip with the reason).
+LAVA_VENV  := .venv-lava
+LAVA_STAMP := $(LAVA_VENV)/.lava-nc-0.10.0
+lava-env: $(LAVA_STAMP)
+
+$(LAVA_STAMP):
+	@py=""; for c in "$$(command -v python3.10 2>/dev/null)" \
+	    $$(command -v pyenv >/dev/null 2>&1 && ls -d "$$(pyenv root)"/versions/3.10*/bin/python3.10 2>/dev/null) \
+	    $$(ls -d $$HOME/.pyenv/versions/3.10*/bin/python3.10 2>/dev/null); do \
+	  if [ -n "$$c" ] && "$$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' 2>/dev/null; then py="$$c"; break; fi; \
+	done; \
+	if [ -z "$$py" ]; then echo "lava-env: no working Python 3.10 interpreter (python3.10 on PATH or under pyenv); the lava backend stays unavailable"; exit 1; fi; \
+	echo "lava-env: building $(LAVA_VENV) with $$py"; \
+	test -x $(LAVA_VENV)/bin/python || "$$py" -m venv $(LAVA_VENV); \
+	$(LAVA_VENV)/bin/pip install --quiet --disable-pip-version-check lava-nc==0.10.0 && \
+	$(LAVA_VENV)/bin/python -c "import lava.magma, lava.proc.lif.models, lava.proc.dense.models; print('lava-env: lava-nc 0.10.0 ready')" && \
+	touch $(LAVA_STAMP)

@@ -29,6 +29,7 @@ from .finetune import FinetuneConfig, finetune  # noqa: E402
 from .fold import fold_batchnorm  # noqa: E402
 from .guards import assert_no_batchnorm, find_batchnorm  # noqa: E402
 from .meta import ConversionMeta  # noqa: E402
+from .nir_io import export_nir, from_nir, load_nir, save_nir  # noqa: E402
 from .pipeline import convert  # noqa: E402
 from .qcfs import QCFS, QCFSTrainConfig, calibrate_qcfs  # noqa: E402
 from .spiking import IFNeuron, SpikingNetwork, to_spiking  # noqa: E402
@@ -43,6 +44,10 @@ __all__ = [
     "calibrate_qcfs",
     "to_spiking",
     "finetune",
+    "export_nir",
+    "from_nir",
+    "save_nir",
+    "load_nir",
     "QCFS",
     "QCFSTrainConfig",
     "FinetuneConfig",

@@ -427,74 +427,173 @@ def _cmd_inspect(args) -> int:
 
 # --- commands owned by the backends helper: run, backends (issue 11) ------------------------
 
-def _backend_api():
-    """``(nir_io, backends)``, or a UsageError naming what this build lacks."""
-    try:
-        from . import backends, nir_io
-    except ImportError as exc:
-        raise UsageError(f"this snnconv build has no NIR backends ({exc}); 'run' and 'backends' need "
-                         "snnconv.nir_io and snnconv_backends") from None
-    return nir_io, backends
+# (commands run and backends: the backends helper, issue 11)
+E_AC_PJ, E_MAC_PJ = 0.9, 4.6
+_RUN_DATA = ("digits", "fashion_mnist", "cifar10")
+
+
+def _run_dataset(name: str, root: str | None):
+    from .data import cifar10, digits, fashion_mnist
+    from .errors import DataError
+
+    if name == "digits":
+        return digits(seed=0)[1]
+    if name == "fashion_mnist":
+        return fashion_mnist(root, train=False)
+    if name == "cifar10":
+        if not root:
+            raise DataError("--data cifar10 needs --data-root DIR (holding cifar-10-batches-py)")
+        return cifar10(root, train=False)
+    raise DataError(f"unknown --data {name!r}; choose one of {', '.join(_RUN_DATA)}")
+
+
+def _backend_options(pairs: list[str]) -> dict:
+    import json
+
+    from .errors import BackendError
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BackendError(f"--option {pair!r} is not KEY=VALUE (e.g. dtype=float64)")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def _cmd_run(args) -> int:
+    """``snnconv run FILE.nir --backend cpu --data digits --T 8``: accuracy, spikes, synops, energy.
+
+    Also writes ``OUT/backends/BACKEND.json`` (default OUT: the NIR file's folder) for
+    ``snnconv report``: accuracy, agreement with the torch network read from the same file,
+    operation counts, energy and the backend's own report.
+    """
     import os
     import time
 
     import torch
+    from torch.utils.data import DataLoader
 
+    from . import backends
+    from .errors import SnnconvError
+    from .nir_io import from_nir, load_nir
+
+    try:
+        graph = load_nir(args.file)
+        program = backends.get(args.backend).compile(graph, **_backend_options(args.option))
+        dataset = _run_dataset(args.data, args.data_root)
+        if args.limit:
+            dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+        T = args.T if args.T is not None else graph.metadata.get("T")
+        if T is None:
+            raise SnnconvError(f"{args.file} records no T; give --T")
+        correct = torch.zeros(int(T), dtype=torch.float64)
+        reference = from_nir(graph)
+        refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
+        n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
+        chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
+        for x, y in DataLoader(dataset, batch_size=args.batch):
+            r = program.run(x, int(T))
+            # accuracy of the readout averaged over the first t steps, t = 1..T
+            mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, int(T) + 1).view(-1, 1, 1)
+            correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
+            n += len(y)
+            seconds += float(r.extra.get("seconds", 0.0))
+            for d, new in ((spikes, r.spikes), (synops, r.synops), (macs, r.macs)):
+                for k, v in new.items():
+                    d[k] = d[k] + v if k in d else v
+            static = set(r.extra.get("static_ops", ()))
+            if "quantisation" in r.extra:
+                chip_runs.append(r)
+            with torch.no_grad():  # the torch network read back from the same file: the reference
+                refs.append(reference.run(x, T=int(T)).mean(0).argmax(1))
+            outputs.append(r.outputs.float().cpu())
+            labels.append(y)
+            extra = dict(r.extra or {})
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv run: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    T = int(T)
+    from snnconv_backends.nirgraph import parse
+
+    sizes = {op.name: op.out_shape for op in parse(graph).ops if op.kind == "neuron"}
+    print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
+          f"{seconds:.2f} s ({n * T / max(seconds, 1e-9):.0f} image-steps/s)")
+    print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
+    print("accuracy by t: " + ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist())))
+    print("\nspikes per neuron layer (rate = spikes per neuron per step)")
+    rows = [["layer", "neurons", "spikes", "rate", "by step"]]
+    for name, counts in spikes.items():
+        units = int(torch.Size(sizes[name]).numel())
+        rate = float(counts.sum()) / (units * n * T)
+        rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
+                     " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
+    _print_table(rows)
+    print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
+    rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
+    e_snn = 0.0
+    for name, m in macs.items():
+        ac = synops.get(name)
+        if ac is None:  # not fed by spikes: dense MACs, once for a static layer, else every step
+            e_snn += m / n * (1 if name in static else T) * E_MAC_PJ
+            rows.append([name, "(dense: " + ("once" if name in static else f"x{T}") + ")",
+                         f"{m / n:.4g}", ""])
+        else:
+            e_snn += ac / n * E_AC_PJ
+            rows.append([name, f"{ac / n:.4g}", f"{m / n:.4g}", f"{ac / m:.3f}"])
+    for name, ac in synops.items():
+        if name not in macs:  # an identity-shortcut Scale: one add per spike
+            e_snn += ac / n * E_AC_PJ
+            rows.append([name, f"{ac / n:.4g}", "0", ""])
+    tot_ac, tot_mac = sum(synops.values()) / n, sum(macs.values()) / n
+    rows.append(["total", f"{tot_ac:.4g}", f"{tot_mac:.4g}", f"{tot_ac / max(tot_mac, 1e-9):.3f}"])
+    _print_table(rows)
+    e_ann = tot_mac * E_MAC_PJ
+    print(f"\nenergy estimate per image (synaptic arithmetic only; neuron updates and memory "
+          f"traffic not counted): SNN {e_snn / 1e6:.3f} uJ vs ANN {e_ann / 1e6:.3f} uJ "
+          f"({e_snn / max(e_ann, 1e-12):.2f}x), at {E_AC_PJ} pJ per AC and {E_MAC_PJ} pJ per MAC "
+          "(45 nm, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler)")
+    if chip_runs:
+        from snnconv_backends.loihi2 import format_report
+
+        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
     from .analysis import backend_record
-    from .data import split_batch
-
-    nir_io, backends = _backend_api()
-    T = max(_Ts(args))
-    graph = nir_io.load_nir(args.nir_file)
-    backend = backends.get(args.backend)
-    _, test = _loaders(args)
-    reference_net = nir_io.from_nir(graph)
-    _say(args, f"running {args.nir_file} on {args.backend} for T={T} ...")
-    outputs, labels, refs = [], [], []
-    synops: dict[str, float] = {}
-    macs: dict[str, float] = {}
-    extra: dict = {}
-    t0 = time.perf_counter()
-    program = backend.compile(graph)
-    from tqdm.auto import tqdm
-
-    for batch in tqdm(test, desc=f"{args.backend}", disable=args.quiet, leave=False):
-        x, y = split_batch(batch, where="the test loader")
-        result = program.run(x, T=T)
-        outputs.append(torch.as_tensor(result.outputs).float().cpu())
-        labels.append(y)
-        for total, part in ((synops, result.synops), (macs, result.macs)):
-            for k, v in (part or {}).items():
-                total[k] = total.get(k, 0.0) + float(v)
-        extra = dict(result.extra or {})
-        with torch.no_grad():
-            refs.append(reference_net.run(x, T=T).mean(0).argmax(1))
-    wall = time.perf_counter() - t0
 
     class _Merged:  # the batches as one RunResult-like record
         pass
 
     merged = _Merged()
     merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
-    rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T, wall_s=wall)
-    out = _out_dir(args, os.path.dirname(os.path.abspath(args.nir_file)))
+    rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
+                         wall_s=time.perf_counter() - t_start)
+    rec["energy_45nm_per_image_nj"] = {"snn": e_snn / 1e3, "ann": e_ann / 1e3}
+    out = args.out or os.path.dirname(os.path.abspath(args.file))
     os.makedirs(os.path.join(out, "backends"), exist_ok=True)
     _write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
-    _say(args, f"{args.backend}: accuracy {rec['accuracy']:.2f}% on {rec['images']} images, agreement with "
-               f"the torch SNN {rec['agreement']:.2f}%, {rec['synops_total']:.3g} synaptic ops, {wall:.1f} s")
-    _say(args, f"wrote {out}/backends/{args.backend}.json")
+    print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
+          f"wrote {os.path.join(out, 'backends', args.backend + '.json')}")
     return 0
 
 
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
 def _cmd_backends(args) -> int:
-    _, backends = _backend_api()
-    table = backends.available()
-    width = max(len(n) for n in table) if table else 4
-    for name, (ok, reason) in table.items():
-        print(f"{name:{width}}  {'yes' if ok else 'no '}  {reason if not ok else ''}".rstrip())
+    """``snnconv backends``: every installed backend, usable or not, and why not."""
+    from . import backends
+
+    rows = [["backend", "usable", "why not"]]
+    for name, (ok, reason) in backends.available().items():
+        rows.append([name, "yes" if ok else "no", reason])
+    _print_table(rows)
     return 0
 
 
@@ -609,13 +708,20 @@ def build_parser() -> argparse.ArgumentParser:
              "snnconv inspect runs/d/snn.nir", [common], _cmd_inspect)
     p.add_argument("file", help="a NIR (HDF5) file")
 
-    # SLOT run / backends (backends helper, issue 11)
-    p = _add(sub, "run", "run a NIR file on a backend and compare it with the torch SNN",
-             "snnconv run runs/d/snn.nir --backend loihi2-sim --data digits --T 8 --out runs/d",
-             [common, data, time], _cmd_run)
-    p.add_argument("nir_file")
-    p.add_argument("--backend", default="cpu", help="backend name (see snnconv backends; default cpu)")
-    _add(sub, "backends", "list the backends and whether each can run here",
+    # run / backends (backends helper, issue 11)
+    p = _add(sub, "run", "run a NIR file on a backend: accuracy, spikes, synops, energy",
+             "snnconv run runs/d/snn.nir --backend loihi2-sim --data digits --T 8",
+             [common], _cmd_run)
+    p.add_argument("file", help="a NIR (HDF5) file")
+    p.add_argument("--data", default="digits", choices=_RUN_DATA, help="test set to evaluate on (default digits)")
+    p.add_argument("--data-root", help="dataset folder (Fashion-MNIST IDX files, CIFAR-10)")
+    p.add_argument("--limit", type=int, default=0, help="first N test images only")
+    p.add_argument("--backend", default="cpu", help="cpu, gpu, loihi2-sim, lava (see: snnconv backends)")
+    p.add_argument("--T", type=int, help="time steps (default: the T recorded in the file)")
+    p.add_argument("--batch", type=int, default=256, help="images per backend call (default 256)")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="a backend option, e.g. --option dtype=float64 (repeatable)")
+    _add(sub, "backends", "list the installed backends and why one is unavailable",
          "snnconv backends", [common], _cmd_backends)
     return parser
 

@@ -478,18 +478,24 @@ _NIR_TYPES = {"Input", "Output", "Conv1d", "Conv2d", "Affine", "Linear", "AvgPoo
               "Flatten", "Scale", "I", "IF", "Threshold"}
 
 
-def save_nir(graph: nir.NIRGraph, path: str | os.PathLike) -> None:
+def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str | None = "gzip") -> None:
     """Write ``graph`` to ``path`` as a NIR HDF5 file, atomically (a failure leaves no file).
+
+    ``compression``: ``"gzip"`` (default, readable by any HDF5 library), ``"lzf"`` (h5py only)
+    or ``None`` (fastest; a ResNet-18 file is about 25% larger).
 
     Raises:
         NIRError: ``graph`` is not one snnconv reads back exactly, or nir cannot serialise it.
+        ValueError: an unknown ``compression``.
     """
     from snnconv_backends.nirgraph import parse
 
+    if compression not in ("gzip", "lzf", None):
+        raise ValueError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
     parse(graph)
     buf = io.BytesIO()
     try:
-        nir.write(buf, graph)
+        nir.write(buf, graph, compression=compression)
     except Exception as exc:  # nir/h5py raise KeyError, TypeError, ValueError on odd nodes
         raise NIRError(f"nir cannot serialise the graph: {type(exc).__name__}: {exc}") from exc
     atomic_write_bytes(path, buf.getvalue())

@@ -38,7 +38,8 @@ from .guards import assert_no_batchnorm
 from .meta import atomic_write_bytes
 from .qcfs import QCFS, _check_activations, _FloorSTE, relu_sites
 
-__all__ = ["RESETS", "IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "calibrate_bias", "neurons"]
+__all__ = ["RESETS", "IFNeuron", "Scale", "TimeExpand", "SpikingNetwork", "to_spiking", "calibrate_bias",
+           "neurons"]
 
 FORMAT = "snnconv.spiking"
 FORMAT_VERSION = 1

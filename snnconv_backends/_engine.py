@@ -93,17 +93,24 @@ class Plan:
         parsed: a ``ParsedGraph`` from :func:`snnconv_backends.nirgraph.parse`.
         device, dtype: where and in which float type to compute.
         backend: the backend's name (for error messages).
-        neuron_loop: ``(u, theta, T, static, reset, out) -> spikes``; the default is the exact
-            in-place loop.
+        neuron_loop: ``(u, theta, T, static, reset) -> (spikes, batch sums or None)``; the
+            default is the exact in-place loop :func:`_if_loop`.
+        neuron_dtype: the dtype of the membrane (default ``dtype``; float32 under bfloat16
+            layers: spikes are exact in either, the membrane is not).
+        tie_tolerance: count neuron updates with ``|h - threshold| <= tol * threshold`` (the
+            spikes another rounding could flip); forces the loop.
     """
 
     def __init__(self, parsed: Any, *, device: torch.device, dtype: torch.dtype, backend: str,
-                 neuron_loop: Callable | None = None):
+                 neuron_loop: Callable | None = None, neuron_dtype: torch.dtype | None = None,
+                 tie_tolerance: float | None = None):
         self.parsed = parsed
         self.device = torch.device(device)
         self.dtype = dtype
+        self.neuron_dtype = neuron_dtype or dtype
         self.backend = backend
-        self.neuron_loop = neuron_loop or _if_loop
+        self.tie_tolerance = tie_tolerance
+        self.neuron_loop = _if_loop if tie_tolerance is not None else (neuron_loop or _if_loop)
         ops = list(parsed.ops)
         for op in ops:
             if op.kind not in _RUNNABLE:
@@ -171,12 +178,23 @@ class Plan:
             scale = _broadcastable(scale, op.in_shape, op.name)
             return lambda x: x * scale
         if kind == "neuron":
-            theta = _tensor(p["theta"], dt, dev)
+            nd = self.neuron_dtype
+            theta = _tensor(p["theta"], nd, dev)
             if theta.dim() == 1:
                 theta = theta.reshape(-1, *([1] * (len(op.out_shape) - 1)))
             reset = p["reset"]
-            loop = self.neuron_loop
-            return lambda u, T, static: loop(u, theta, T, static, reset)
+            loop, tol = self.neuron_loop, self.tie_tolerance
+
+            def neuron(u: torch.Tensor, T: int, static: bool, stats: "Stats"):
+                if u.dtype != nd:
+                    u = u.to(nd)  # a copy: ours to overwrite
+                if tol is None:
+                    s, per_pos = loop(u, theta, T, static, reset)
+                else:
+                    s, per_pos = _if_loop(u, theta, T, static, reset, ties=(tol, stats))
+                return (s if s.dtype == dt else s.to(dt)), per_pos
+
+            return neuron
         raise BackendError(f"backend {self.backend!r} cannot run node '{op.name}' ({kind!r})")
 
     def _sources(self, op: Any) -> list[tuple[str, list[Any]]]:
@@ -198,19 +216,22 @@ class Plan:
     def _fanouts(self) -> dict[str, list[tuple[str, torch.Tensor]]]:
         """layer -> [(neuron, fan-out per neuron position)], the accumulates one spike causes."""
         out: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for op in self.ops:
-            if op.kind not in WEIGHTED:
-                continue
-            for neuron, chain in self._sources(op):
-                x = torch.ones(1, *self.by_name[neuron].out_shape, dtype=torch.float64,
-                               requires_grad=True)
-                y = x
-                for c in chain:
-                    y = _structural(c, y)
-                y = _structural(op, y)
-                (g,) = torch.autograd.grad(y.sum(), x)
-                out.setdefault(op.name, []).append((neuron, g.reshape(-1).detach()))
+        with torch.inference_mode(False), torch.enable_grad():  # compile() may run under no_grad
+            for op in self.ops:
+                if op.kind in WEIGHTED:
+                    self._fanout_of(op, out)
         return out
+
+    def _fanout_of(self, op: Any, out: dict) -> None:
+        """d(sum of ``op``'s outputs with unit weights)/d(each spike): its structural fan-out."""
+        for neuron, chain in self._sources(op):
+            x = torch.ones(1, *self.by_name[neuron].out_shape, dtype=torch.float64, requires_grad=True)
+            y = x
+            for c in chain:
+                y = _structural(c, y)
+            y = _structural(op, y)
+            (g,) = torch.autograd.grad(y.sum(), x)
+            out.setdefault(op.name, []).append((neuron, g.reshape(-1).detach()))
 
     def _macs(self) -> dict[str, float]:
         macs = {}
@@ -267,10 +288,10 @@ class Plan:
                 break
             if op.kind == "neuron":
                 if not dyn:
-                    s, per_pos = step.fn(u, T, True)
+                    s, per_pos = step.fn(u, T, True, stats)
                 else:
                     u = u.view(T, b, *u.shape[1:])
-                    s, per_pos = step.fn(u if fresh else u.clone(), T, False)
+                    s, per_pos = step.fn(u if fresh else u.clone(), T, False, stats)
                 stats.add_neuron(op.name, s, per_pos)
                 values[op.name] = (s.view(T * b, *s.shape[2:]), True)
                 owned.add(op.name)
@@ -355,29 +376,36 @@ def _structural(op: Any, x: torch.Tensor) -> torch.Tensor:
     return x  # sum
 
 
-def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str):
+def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
+             ties: tuple[float, "Stats"] | None = None):
     """Exact IF dynamics, in place. ``u``: ``[T, b, ...]`` (ours to overwrite) or, ``static``,
     ``[b, ...]`` presented at every step. Returns spikes ``[T, b, ...]`` in ``u.dtype`` and
-    ``None`` (the statistics are taken from the spikes)."""
+    ``None`` (the statistics are taken from the spikes). ``ties = (tol, stats)``: also count
+    the updates with ``|h - threshold| <= tol * threshold`` into ``stats``."""
     if static:
         x = u / theta if reset == "subtract" else u
         s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
         xs = [x] * T
     else:
-        if reset == "subtract":
-            u.div_(theta)
         s = u  # step t's spikes overwrite step t's input once it has been added
         xs = u
     if reset == "subtract":
         v = torch.full_like(s[0], 0.5)
         for t in range(T):
-            v.add_(xs[t])
+            if static:
+                v.add_(xs[t])
+            else:  # v + x / theta, the division rounded first (as SpikingNetwork's x / theta)
+                v.addcdiv_(xs[t], theta)
+            if ties is not None:
+                ties[1].add_ties(((v - 1.0).abs() <= ties[0]).sum())
             torch.ge(v, 1.0, out=s[t])
             v.sub_(s[t])
     else:
         v = torch.zeros_like(s[0])
         for t in range(T):
             v.add_(xs[t])
+            if ties is not None:
+                ties[1].add_ties(((v - theta).abs() <= ties[0] * theta).sum())
             torch.ge(v, theta, out=s[t])
             v.addcmul_(v, s[t], value=-1.0)
     return s, None
@@ -446,28 +474,42 @@ def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, re
 
 
 class Stats:
-    """Spike counts per neuron and step, and synaptic operations per layer, over a run."""
+    """Spike counts per neuron and step, and synaptic operations per layer, over a run.
+
+    Batch sums are accumulated where the spikes are (no device synchronisation per layer) and
+    brought to the CPU once, by :meth:`finish`.
+    """
 
     def __init__(self, plan: Plan, T: int):
         self.T = T
-        self.spikes: dict[str, torch.Tensor] = {n: torch.zeros(T, dtype=torch.float64) for n in plan.neurons}
-        self.positions: dict[str, torch.Tensor] = {}
+        self.names = list(plan.neurons)
+        self.acc: dict[str, torch.Tensor] = {}
+        self.ties = 0.0
+        self._ties: list[torch.Tensor] = []
 
     def add_neuron(self, name: str, s: torch.Tensor, per_pos: torch.Tensor | None = None) -> None:
         """Record spikes ``s`` ``[T, b, ...]`` (or their batch sum ``per_pos`` ``[T, M]``)."""
         if per_pos is None:
             # exact: at most b <= 2**24 ones are summed in float32
-            per_pos = s.reshape(s.shape[0], s.shape[1], -1).sum(1)
-        per_pos = per_pos.to("cpu", torch.float64)
-        self.spikes[name] += per_pos.sum(1)
-        self.positions[name] = self.positions.get(name, 0) + per_pos.sum(0)
+            per_pos = s.reshape(s.shape[0], s.shape[1], -1).sum(1, dtype=torch.float32)
+        per_pos = per_pos.to(torch.float64)
+        self.acc[name] = self.acc[name] + per_pos if name in self.acc else per_pos
 
-    def synops(self, plan: Plan) -> dict[str, float]:
-        out = {}
+    def add_ties(self, count: torch.Tensor) -> None:
+        self._ties.append(count)
+
+    def finish(self, plan: Plan) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """(spikes per neuron ``[T]`` float64 on the CPU, synaptic operations per layer)."""
+        acc = {k: v.cpu() for k, v in self.acc.items()}
+        spikes = {n: acc[n].sum(1) if n in acc else torch.zeros(self.T, dtype=torch.float64)
+                  for n in self.names}
+        positions = {n: a.sum(0) for n, a in acc.items()}
+        synops = {}
         for layer, pairs in plan.fanout.items():
             total = 0.0
             for neuron, fan in pairs:
-                if neuron in self.positions:
-                    total += float((self.positions[neuron] * fan).sum())
-            out[layer] = total
-        return out
+                if neuron in positions:
+                    total += float((positions[neuron] * fan).sum())
+            synops[layer] = total
+        self.ties = float(sum(float(t) for t in self._ties))
+        return spikes, synops

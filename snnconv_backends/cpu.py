@@ -105,8 +105,8 @@ class CPUProgram(Program):
         extra = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""),
                  "chunk_inputs": per, "static_ops": list(self.plan.static_ops),
                  "seconds": seconds, "reset": self.plan.reset}
-        return RunResult(outputs=out, spikes={k: v.clone() for k, v in stats.spikes.items()},
-                         synops=stats.synops(self.plan), macs=macs, extra=extra)
+        spikes, synops = stats.finish(self.plan)
+        return RunResult(outputs=out, spikes=spikes, synops=synops, macs=macs, extra=extra)
 
 
 @contextlib.contextmanager

@@ -102,3 +102,14 @@ def test_rate_function_is_for_subtractive_reset_only(hard_and_soft):
     snn, _ = hard_and_soft["zero"]
     with pytest.raises(ValueError, match="subtractive"):
         snn.rate(torch.zeros(1, 1, 8, 8), 4)
+
+
+def test_hard_reset_network_fine_tunes(hard_and_soft, digits_data):
+    snn, _ = hard_and_soft["zero"]
+    loader = DataLoader(digits_data[0], batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    cfg = snnconv.FinetuneConfig(epochs=1, T=4, max_steps_per_epoch=2, train_thresholds=True,
+                                 val_fraction=0.0, amp=False)
+    tuned, _ = snnconv.finetune(snn, loader, config=cfg, progress=False)
+    assert {m.reset for m in neurons(tuned.net).values()} == {"zero"}
+    before, after = snn.state_dict(), tuned.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before if k.endswith("theta"))

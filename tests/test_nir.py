@@ -396,3 +396,41 @@ def test_spikingjelly_refuses_per_channel_hard_reset_thresholds(tmp_path):
     with pytest.raises(ValueError, match="uniform"):
         import_from_nir(str(path), dt=1.0)
     assert parse(load_nir(path)).reset == "zero"  # while snnconv reads it exactly
+
+
+class _Sums(nn.Module):
+    """Adds nested on the right, ``a + (b + c)``, and an add read by two layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.b, self.c, self.d = (nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
+        self.e = nn.Conv2d(4, 4, 1)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        y = self.b(x) + (self.c(x) + self.d(x))  # the right-hand sum must be summed first
+        z = torch.relu(y)
+        return self.fc(torch.flatten(torch.relu(self.e(z) + y), 1))
+
+
+def test_nested_sums_keep_their_rounding(tmp_path):
+    torch.manual_seed(0)
+    x = torch.rand(8, 1, 8, 8)
+    snn, _ = snnconv.convert(_Sums(), [(x, torch.zeros(8, dtype=torch.long))], T=4, L=4,
+                             calib_batches=1, bias_calibration=False, progress=False)
+    p = parse(export_nir(snn))
+    sums = [o for o in p.ops if o.kind == "sum"]
+    assert sums, "a + (b + c) needs its own sum node"
+    _assert_same_run(snn, _through_file(snn, tmp_path), torch.rand(4, 1, 8, 8))
+
+
+def test_identity_fan_in_is_a_sum():
+    nodes, edges = _tiny()
+    nodes["skip"] = nir.Affine(weight=np.ones((4, 3), np.float32), bias=np.zeros(4, np.float32))
+    nodes["join"] = nir.ir.graph.Identity(input_type={"input": np.array([4])})
+    edges.remove(("n1_fire", "fc2"))
+    edges += [("input", "skip"), ("n1_fire", "join"), ("skip", "join"), ("join", "fc2")]
+    join = parse(_graph(nodes, edges)).op("join")
+    assert join.kind == "sum" and join.inputs == ("n1", "skip") and join.out_shape == (4,)
