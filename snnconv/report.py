@@ -364,7 +364,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
                          res.get("wall_s", math.nan)])
             e = res.get("energy_per_image_nj")
             if isinstance(e, (int, float)):
-                energy_rows.append((f"backend {name}", float(e)))
+                energy_rows.append((f"{name} (the backend's model)", float(e)))
         parts.append(_table(["backend", "T", "accuracy (%)", "agreement with torch SNN (%)",
                              "synaptic ops", "wall time (s)"], rows))
         notes = [f"<li><b>{html.escape(n)}</b>: {html.escape(str(r['note']))}</li>"
