@@ -5,12 +5,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.snnconv-installed
 FMNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test setup data clean-venv lava-env
+.PHONY: demo test setup data browser clean-venv lava-env
 
 demo: $(STAMP)
 	$(BIN)/snnconv demo --out runs/demo
 
-test: $(STAMP) data
+test: $(STAMP) data browser
 	-@$(MAKE) --no-print-directory lava-env
 	$(BIN)/snnconv check --zoo --fold
 	$(BIN)/python -m pytest -n 2 -q
@@ -32,6 +32,15 @@ data:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null) \
 	      || echo "warning: could not install dataset-fashion-mnist; Fashion-MNIST tests will be skipped"; \
 	  else echo "note: run 'sudo apt-get install dataset-fashion-mnist' for the Fashion-MNIST tests"; fi; \
+	fi
+
+# Headless Chromium for the report test (tests/test_cli_pipeline.py screenshots report.html).
+browser:
+	@if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "warning: could not install chromium; the report screenshot test will be skipped"; \
+	  else echo "note: run 'sudo apt-get install chromium' for the report screenshot test"; fi; \
 	fi
 
 clean-venv:

@@ -28,6 +28,9 @@ __all__ = [
     "split_dataset",
     "first_batch",
     "DEBIAN_FASHION_MNIST",
+    "synthetic",
+    "load",
+    "DATASETS",
 ]
 
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
@@ -226,3 +229,55 @@ def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tup
     val = [b for i, b in enumerate(batches) if i % k == k - 1]
     train = [b for i, b in enumerate(batches) if i % k != k - 1]
     return _BatchList(train), _BatchList(val)
+
+
+DATASETS = ("digits", "fashion_mnist", "cifar10", "synthetic")
+
+
+def synthetic(*, n_train: int = 256, n_test: int = 128, shape: tuple[int, ...] = (3, 32, 32),
+              num_classes: int = 10, noise: float = 1.0, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """CIFAR-shaped stand-in data made on the spot: ``(train, test)`` TensorDatasets.
+
+    Each class has a fixed random template (smooth, so convolutions see structure); an image is
+    its class's template plus Gaussian noise of std ``noise``. Learnable, so accuracies mean
+    something, yet nothing is downloaded: the smoke setting of the tutorials and CLI tests.
+    """
+    if n_train < 1 or n_test < 1 or num_classes < 2:
+        raise ValueError(f"synthetic data needs n_train, n_test >= 1 and num_classes >= 2; got "
+                         f"{n_train}, {n_test}, {num_classes}")
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(num_classes, shape[0], *(max(1, s // 4) for s in shape[1:]), generator=g)
+    templates = torch.nn.functional.interpolate(coarse, size=tuple(shape[1:]), mode="bilinear",
+                                                align_corners=False) if len(shape) == 3 else coarse
+
+    def make(n: int) -> TensorDataset:
+        y = torch.randint(0, num_classes, (n,), generator=g)
+        x = templates[y] + noise * torch.randn(n, *shape, generator=g)
+        return TensorDataset(x.float(), y)
+
+    return make(n_train), make(n_test)
+
+
+def load(name: str, *, root: str | None = None, download: bool = False, augment: bool = False,
+         seed: int = 0) -> tuple[Dataset, Dataset]:
+    """``(train, test)`` datasets by name: one of :data:`DATASETS`.
+
+    ``root`` is where Fashion-MNIST's IDX files or CIFAR-10's folder live (defaults: Debian's
+    Fashion-MNIST folder, ``data/cifar10``); ``augment`` applies CIFAR-10's crop-and-flip to
+    its training split.
+
+    Raises:
+        DataError: an unknown name, or the files are missing (the message says how to get them).
+    """
+    if name == "digits":
+        return digits(seed=seed)
+    if name == "fashion_mnist":
+        return fashion_mnist(root, train=True, download=download), fashion_mnist(root, train=False,
+                                                                                 download=download)
+    if name == "cifar10":
+        root = root or "data/cifar10"
+        return (cifar10(root, train=True, download=download, augment=augment),
+                cifar10(root, train=False, download=download))
+    if name == "synthetic":
+        return synthetic(seed=seed)
+    raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
