@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                     print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
                                       if k != "snn"}), {t: round(a, 1) for t, a in row["snn"].items()}, flush=True)
                 atomic_write_text(args.out, json.dumps(rows, indent=1) + "\n")
-    print(f"\n| variant | QCFS-ANN gap | " + " | ".join(f"gap T={t} mean (worst)" for t in TS) + " |")
+    print("\n| variant | QCFS-ANN gap | " + " | ".join(f"gap T={t} mean (worst)" for t in TS) + " |")
     print("|---|---|" + "---|" * len(TS))
     for variant in args.variants:
         rs = [r for r in rows if r["variant"] == variant]

@@ -26,7 +26,6 @@ Single-threaded; a few minutes per network (fine-tuning adds more).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys

@@ -61,14 +61,11 @@ def _dtype(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.d
     return allowed[value]
 
 
-class CPUProgram(Program):
-    """A graph compiled for the cpu backend."""
+class PlanProgram(Program):
+    """What the cpu and gpu programs share: a compiled :class:`Plan`, its input shape and T."""
 
-    def __init__(self, plan: Plan, *, chunk_size: int, threads: int | None, name: str = "cpu"):
-        self.plan = plan
-        self.chunk_size = chunk_size
-        self.threads = threads
-        self.name = name
+    name = "cpu"
+    plan: Plan
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -80,18 +77,33 @@ class CPUProgram(Program):
         """The T recorded in the graph's metadata (the one it was exported at), if any."""
         return self.plan.parsed.T
 
-    def run(self, x: torch.Tensor, T: int | None = None) -> RunResult:
-        """Run ``T`` steps (default: the graph's T) on ``x`` (``[B, ...]`` or ``[T, B, ...]``).
-
-        Raises:
-            BackendError: wrong input shape or dtype, or ``T < 1``.
-        """
+    def _checked(self, x: torch.Tensor, T: int | None) -> tuple[torch.Tensor, bool, int]:
+        """``(x, is_sequence, T)`` after the shape, dtype and T checks (T defaults to the graph's)."""
         if T is None:
             T = self.default_T
             if T is None:
                 raise BackendError(f"backend {self.name!r}: give T (the graph records none)")
         T = check_T(T)
         x, seq = self.plan.check_input(x, T)
+        return x, seq, T
+
+
+class CPUProgram(PlanProgram):
+    """A graph compiled for the cpu backend."""
+
+    def __init__(self, plan: Plan, *, chunk_size: int, threads: int | None, name: str = "cpu"):
+        self.plan = plan
+        self.chunk_size = chunk_size
+        self.threads = threads
+        self.name = name
+
+    def run(self, x: torch.Tensor, T: int | None = None) -> RunResult:
+        """Run ``T`` steps (default: the graph's T) on ``x`` (``[B, ...]`` or ``[T, B, ...]``).
+
+        Raises:
+            BackendError: wrong input shape or dtype, or ``T < 1``.
+        """
+        x, seq, T = self._checked(x, T)
         B = x.shape[1] if seq else x.shape[0]
         per = max(1, self.chunk_size // T) if self.chunk_size else B
         stats = Stats(self.plan, T)

@@ -28,9 +28,9 @@ import torch
 
 from snnconv.errors import BackendError
 
-from ._engine import Plan, Stats, check_options, check_T, compiled_loop
-from .cpu import _dtype, _parse
-from .registry import Backend, Program, RunResult
+from ._engine import Plan, Stats, check_options, compiled_loop
+from .cpu import PlanProgram, _dtype, _parse
+from .registry import Backend, RunResult
 
 __all__ = ["GPUBackend", "GPUProgram", "DTYPES"]
 
@@ -87,8 +87,10 @@ def _numerics(device: torch.device, deterministic: bool):
          torch.backends.cuda.matmul.allow_tf32) = saved
 
 
-class GPUProgram(Program):
+class GPUProgram(PlanProgram):
     """A graph compiled for the gpu backend; results stay on the device (``outputs``)."""
+
+    name = "gpu"
 
     def __init__(self, plan: Plan, *, chunk_size: int, deterministic: bool, neuron: str):
         self.plan = plan
@@ -96,26 +98,13 @@ class GPUProgram(Program):
         self.deterministic = deterministic
         self.neuron = neuron
 
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        return self.plan.input_shape
-
-    @property
-    def default_T(self) -> int | None:
-        return self.plan.parsed.T
-
     def run(self, x: torch.Tensor, T: int | None = None) -> RunResult:
         """Run ``T`` steps on ``x`` (``[B, ...]`` or ``[T, B, ...]``, any device).
 
         Raises:
             BackendError: wrong input shape or dtype, or ``T < 1``.
         """
-        if T is None:
-            T = self.default_T
-            if T is None:
-                raise BackendError("backend 'gpu': give T (the graph records none)")
-        T = check_T(T)
-        x, seq = self.plan.check_input(x, T)
+        x, seq, T = self._checked(x, T)
         B = x.shape[1] if seq else x.shape[0]
         per = max(1, self.chunk_size // T) if self.chunk_size else B
         stats = Stats(self.plan, T)

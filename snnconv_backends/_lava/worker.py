@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 import scipy.sparse as sp
 from lava.magma.core.decorator import implements, requires, tag
-from lava.magma.core.model.py.ports import PyInPort, PyOutPort
+from lava.magma.core.model.py.ports import PyOutPort
 from lava.magma.core.model.py.type import LavaPyType
 from lava.magma.core.process.ports.ports import InPort, OutPort
 from lava.magma.core.process.process import AbstractProcess
