@@ -37,14 +37,14 @@ TS = (1, 2, 4, 8, 16, 32)
 def sj_accuracy_by_T(net, loader, Ts, progress=True):
     """spikingjelly's own evaluation loop: single-step, reset_net per batch, cumulative readout."""
     from spikingjelly.activation_based import functional
-    from tqdm.auto import tqdm
+    from snnconv.progress import progress_bar
 
     T_max = max(Ts)
     correct = {t: 0 for t in Ts}
     total = 0
     net.eval()
     with torch.no_grad():
-        for x, y in tqdm(loader, desc="spikingjelly eval", disable=not progress, leave=False):
+        for x, y in progress_bar(loader, desc="spikingjelly eval", disable=not progress, leave=False):
             functional.reset_net(net)
             out = 0
             for t in range(1, T_max + 1):
@@ -206,11 +206,11 @@ def main():
 
 
 def _progress(loader, progress, desc):
-    from tqdm.auto import tqdm
+    from snnconv.progress import progress_bar
 
     class _L:
         def __iter__(self):
-            return iter(tqdm(loader, desc=desc, disable=not progress, leave=False))
+            return iter(progress_bar(loader, desc=desc, disable=not progress, leave=False))
     return _L()
 
 

@@ -10,11 +10,11 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from snnconv import models  # noqa: E402
+from snnconv.progress import progress_bar
 from snnconv.data import fashion_mnist  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 
@@ -68,7 +68,7 @@ def trained_ann(name: str = "resnet14", epochs: int = 3, seed: int = 0, progress
     t0 = time.perf_counter()
     for epoch in range(epochs):
         model.train()
-        bar = tqdm(train, desc=f"ANN epoch {epoch + 1}/{epochs}", disable=not progress)
+        bar = progress_bar(train, desc=f"ANN epoch {epoch + 1}/{epochs}", disable=not progress)
         for x, y in bar:
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)

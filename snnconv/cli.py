@@ -179,10 +179,10 @@ def _evaluation(snn, test_loader, Ts, args, label: str) -> dict:
     from .data import first_batch
     from .metrics import accuracy_by_T
 
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
     _say(args, f"evaluating {label} at T = {', '.join(map(str, Ts))} ...")
-    batches = tqdm(test_loader, desc=f"evaluate T<={max(Ts)}", disable=args.quiet, leave=False)
+    batches = progress_bar(test_loader, desc=f"evaluate T<={max(Ts)}", disable=args.quiet, leave=False)
     acc = accuracy_by_T(snn, batches, Ts, args.device)
     x, _ = first_batch(test_loader, where="the test loader")
     with torch.no_grad():
