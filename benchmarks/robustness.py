@@ -374,6 +374,8 @@ def summarize(records: list[dict]) -> list[dict]:
             groups.setdefault((r["dataset"], r["arch"], r["epochs"], cell), []).append(c)
     rows = []
     for (dataset, arch, epochs, cell), cs in sorted(groups.items()):
+        # per-T keys are strings once a record has been through JSON: compare as integers
+        cs = [dict(c, snn={int(t): v for t, v in c["snn"].items()}) for c in cs]
         Ts = sorted({t for c in cs for t in c["snn"]})
         row = {"dataset": dataset, "arch": arch, "epochs": epochs, "cell": cell, "seeds": len(cs),
                "collapses": sum("collapse" in c for c in cs)}
@@ -482,7 +484,8 @@ def main(argv=None) -> int:
     if args.table:
         with open(args.table) as fh:
             data = json.load(fh)
-        summary = _normalize(data["summary"])
+        # recomputed from the per-job records (a summary written by an older version may be stale)
+        summary = summarize(data["records"]) if data.get("records") else _normalize(data["summary"])
         print(table(summary, data.get("train_subset")))
         plot(summary, os.path.splitext(args.table)[0] + ".png")
         return 0
