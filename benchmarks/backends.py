@@ -33,7 +33,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,28 +41,18 @@ from snnconv import models  # noqa: E402
 from snnconv.fold import fold_batchnorm  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 from snnconv.nir_io import export_nir  # noqa: E402
+from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPE = (3, 32, 32)
 
 
-def _randomise_bn(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, _BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
-                m.running_var.copy_(0.5 + 1.5 * torch.rand(n, generator=g))
-                m.weight.copy_(0.5 + torch.rand(n, generator=g))
-                m.bias.copy_(0.2 * torch.randn(n, generator=g))
-    return model.eval()
 
 
 def build(name: str, T: int, seed: int = 0):
     """(BN model, folded ANN, SpikingNetwork) for zoo network ``name`` on random data."""
     torch.manual_seed(seed)
-    model = _randomise_bn(models.get(name, num_classes=10, in_channels=SHAPE[0]), seed)
+    model = randomise_bn(models.get(name, num_classes=10, in_channels=SHAPE[0]), seed)
     calib = torch.rand(32, *SHAPE, generator=torch.Generator().manual_seed(seed)) * 2 - 1
     snn, _ = snnconv.convert(copy.deepcopy(model), [(calib, torch.zeros(32, dtype=torch.long))], T=T,
                              calib_batches=1, bias_calibration=False, progress=False)

@@ -85,3 +85,19 @@ def trained_ann(name: str = "resnet14", epochs: int = 3, seed: int = 0, progress
 
 def write_json(obj, path):
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def randomise_bn(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Non-trivial BatchNorm statistics (an untrained zoo network converted for speed checks)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, _BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
+                m.running_var.copy_(0.5 + 1.5 * torch.rand(n, generator=g))
+                m.weight.copy_(0.5 + torch.rand(n, generator=g))
+                m.bias.copy_(0.2 * torch.randn(n, generator=g))
+    return model.eval()

@@ -29,7 +29,6 @@ import time
 import traceback
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,22 +37,12 @@ from snnconv import models  # noqa: E402
 from snnconv.fold import fold_batchnorm  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 from snnconv.nir_io import export_nir  # noqa: E402
+from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
 from snnconv_backends.gpu import GPUBackend  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _randomise_bn(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, _BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
-                m.running_var.copy_(0.5 + 1.5 * torch.rand(n, generator=g))
-                m.weight.copy_(0.5 + torch.rand(n, generator=g))
-                m.bias.copy_(0.2 * torch.randn(n, generator=g))
-    return model.eval()
 
 
 class Check:
@@ -146,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- set-up: the network, converted on random data ---
     torch.manual_seed(0)
-    model = _randomise_bn(models.get(model_name, num_classes=10, in_channels=3))
+    model = randomise_bn(models.get(model_name, num_classes=10, in_channels=3))
     gen = torch.Generator().manual_seed(0)
     calib = torch.rand(64, 3, 32, 32, generator=gen) * 2 - 1
     T0 = Ts[0]

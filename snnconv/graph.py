@@ -20,6 +20,7 @@ __all__ = [
     "set_module",
     "module_of",
     "call_sites",
+    "call_counts",
     "capture",
     "describe_node",
 ]
@@ -149,6 +150,11 @@ def call_sites(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
         if node.op == "call_module":
             sites.setdefault(str(node.target), []).append(node)
     return sites
+
+
+def call_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """How many call sites each called module has (qualified name -> count)."""
+    return {target: len(nodes) for target, nodes in call_sites(gm).items()}
 
 
 def describe_node(node: fx.Node) -> str:

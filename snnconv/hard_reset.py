@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .data import split_batch
 from .errors import DataError, StageOrderError
-from .graph import capture, module_of, prepare
+from .graph import call_counts, capture, module_of, prepare
 from .qcfs import QCFS
 from .spiking import (_LAYERS, IFNeuron, Scale, SpikingNetwork, TimeExpand, _apply_shift,
                       _bias_path, _channel_view, _check_T)
@@ -160,10 +160,7 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     ref = prepare(reference, leaf_types=(QCFS,)).to(device)
     ref_nodes = {str(n.target): n.name for n in ref.graph.nodes
                  if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)}
-    calls: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    calls = call_counts(gm)
     records: dict[str, Any] = {}
     handles = []
     for node in gm.graph.nodes:
@@ -270,10 +267,7 @@ def shift_bias(snn: SpikingNetwork, T: int | None = None) -> SpikingNetwork:
     _check_T(T)
     out = copy.deepcopy(snn)
     gm = out.net
-    calls: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    calls = call_counts(gm)
     record: dict[str, Any] = {}
     for node in gm.graph.nodes:
         mod = module_of(gm, node)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from spikingjelly.activation_based import neuron, surrogate
 
 from .errors import CheckpointError, DataError, StageOrderError, UnsupportedModelError
-from .graph import capture, describe_node, module_of, prepare
+from .graph import call_counts, capture, describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
 from .meta import atomic_write_bytes
 from .qcfs import QCFS, _check_activations, _FloorSTE, relu_sites
@@ -352,10 +352,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
         raise UnsupportedModelError(
             f"the model returns {type(out_node.args[0]).__name__}, not one tensor; the spiking "
             "network averages a single readout over time. Return one tensor from forward().")
-    sites = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            sites[str(node.target)] = sites.get(str(node.target), 0) + 1
+    sites = call_counts(gm)
     record = {}
     used = {n for n, _ in gm.named_modules()}
     for node in list(gm.graph.nodes):
@@ -535,10 +532,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     """
     T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches)
     gm = out.net
-    calls: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_module":
-            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    calls = call_counts(gm)
     plan, shifts = [], {}
     for node in gm.graph.nodes:
         neuron_mod = module_of(gm, node)

@@ -13,23 +13,13 @@ import torch.nn as nn
 
 import snnconv
 from snnconv import models
-from snnconv.models import vgg
 from snnconv.errors import NIRError, SnnconvError
+from _zoo import NARROW as _NARROW
 from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
 from snnconv.spiking import IFNeuron, Scale, SpikingNetwork, TimeExpand, neurons
 from snnconv_backends.nirgraph import KINDS, ParsedGraph, parse
 
 
-# the zoo's architectures at an eighth of their width (same layers, a test-sized cost)
-_NARROW = {
-    "small_cnn": lambda c: models.small_cnn(num_classes=10, in_channels=c, width=8),
-    "resnet8": lambda c: models.CifarResNet([1, 1, 1], [8, 16, 32], 10, c),
-    "resnet14": lambda c: models.CifarResNet([2, 2, 2], [8, 16, 32], 10, c),
-    "resnet18": lambda c: models.CifarResNet([2, 2, 2, 2], [8, 16, 32, 64], 10, c),
-    "resnet20": lambda c: models.CifarResNet([3, 3, 3], [8, 16, 32], 10, c),
-    "vgg11": lambda c: models.VGG([v // 8 if isinstance(v, int) else v for v in vgg._CFG["vgg11"]], 10, c),
-    "vgg16": lambda c: models.VGG([v // 8 if isinstance(v, int) else v for v in vgg._CFG["vgg16"]], 10, c),
-}
 
 
 def test_every_zoo_network_has_a_narrow_twin():
