@@ -35,10 +35,15 @@ Mapping of a parsed NIR graph (:func:`quantize`):
   (``v = clip24(a_in << 6)``), read every step.
 
 Quantisation (per population): one integer threshold ``vth`` (17 bits; per-channel
-thresholds are folded into the incoming weights), chosen as large as possible such that the
-worst case of ``a_in`` (every input spiking) fits in 16 signed bits (Lava's ``a_in`` port
-precision), so the 24-bit current can never wrap; then each connection's exponent from its
-largest weight. Nothing is wrapped silently: the worst case is checked on the integer
+thresholds are folded into the incoming weights). Its ceiling is the largest value for which
+the worst case of ``a_in`` (every input spiking) fits in 16 signed bits (Lava's ``a_in`` port
+precision), so the 24-bit current can never wrap. Within the octave below that ceiling,
+``vth`` is placed where the incoming weights round most finely relative to it: every weight
+scales with ``vth`` while each connection's exponent moves in powers of two, so just below an
+exponent step a connection's largest mantissa fills all 8 bits (:func:`_best_vth`; on the
+Fashion-MNIST ResNet-14 this halves the weight rounding step of most layers and brings
+``loihi2-sim`` from -0.56 to -0.13 points of the float SNN). Then each connection's exponent
+follows from its largest weight. Nothing is wrapped silently: the worst case is checked on the integer
 mantissas at compile time, and saturation, wrapping and bias clipping are counted at run time.
 """
 
@@ -417,10 +422,7 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8) -> tuple[np
     if amax == 0.0:
         return np.zeros(scaled.shape, np.int32), 0, {"exp": 0, "mant_max": 0, "bits": 0, "sign_mode": "excitatory",
                                                      "zero_rounded": 0, "rel_error": 0.0, "clipped": 0}
-    e = math.ceil(math.log2(amax / lim))
-    e = min(max(e, LOIHI["weight_exp_min"] - max(0, bits - 8)), LOIHI["weight_exp_max"])
-    if bias:
-        e = max(e, 0)  # a single input: a negative exponent only drops bits
+    e = _weight_exp(amax, mixed, bias, bits)
     x = scaled / 2.0**e
     m = 2.0 * np.round(x / 2.0) if mixed else np.round(x)
     clipped = int((np.abs(m) > lim).sum())
@@ -431,6 +433,42 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8) -> tuple[np
     return m, e, {"exp": e, "mant_max": int(np.abs(m).max()), "bits": int(np.abs(m).max()).bit_length(),
                   "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
                   "rel_error": err, "clipped": clipped}
+
+
+def _weight_exp(amax: float, mixed: bool, bias: bool, bits: int) -> int:
+    """The exponent of a connection whose largest weight is ``amax`` (``a_in`` units, > 0): the
+    smallest that fits its mantissa in ``bits`` bits, within Loihi's exponent range."""
+    lim = 2**bits - 2 if mixed else 2**bits - 1
+    e = math.ceil(math.log2(amax / lim))
+    e = min(max(e, LOIHI["weight_exp_min"] - max(0, bits - 8)), LOIHI["weight_exp_max"])
+    return max(e, 0) if bias else e  # a bias has a single input: a negative exponent only drops bits
+
+
+def _best_vth(vth_max: int, conns: Sequence[tuple[float, bool, bool, int, float]]) -> int:
+    """The threshold in ``[vth_max / 2, vth_max]`` with the finest weights relative to it.
+
+    Every weight scales with ``vth``, but each connection's exponent moves in powers of two:
+    just below the ``vth`` at which a connection's exponent would step up, its largest mantissa
+    fills all its bits, and its rounding step relative to the threshold is the smallest one
+    octave allows. ``conns``: per connection (largest weight per unit of ``vth``, mixed sign,
+    bias, mantissa bits, inputs per target neuron). Minimises the rounding noise a neuron sees,
+    ``sum(fan_in * (step / vth)**2)``; a tie keeps the larger ``vth``.
+    """
+    def cost(v: int) -> float:
+        total = 0.0
+        for per_vth, mixed, bias, bits, fan_in in conns:
+            step = 2.0 ** _weight_exp(per_vth * v, mixed, bias, bits) * (2 if mixed else 1)
+            total += fan_in * (step / v) ** 2
+        return total
+
+    cands = {vth_max}
+    for per_vth, mixed, _, bits, _ in conns:
+        lim = 2**bits - 2 if mixed else 2**bits - 1
+        for k in range(-40, 40):  # breakpoints vth = lim * 2**k / per_vth within the octave
+            v = math.floor(lim * 2.0**k / per_vth)
+            if vth_max / 2 <= v <= vth_max:
+                cands.add(v)
+    return min(sorted(cands, reverse=True), key=cost) if conns else vth_max
 
 
 def _bits(weight_bits: int | Mapping[str, int], name: str) -> int:
@@ -458,6 +496,24 @@ def _row_sums(kind: str, m: np.ndarray, tgt_shape: tuple[int, ...]) -> tuple[np.
         return np.clip(m, 0, None).sum(1), np.clip(m, None, 0).sum(1)
     mm = m.reshape(n).astype(np.float64)
     return np.clip(mm, 0, None), np.clip(mm, None, 0)
+
+
+def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...], cname: str,
+             weight_bits: int | Mapping[str, int]) -> tuple[float, bool, bool, int, float]:
+    """A connection's entry for :func:`_best_vth`: its weights in ``a_in`` units are
+    ``w * vth / theta`` (per target channel)."""
+    n = int(np.prod(shape))
+    if kind == "conv":
+        sc = w / _per_neuron(theta, (w.shape[0],)).reshape(-1, *([1] * (w.ndim - 1)))
+        fan_in = float(np.count_nonzero(w)) / w.shape[0]
+    elif kind == "matrix":
+        sc = w / _per_neuron(theta, shape)[:, None]
+        fan_in = float(np.count_nonzero(w)) / n
+    else:  # diag, bias: one input per neuron
+        sc = w.reshape(-1) / _per_neuron(theta, shape)
+        fan_in = 1.0
+    return (float(np.abs(sc).max()), bool(sc.min() < 0 < sc.max()), kind == "bias",
+            _bits(weight_bits, cname), fan_in)
 
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> QuantizedNetwork:
@@ -547,6 +603,10 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
             with np.errstate(divide="ignore"):
                 lim = np.where(worst > 0, 64.0 * a_max * theta_n / np.maximum(worst, 1e-300), np.inf)
             vth = int(min(_VTH_CAP, math.floor(float(lim.min()) / 64.0)))
+            if vth >= 2:
+                vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits) for cname, _, kind, w, _ in raw]
+                                + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits)]
+                                   if np.any(const != 0) else []))
         else:
             vth = 0
         for attempt in range(12):
