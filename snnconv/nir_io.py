@@ -241,10 +241,19 @@ class _Exporter:
             return self.add(base, node, srcs)
         if reset != "subtract":
             raise NIRError(f"IF neuron '{base}' has reset={reset!r}; NIR export knows 'subtract' and 'zero'")
-        meta = {"snnconv_neuron": "if", "reset": "subtract", "v_init": 0.5, "compare": ">=",
+        v0 = mod.v_init.detach().cpu().to(torch.float32)
+        if v0.dim() == 1 and (not shape or shape[0] != v0.numel()):
+            raise NIRError(f"IF neuron '{base}' has {v0.numel()} per-channel initial membranes but "
+                           f"its input has shape {shape}")
+        # v_init 0.5 (QCFS's shift) as a number; calibrated ones as a list (per layer or channel)
+        v_meta = 0.5 if v0.dim() == 0 and float(v0) == 0.5 else v0.reshape(-1).tolist()
+        meta = {"snnconv_neuron": "if", "reset": "subtract", "v_init": v_meta, "compare": ">=",
                 "threshold": kind}
         x = self.add(base, nir.I(r=np.ones(shape, np.float32), metadata=meta), srcs)
-        fire = self.add(f"{x}_fire", nir.Threshold(full / np.float32(2)))
+        # fires when v[t] - v_init >= theta - theta * v_init (the integrator starts at 0)
+        from snnconv_backends.nirgraph import fire_threshold
+
+        fire = self.add(f"{x}_fire", nir.Threshold(fire_threshold(full, _full(v0, shape))))
         reset_node = self.add(f"{x}_reset", nir.Scale(-full))
         self.edges += [(x, fire), (fire, reset_node), (reset_node, x)]
         return fire
@@ -419,7 +428,9 @@ def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
         return Scale(_compact(np.asarray(p["scale"]), op.name, "scale"))
     if op.kind == "neuron":
         theta = torch.from_numpy(np.array(p["theta"], dtype=np.float32))
-        return IFNeuron(theta, T, reset=p["reset"])
+        v0 = p.get("v_init")
+        return IFNeuron(theta, T, reset=p["reset"],
+                        v_init=None if v0 is None else torch.from_numpy(np.array(v0, dtype=np.float32)))
     return None  # input, output, sum
 
 

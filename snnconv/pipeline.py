@@ -154,7 +154,7 @@ def convert(
     maxpool: str = "error",
     reset: str = "subtract",
     bias_calibration: bool = True,
-    bias_calibration_T: int | None = None,
+    bias_calibration_T: int | tuple[int, int] | None = None,
     threshold_calibration: bool | None = None,
     qcfs_epochs: int = 0,
     qcfs_train: QCFSTrainConfig | None = None,
@@ -191,9 +191,15 @@ def convert(
             the exact QCFS equivalent) or ``"zero"`` (hard reset, ``v[0] = 0``: spikingjelly's
             ``IFNode(v_reset=0.)``, for NIR consumers and chips whose neurons reset to zero).
         bias_calibration: after IF replacement, shift biases so that each layer's mean output
-            over ``bias_calibration_T`` steps (default ``T``) matches the QCFS-ANN on
-            calibration batches (:func:`snnconv.spiking.calibrate_bias`). Raises accuracy at
-            every T on deep networks; see the benchmarks.
+            matches the QCFS-ANN on calibration batches (:func:`snnconv.spiking.calibrate_bias`).
+            Raises accuracy at every T on deep networks; see the benchmarks.
+        bias_calibration_T: the horizon(s) of bias calibration. Two horizons ``(T1, T2)``
+            (subtractive reset) calibrate the bias and each channel's initial membrane so that
+            the network holds at every T, not only at one; the default for ``reset="subtract"``
+            is ``(max(1, T // 2), max(32, 2 * T))``, i.e. (4, 32) at T=8 (it won at T=4, 8, 16
+            and 32 on the robustness matrix; benchmarks/README.md "Membrane calibration"). One
+            integer calibrates the bias alone for that many steps (the default for
+            ``reset="zero"``: ``T``; NIR's IF has no initial membrane).
         threshold_calibration: before bias calibration, fit each layer's threshold to the
             QCFS-ANN at ``bias_calibration_T`` steps
             (:func:`snnconv.hard_reset.calibrate_thresholds`; weights and the neuron model are
@@ -236,6 +242,14 @@ def convert(
         threshold_calibration = reset == "zero"
     if per_channel is None:
         per_channel = reset == "subtract"
+    if bias_calibration_T is None:
+        bias_calibration_T = (max(1, T // 2), max(32, 2 * T)) if reset == "subtract" else T
+    if isinstance(bias_calibration_T, (tuple, list)):
+        bias_calibration_T = tuple(bias_calibration_T)
+        if reset != "subtract":
+            raise ValueError("two calibration horizons move the initial membrane, which "
+                             "reset='zero' neurons do not have; give one T")
+    horizons = bias_calibration_T if isinstance(bias_calibration_T, tuple) else None
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
                     bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
                     threshold_calibration=bool(threshold_calibration),
@@ -297,9 +311,10 @@ def convert(
     with _stage(meta, "spiking") as rec:
         snn = to_spiking(qgm, T=T, reset=reset)
         if threshold_calibration:
-            snn = calibrate_thresholds(snn, qgm, loader, T=bias_calibration_T or T)
+            snn = calibrate_thresholds(snn, qgm, loader, T=bias_calibration_T)
         if bias_calibration:
-            snn = calibrate_bias(snn, qgm, loader, T=bias_calibration_T or T)
+            snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
+                                 horizons=horizons)
         snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")

@@ -42,7 +42,9 @@ def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
         "Flatten": (nn.Flatten, lambda m: dict(start_dim=m.start_dim, end_dim=m.end_dim)),
         "Identity": (nn.Identity, lambda m: {}),
         "IFNeuron": (IFNeuron, lambda m: dict(theta=torch.ones(m.theta.shape), T=m.T, alpha=m.alpha,
-                                              detach_reset=m.detach_reset, reset=m.reset)),
+                                              detach_reset=m.detach_reset, reset=m.reset,
+                                              v_init=torch.zeros(m.v_init.shape)
+                                              if m.reset == "subtract" else None)),
         "Scale": (Scale, lambda m: dict(theta=torch.ones(m.theta.shape))),
         "TimeExpand": (TimeExpand, lambda m: dict(T=m.T)),
     }

@@ -5,7 +5,8 @@ Semantics (pinned here, used by every executor)::
     h[t] = v[t-1] + x[t] / theta        (the membrane is kept in units of theta)
     s[t] = 1 if h[t] >= 1 else 0        (spikingjelly's Heaviside: fires on equality)
     v[t] = h[t] - s[t]                  (reset by subtraction)
-    v[0] = 1/2                          (i.e. theta / 2)
+    v[0] = 1/2                          (i.e. theta / 2; per channel after membrane
+                                         calibration, see :func:`calibrate_bias`)
 
 Each neuron emits binary spikes; its output scale theta is folded into the weights of the
 Conv/Linear layers that consume it (through pooling, dropout and flatten), or carried by an
@@ -68,20 +69,31 @@ class IFNeuron(nn.Module):
 
     theta may be per layer (shape ``[]``) or per channel (``[C]``, dim 1) and trainable; both
     modes use the ATan surrogate gradient. The state is reset at every call, so a call is a
-    pure function of its input.
+    pure function of its input. ``v_init`` (subtractive reset only; a buffer, never trained)
+    is the initial membrane in units of theta, per layer or per channel: 1/2 (QCFS's shift)
+    unless :func:`calibrate_bias` calibrated it.
 
     Shape:
         input ``[T*B, C, ...]`` (time-major), output: same, values in {0, 1}.
     """
 
     def __init__(self, theta: float | torch.Tensor, T: int = 8, *, alpha: float = 2.0,
-                 detach_reset: bool = False, reset: str = "subtract"):
+                 detach_reset: bool = False, reset: str = "subtract",
+                 v_init: float | torch.Tensor | None = None):
         super().__init__()
         theta = torch.as_tensor(theta, dtype=torch.float32).detach().clone()
         if theta.dim() > 1 or (theta <= 0).any() or not torch.isfinite(theta).all():
             raise ValueError(f"IF threshold must be positive and finite, shape [] or [C]; got {theta}")
         if reset not in RESETS:
             raise ValueError(f"IF reset must be one of {RESETS}, got {reset!r}")
+        default = 0.5 if reset == "subtract" else 0.0
+        v_init = torch.as_tensor(default if v_init is None else v_init, dtype=torch.float32).detach().clone()
+        if v_init.dim() > 1 or not torch.isfinite(v_init).all():
+            raise ValueError(f"IF v_init must be finite, shape [] or [C]; got {v_init}")
+        if reset == "zero" and bool((v_init != 0).any()):
+            raise ValueError("a hard-reset IF neuron starts at v = 0 (NIR's IF has no initial "
+                             "membrane); v_init applies to reset='subtract' only")
+        self.register_buffer("v_init", v_init)
         self.theta = nn.Parameter(theta, requires_grad=False)
         self.T = int(T)
         self.alpha = float(alpha)
@@ -129,14 +141,19 @@ class IFNeuron(nn.Module):
             return self._hard(seq).reshape(x.shape)
         theta = _channel_view(self.theta, seq.dim(), channel_dim=2)
         self.node.reset()
+        if self.v_init.dim() or float(self.v_init) != 0.5:
+            # the initial membrane as a full tensor (spikingjelly uses one of x[0]'s shape)
+            v0 = _channel_view(self.v_init.to(seq.dtype), seq.dim() - 1)
+            self.node.v = v0.expand(seq.shape[1:]).clone()
         spikes = self.node(seq / theta)
         self.node.reset()
         return spikes.reshape(x.shape)
 
     def extra_repr(self) -> str:
         kind = "per-layer" if self.theta.dim() == 0 else f"per-channel[{self.theta.numel()}]"
+        v0 = "" if self.v_init.dim() == 0 else f", v_init=per-channel[{self.v_init.numel()}]"
         return (f"theta={kind}, T={self.T}, reset={self.reset}, alpha={self.alpha}, "
-                f"detach_reset={self.detach_reset}")
+                f"detach_reset={self.detach_reset}{v0}")
 
 
 class Scale(nn.Module):
@@ -467,9 +484,31 @@ def _apply_shift(layer: nn.Module, delta: torch.Tensor) -> torch.Tensor:
         return layer.bias.detach() - before
 
 
+def _reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels: int | None) -> dict:
+    """Per QCFS site of ``ref``: its per-channel mean output over ``batches``, with every QCFS
+    at ``levels`` quantisation steps (``None``: as it is)."""
+    mods = [module_of(ref, n) for n in ref.graph.nodes
+            if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)]
+    old = [m.L for m in mods]
+    if levels:
+        for m in mods:
+            m.L = int(levels)
+    try:
+        means: dict[str, torch.Tensor] = {}
+        for x in batches:
+            values = capture(ref, (x,), ref_nodes.values())
+            for target, name in ref_nodes.items():
+                means[target] = means.get(target, 0) + _channel_mean(values[name]) / len(batches)
+        return means
+    finally:
+        for m, L in zip(mods, old):
+            m.L = L
+
+
 def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int | None,
-                num_batches: int):
-    """Calibration batches, the reference's per-channel mean output per QCFS site, and the copy."""
+                num_batches: int, horizons: tuple[int, int] | None = None):
+    """Calibration batches, the reference's per-channel mean output per QCFS site (a pair of
+    them, at ``L = T1`` and ``L = T2``, with ``horizons``), and the copy."""
     from .data import split_batch
 
     if not isinstance(snn, SpikingNetwork) or "neurons" not in snn.meta:
@@ -490,26 +529,69 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     device = next(snn.parameters()).device
     ref.to(device)
     batches = [x.to(device) for x in batches]
-    target_mean: dict[str, torch.Tensor] = {}
-    for x in batches:
-        values = capture(ref, (x,), ref_nodes.values())
-        for target, name in ref_nodes.items():
-            target_mean[target] = target_mean.get(target, 0) + _channel_mean(values[name]) / len(batches)
+    if horizons is None:
+        target_mean: Any = _reference_means(ref, ref_nodes, batches, None)
+    else:
+        target_mean = tuple(_reference_means(ref, ref_nodes, batches, h) for h in horizons)
     out = copy.deepcopy(snn)
     return T, batches, target_mean, out
 
 
+def _check_horizons(snn: "SpikingNetwork", horizons: Any) -> tuple[int, int]:
+    if (not isinstance(horizons, (tuple, list)) or len(horizons) != 2
+            or any(isinstance(h, bool) or not isinstance(h, numbers.Integral) for h in horizons)
+            or not 1 <= horizons[0] < horizons[1]):
+        raise ValueError(f"horizons must be two integers 1 <= T1 < T2, got {horizons!r}")
+    hard = [n for n, m in neurons(snn.net).items() if m.reset != "subtract"]
+    if hard:
+        raise ValueError(f"membrane calibration (horizons) needs subtractive-reset neurons; "
+                         f"{hard[0]} resets to zero (calibrate it at one T instead)")
+    return int(horizons[0]), int(horizons[1])
+
+
+def _fit(mod: "IFNeuron", s: torch.Tensor, T: int, sizes: list[int], target: Any,
+         horizons: tuple[int, int] | None) -> torch.Tensor:
+    """The bias shift for IF ``mod`` from its spikes ``s`` (``[T*B, ...]``); with ``horizons``
+    it also moves ``mod.v_init``. Per channel, the error to the reference mean is modelled as
+    ``a + b / t`` over ``t`` steps and solved at the two horizons: ``a`` goes to the bias and
+    ``b`` (input units, divided by theta) to the initial membrane, kept in ``[0, 1]``."""
+    seq = s.reshape(T, -1, *s.shape[1:])
+    theta = _channel_view(mod.theta.detach(), seq.dim() - 1)
+
+    def mean_over(steps: int) -> torch.Tensor:
+        rate = seq[:steps].mean(0) * theta
+        return sum(_channel_mean(part) for part in rate.split(sizes)) / len(sizes)
+
+    if horizons is None:
+        return target - mean_over(T)
+    (t1, t2), (m1, m2) = horizons, (target[0], target[1])
+    e1, e2 = m1 - mean_over(t1), m2 - mean_over(t2)
+    b = (e1 - e2) / (1.0 / t1 - 1.0 / t2)
+    th = mod.theta.detach().double()
+    v0 = (mod.v_init.double() + b / th).clamp(0.0, 1.0)
+    b = (v0 - mod.v_init.double()) * th  # what the clamp left
+    with torch.no_grad():
+        mod.v_init = v0.to(torch.float32)
+    return e2 - b / t2
+
+
 def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list, shifts: dict,
-            method: str) -> "SpikingNetwork":
+            method: str, horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
     out.T = snn.T
     out.meta = copy.deepcopy(snn.meta)
     out.meta["bias_calibration"] = {"T": T, "batches": len(batches), "method": method,
                                     "mean_abs_shift": shifts}
+    if horizons is not None:
+        out.meta["bias_calibration"]["horizons"] = list(horizons)
+        out.meta["bias_calibration"]["v_init"] = {
+            n: {"min": float(m.v_init.min()), "mean": float(m.v_init.mean()), "max": float(m.v_init.max())}
+            for n, m in neurons(out.net).items()}
     return out
 
 
 def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
-                   T: int | None = None, num_batches: int = 4) -> "SpikingNetwork":
+                   T: int | None = None, num_batches: int = 4,
+                   horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
     """Shift biases so each IF layer's mean output over ``T`` steps matches the QCFS-ANN's.
 
     Layer by layer in graph order (each correction sees the corrected layers before it), the
@@ -518,6 +600,16 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     difference is added to the bias of the Conv/Linear feeding that neuron. This removes the
     systematic under-firing of deep layers at few steps (the light calibration of Li et al.,
     ICML 2021). Works on a copy; ``result.meta["bias_calibration"]`` records the shifts.
+
+    A bias shift is right for one ``T`` only: calibrated at T=8, a network over-corrects at
+    T=32. ``horizons=(T1, T2)`` (subtractive reset only) calibrates for every T at once: the
+    SNN runs ``T2`` steps, and per channel the error at ``t`` steps, against the reference with
+    its QCFS at ``L = t`` levels (what a t-step IF layer computes on a constant input), is
+    modelled as ``a + b / t``; solved at ``t = T1`` and ``T2``, ``a`` shifts the bias and ``b``
+    the neuron's initial membrane ``v_init`` (a shift of ``b`` in the first step's charge moves
+    the mean over t steps by ``b / t``), clamped to ``[0, 1]`` of theta. This is the potential
+    calibration of Li et al. (ICML 2021) and the error model of Bu et al. (ICLR 2022) and Hao
+    et al. (AAAI 2023), fitted per channel; ``T`` is then ignored.
 
     Cost: one T-step pass of the SNN over the ``num_batches`` batches (run as one batch: memory
     is that of a forward at ``num_batches`` times the batch size): at each neuron, the spikes
@@ -530,7 +622,10 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
         DataError: the loader is empty.
     """
-    T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches)
+    if horizons is not None:
+        horizons = _check_horizons(snn, horizons)
+        T = horizons[1]
+    T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches, horizons)
     gm = out.net
     calls = call_counts(gm)
     plan, shifts = [], {}
@@ -540,23 +635,18 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             continue
         source = snn.meta["neurons"].get(str(node.target), {}).get("source")
         hit = _bias_path(gm, node)
-        if source not in target_mean or hit is None:
+        if _target(target_mean, source) is None or hit is None:
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
         if calls.get(str(node.target), 0) != 1 or not _shift_reaches_only(gm, node, hit, calls):
-            return _calibrate_bias_rerun(snn, T, batches, target_mean, out)
+            return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
         plan.append((neuron_mod, str(node.target), source, module_of(gm, hit[0])))
     sizes = [len(x) for x in batches]
 
     def correct(mod, args, name, source, layer):
         x = args[0]
         s = mod.forward(x)  # the module's own forward: no hook runs again
-        rate = s.reshape(T, -1, *s.shape[1:]).mean(0)
-        theta = _channel_view(mod.theta.detach(), rate.dim())
-        mean = 0
-        for part in (rate * theta).split(sizes):
-            mean = mean + _channel_mean(part) / len(sizes)
-        delta = target_mean[source] - mean
+        delta = _fit(mod, s, T, sizes, _target(target_mean, source), horizons)
         added = _apply_shift(layer, delta)
         shifts[name] = float(delta.abs().mean())
         if added.dim() and isinstance(layer, nn.Linear):
@@ -577,41 +667,49 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             h.remove()
     shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
                                      if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
-    return _finish(out, snn, T, batches, shifts, "one-pass")
+    return _finish(out, snn, T, batches, shifts, "one-pass", horizons)
 
 
-def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_mean: dict,
-                          out: "SpikingNetwork") -> "SpikingNetwork":
+def _target(target_mean: Any, source: Any) -> Any:
+    """The reference mean(s) of QCFS site ``source``, or None."""
+    if isinstance(target_mean, tuple):
+        return None if source not in target_mean[0] else tuple(t[source] for t in target_mean)
+    return target_mean.get(source)
+
+
+def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_mean: Any,
+                          out: "SpikingNetwork", horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
     """The reference algorithm: for each neuron, re-run the corrected network up to it."""
     out.T = T
     gm = out.net
     shifts: dict[str, Any] = {}
+    sizes = [len(x) for x in batches]
     for node in gm.graph.nodes:
         neuron_mod = module_of(gm, node)
         if not isinstance(neuron_mod, IFNeuron):
             continue
         source = snn.meta["neurons"].get(str(node.target), {}).get("source")
         layer = _bias_layer(gm, node)
-        if source not in target_mean or layer is None:
+        if _target(target_mean, source) is None or layer is None:
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
-        mean = 0
-        for x in batches:
-            s = _value_at(gm, x, node.name)
-            rate = s.reshape(T, -1, *s.shape[1:]).mean(0)
-            theta = _channel_view(neuron_mod.theta.detach(), rate.dim())
-            mean = mean + _channel_mean(rate * theta) / len(batches)
-        delta = target_mean[source] - mean
+        s = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
+        s = torch.cat([p.reshape(T, -1, *p.shape[1:]) for p in s], dim=1)
+        delta = _fit(neuron_mod, s.reshape(-1, *s.shape[2:]), T, sizes, _target(target_mean, source), horizons)
         _apply_shift(layer, delta)
         shifts[str(node.target)] = float(delta.abs().mean())
-    return _finish(out, snn, T, batches, shifts, "rerun")
+    return _finish(out, snn, T, batches, shifts, "rerun", horizons)
 
 
 def _calibrate_bias_by_rerun(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
-                             T: int | None = None, num_batches: int = 4) -> "SpikingNetwork":
+                             T: int | None = None, num_batches: int = 4,
+                             horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
     """:func:`calibrate_bias` by the quadratic re-run algorithm (the reference in the tests)."""
-    T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches)
-    return _calibrate_bias_rerun(snn, T, batches, target_mean, out)
+    if horizons is not None:
+        horizons = _check_horizons(snn, horizons)
+        T = horizons[1]
+    T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches, horizons)
+    return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
 
 
 def _check_T(T: Any, name: str = "T (number of time steps)") -> None:
@@ -759,8 +857,13 @@ class SpikingNetwork(nn.Module):
         except Exception as exc:  # KeyError, TypeError, RuntimeError from fx on a damaged graph
             raise CheckpointError(f"{path}: the saved graph cannot be rebuilt: "
                                   f"{type(exc).__name__}: {exc}") from exc
+        state = payload["state_dict"]
+        if isinstance(state, dict):  # files written before v_init existed: the default
+            for name, m in net.named_modules():
+                if isinstance(m, IFNeuron) and f"{name}.v_init" not in state:
+                    state[f"{name}.v_init"] = m.v_init
         try:
-            net.load_state_dict(payload["state_dict"], strict=True)
+            net.load_state_dict(state, strict=True)
         except (KeyError, TypeError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: weights do not match its graph: {exc}") from exc
         try:

@@ -95,7 +95,8 @@ class Plan:
         parsed: a ``ParsedGraph`` from :func:`snnconv_backends.nirgraph.parse`.
         device, dtype: where and in which float type to compute.
         backend: the backend's name (for error messages).
-        neuron_loop: ``(u, theta, T, static, reset) -> (spikes, batch sums or None)``; the
+        neuron_loop: ``(u, theta, T, static, reset, v0=None) -> (spikes, batch sums or None)``
+            (``v0``: the subtractive neuron's initial membrane per channel, None for 1/2); the
             default is the exact in-place loop :func:`_if_loop`.
         neuron_dtype: the dtype of the membrane (default ``dtype``; float32 under bfloat16
             layers: spikes are exact in either, the membrane is not).
@@ -201,14 +202,21 @@ class Plan:
                 theta = theta.reshape(-1, *([1] * (len(op.out_shape) - 1)))
             reset = p["reset"]
             loop, tol = self.neuron_loop, self.tie_tolerance
+            v0 = p.get("v_init")
+            if v0 is not None and np.asarray(v0).ndim == 0 and float(v0) == 0.5:
+                v0 = None  # the default 1/2: the fill-free first step
+            if v0 is not None:
+                v0 = _tensor(v0, nd, dev)
+                if v0.dim() == 1:
+                    v0 = v0.reshape(-1, *([1] * (len(op.out_shape) - 1)))
 
             def neuron(u: torch.Tensor, T: int, static: bool, stats: "Stats"):
                 if u.dtype != nd:
                     u = u.to(nd)  # a copy: ours to overwrite
                 if tol is None:
-                    s, per_pos = loop(u, theta, T, static, reset)
+                    s, per_pos = loop(u, theta, T, static, reset, v0=v0)
                 else:
-                    s, per_pos = _if_loop(u, theta, T, static, reset, ties=(tol, stats))
+                    s, per_pos = _if_loop(u, theta, T, static, reset, ties=(tol, stats), v0=v0)
                 return (s if s.dtype == dt else s.to(dt)), per_pos
 
             return neuron
@@ -426,11 +434,12 @@ def _structural(op: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
-             ties: tuple[float, "Stats"] | None = None):
+             ties: tuple[float, "Stats"] | None = None, v0: torch.Tensor | None = None):
     """Exact IF dynamics, in place. ``u``: ``[T, b, ...]`` (ours to overwrite) or, ``static``,
     ``[b, ...]`` presented at every step. Returns spikes ``[T, b, ...]`` in ``u.dtype`` and
     ``None`` (the statistics are taken from the spikes). ``ties = (tol, stats)``: also count
-    the updates with ``|h - threshold| <= tol * threshold`` into ``stats``."""
+    the updates with ``|h - threshold| <= tol * threshold`` into ``stats``. ``v0``: the
+    subtractive neuron's initial membrane (broadcastable, units of theta; None: 1/2)."""
     if static:
         x = u / theta if reset == "subtract" else u
         s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
@@ -439,7 +448,7 @@ def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: 
         s = u  # step t's spikes overwrite step t's input once it has been added
         xs = u
     if reset == "subtract":
-        half = torch.tensor(0.5, dtype=s.dtype, device=s.device)
+        half = torch.tensor(0.5, dtype=s.dtype, device=s.device) if v0 is None else v0
         for t in range(T):
             # v[0] = 1/2 added in the first step's operation (a + b == b + a), no fill pass
             if static:
@@ -460,7 +469,7 @@ def _if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: 
     return s, None
 
 
-def _if_fused(T: int, static: bool, reset: str) -> Callable:
+def _if_fused(T: int, static: bool, reset: str, calibrated: bool = False) -> Callable:
     """The IF dynamics of :func:`_if_loop` unrolled over ``T`` steps, written out of place so
     that ``torch.compile`` fuses them into one kernel (one read of the input, one write of the
     spikes, the membrane in registers), with the batch sum of the spikes per step and position
@@ -468,8 +477,9 @@ def _if_fused(T: int, static: bool, reset: str) -> Callable:
     additions, subtractions, comparisons and products by 0/1 are fused (exact in any kernel);
     the division by theta stays outside (Triton's fp32 ``/`` may be approximate)."""
 
-    def fused(x: torch.Tensor, theta: torch.Tensor):
-        v = torch.full_like(x if static else x[0], 0.5 if reset == "subtract" else 0.0)
+    def fused(x: torch.Tensor, theta: torch.Tensor, v0: torch.Tensor | None = None):
+        v = (torch.full_like(x if static else x[0], 0.5 if reset == "subtract" else 0.0)
+             if v0 is None else v0 + torch.zeros_like(x if static else x[0]))
         out = []
         for t in range(T):
             h = v + (x if static else x[t])
@@ -482,7 +492,7 @@ def _if_fused(T: int, static: bool, reset: str) -> Callable:
 
     # dynamo keeps compiled variants per code object (and caps their number): give each
     # (T, static, reset) its own code object so that they do not evict one another
-    tag = f"if_fused_T{T}_{'static' if static else 'seq'}_{reset}"
+    tag = f"if_fused_T{T}_{'static' if static else 'seq'}_{reset}{'_v0' if calibrated else ''}"
     fused.__code__ = fused.__code__.replace(co_name=tag)
     fused.__name__ = fused.__qualname__ = tag
     return fused
@@ -491,7 +501,8 @@ def _if_fused(T: int, static: bool, reset: str) -> Callable:
 _COMPILED: dict[tuple, Callable] = {}
 
 
-def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str):
+def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
+                  v0: torch.Tensor | None = None):
     """:func:`_if_fused` through ``torch.compile``, cached for the process.
 
     The input is viewed as ``[T, b, C, M]`` (``[b, C, M]`` when static) and theta as ``[C, 1]``
@@ -501,7 +512,7 @@ def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, re
     """
     lead = 1 if static else 2
     shape = u.shape
-    C = theta.numel()
+    C = max(theta.numel(), 1 if v0 is None else v0.numel())
     rest = shape[lead:]
     if C == 1:
         M = math.prod(rest)
@@ -509,16 +520,17 @@ def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, re
         view = (*shape[:lead], 1, M)
     else:
         M = math.prod(rest[1:])
-        th = theta.reshape(C, 1)
+        th = theta.reshape(-1, 1).expand(C, 1)
         view = (*shape[:lead], C, M)
     if reset == "subtract":  # IEEE division by torch, as SpikingNetwork's x / theta
         u = u / theta if static else u.div_(theta)
-    key = (T, static, reset, C == 1, M == 1, u.device.type)
+    key = (T, static, reset, C == 1, M == 1, u.device.type, v0 is not None)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = torch.compile(_if_fused(T, static, reset), dynamic=True)
+        fn = _COMPILED[key] = torch.compile(_if_fused(T, static, reset, v0 is not None), dynamic=True)
     try:
-        s, per_pos = fn(u.reshape(view), th)
+        args = (u.reshape(view), th) if v0 is None else (u.reshape(view), th, v0.reshape(-1, 1).expand(C, 1))
+        s, per_pos = fn(*args)
     except Exception as exc:  # inductor needs a working C++ (CPU) or Triton (CUDA) toolchain
         raise BackendError(f"torch.compile of the neuron update failed ({type(exc).__name__}: "
                            f"{str(exc)[:300]}); use neuron='loop'") from exc

@@ -119,9 +119,12 @@ class LavaProgram(Program):
                 conns.append({"index": k, "name": c.name, "source": c.source, "exp": int(c.exp),
                               "delay": int(c.delay)})
                 k += 1
+            per_neuron = isinstance(p.v_init, np.ndarray)
+            if per_neuron:  # a calibrated initial membrane: one value per neuron
+                arrays[f"p{j}_v_init"] = np.asarray(p.v_init, np.int32)
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
-                         "vth": int(p.vth), "v_init": int(p.v_init), "static": bool(p.static),
-                         "conns": conns})
+                         "vth": int(p.vth), "v_init": None if per_neuron else int(p.v_init),
+                         "static": bool(p.static), "conns": conns})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
@@ -173,7 +176,9 @@ class LavaProgram(Program):
                 s = torch.from_numpy(data[f"s{j}"])
                 s_win[p.name] = s[d:d + T].clone()
                 counts[p.name] = s_win[p.name].reshape(T, -1).sum(1).float()
-                before_ok &= bool((v[:d] == p.v_init).all()) and not bool(s[:d].any())
+                v0 = torch.as_tensor(np.asarray(p.v_init, np.int64))
+                if d:
+                    before_ok &= bool((v[:d].reshape(d, -1, p.size) == v0).all()) and not bool(s[:d].any())
         for p in q.populations:
             for c in p.conns:
                 if c.kind == "bias":

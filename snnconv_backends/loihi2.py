@@ -200,7 +200,9 @@ class Population:
         shape: batch-free shape; ``size`` neurons (flattened C-order, as in Lava).
         depth: pipeline depth (0: fed by the static input through a bias current).
         vth: integer threshold (spike on ``v > vth << 6``); 0 for the readout.
-        v_init: initial membrane (``(vth << 6) // 2`` for subtractive reset, else 0).
+        v_init: initial membrane: ``(vth << 6) // 2`` for subtractive reset (theta/2), 0 for
+            hard reset; a calibrated ``v_init`` (a fraction of theta per channel) gives one
+            integer per neuron ``[size]`` (int64), ``round(v_init * (vth << 6))``.
         reset: ``"zero"``, ``"subtract"`` or ``"none"`` (readout).
         scale: integer units per float unit of this population's input, per channel ``[C]``
             or ``[1]``: ``v = x * scale`` (``scale = (vth << 6) / theta`` for neurons).
@@ -213,7 +215,7 @@ class Population:
     shape: tuple[int, ...]
     depth: int
     vth: int
-    v_init: int
+    v_init: int | np.ndarray
     reset: str
     scale: np.ndarray
     conns: tuple[Connection, ...]
@@ -516,6 +518,17 @@ def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...]
             _bits(weight_bits, cname), fan_in)
 
 
+def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
+    """A neuron op's initial membrane in integer ``v`` units (see :class:`Population`)."""
+    if op.params["reset"] != "subtract":
+        return 0
+    v0 = op.params.get("v_init")
+    if v0 is None or (np.ndim(v0) == 0 and float(v0) == 0.5):
+        return (vth << LOIHI["vth_shift"]) // 2
+    full = _per_neuron(np.asarray(v0, np.float64).reshape(-1), shape)
+    return np.round(full * (vth << LOIHI["vth_shift"])).astype(np.int64)
+
+
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
@@ -561,7 +574,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
             vth = FIRST_VTH
             scale = (vth << LOIHI["vth_shift"]) / theta
             pops.append(Population(
-                tgt.name, role, shape, 0, vth, (vth << 6) // 2 if reset == "subtract" else 0,
+                tgt.name, role, shape, 0, vth, _v_init(tgt, vth, shape),
                 reset, scale, (), True,
                 {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)"}))
             depth[tgt.name] = 0
@@ -660,7 +673,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
                               "the threshold, so the threshold has few bits; expect a larger "
                               "deviation from the float network in this layer")
         pops.append(Population(tgt.name, role, shape, d, vth,
-                               (vth << 6) // 2 if reset == "subtract" else 0, reset,
+                               _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
                                np.asarray(scale_c, np.float64), tuple(conns), False, rep))
     return QuantizedNetwork(g, tuple(pops), tuple(static_ops), depth[targets[-1].name])
 
@@ -787,7 +800,10 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         stats.saturated += int((v != u).sum())
         return None, v.to(torch.int32)
     vth = float(pop.vth << LOIHI["vth_shift"])
-    v = torch.full((B, n), float(pop.v_init), dtype=torch.float32, device=dev)
+    if isinstance(pop.v_init, np.ndarray):
+        v = torch.as_tensor(pop.v_init, dtype=torch.float32, device=dev).expand(B, n).clone()
+    else:
+        v = torch.full((B, n), float(pop.v_init), dtype=torch.float32, device=dev)
     spikes = torch.empty(T, B, n, dtype=torch.float32, device=dev)
     volts = torch.empty(T, B, n, dtype=torch.int32, device=dev) if record else None
     hard = pop.reset == "zero"

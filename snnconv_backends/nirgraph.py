@@ -221,6 +221,14 @@ def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np
     return np.ascontiguousarray(per[:, 0], dtype=np.float32)
 
 
+def fire_threshold(theta: np.ndarray, v_init: np.ndarray) -> np.ndarray:
+    """The Threshold of a subtractive neuron whose integrator starts at 0: ``theta * (1 -
+    v_init)`` in float32 (``theta / 2`` exactly for ``v_init = 1/2``). Writer and reader both
+    compute it here, so the file's value is checked bit for bit."""
+    theta = np.asarray(theta, dtype=np.float32)
+    return (theta * (np.float32(1) - np.asarray(v_init, dtype=np.float32))).astype(np.float32)
+
+
 def _check_neuron_meta(where: str, meta: Mapping[str, Any], reset: str, v_init: float,
                        required: bool) -> None:
     expected = {"reset": reset, "v_init": v_init, "compare": ">="}
@@ -355,7 +363,10 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
             if ins[reset] != [fire]:
                 raise NIRError(f"node '{reset}': the reset Scale must receive only '{fire}', got "
                                f"{ins[reset]}")
-            _check_neuron_meta(name, meta, "subtract", 0.5, required=True)
+            v_meta = meta.get("v_init")
+            calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
+            _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
+                               "subtract", 0.5, required=True)
             scale = _array(nodes[reset].scale, reset, "scale")
             threshold = _array(nodes[fire].threshold, fire, "threshold")
             if not (scale.shape == threshold.shape == r.shape):
@@ -365,11 +376,24 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
             if (theta_full <= 0).any():
                 raise NIRError(f"node '{reset}': the reset Scale must be -theta with theta > 0; "
                                f"found max {float(scale.max())!r}. Non-positive thresholds are refused")
-            if not np.array_equal(threshold, theta_full / np.float32(2)):
-                raise NIRError(f"node '{fire}': threshold must be exactly theta/2 = -scale/2 of "
-                               f"'{reset}' (the membrane starts at theta/2); it is not")
+            v0 = np.float32(0.5)
+            if calibrated:
+                v0 = np.asarray(v_meta, dtype=np.float64)
+                if v0.shape == (1,):
+                    v0 = v0.reshape(())  # one value for the layer
+                if v0.ndim > 1 or (v0.ndim == 1 and v0.shape[0] != r.shape[0]) \
+                        or not np.isfinite(v0).all() or (v0 < 0).any() or (v0 > 1).any():
+                    raise NIRError(f"node '{name}': metadata v_init must be a number or one value "
+                                   f"per channel ({r.shape[0]}), each in [0, 1]; got shape "
+                                   f"{v0.shape}")
+                v0 = v0.astype(np.float32)
+            v_full = np.broadcast_to(v0.reshape(v0.shape + (1,) * (len(r.shape) - v0.ndim)), r.shape)
+            if not np.array_equal(threshold, fire_threshold(theta_full, v_full)):
+                raise NIRError(f"node '{fire}': threshold must be exactly theta * (1 - v_init) "
+                               f"(theta = -scale of '{reset}', v_init from the metadata: "
+                               f"{'calibrated' if calibrated else '1/2'}); it is not")
             neuron_params[name] = {"theta": _theta_compact(theta_full, name, per_channel),
-                                   "reset": "subtract"}
+                                   "reset": "subtract", "v_init": v0}
             neuron_shapes[name] = r.shape
             alias[fire] = name
             hidden.update((fire, reset))

@@ -8,9 +8,11 @@ import numpy as np
 __all__ = ["small_graph"]
 
 
-def _neuron(nodes, edges, name, src, theta, reset, shape):
+def _neuron(nodes, edges, name, src, theta, reset, shape, v_init=None):
     """Add neuron ``name`` (per-channel ``theta`` over ``shape``) fed by ``src``; returns the node
-    consumers read spikes from."""
+    consumers read spikes from. ``v_init``: per-channel initial membranes (subtractive reset)."""
+    from snnconv_backends.nirgraph import fire_threshold
+
     theta = np.asarray(theta, np.float32)
     theta = np.broadcast_to(theta.reshape(-1, *([1] * (len(shape) - 1))), shape).astype(np.float32).copy()
     if reset == "zero":
@@ -19,9 +21,12 @@ def _neuron(nodes, edges, name, src, theta, reset, shape):
                                        "compare": ">="})
         edges.append((src, name))
         return name
+    v0 = 0.5 if v_init is None else [float(v) for v in np.asarray(v_init, np.float32)]
     nodes[name] = nir.I(r=np.ones_like(theta), metadata={"snnconv_neuron": "if", "reset": "subtract",
-                                                         "v_init": 0.5, "compare": ">="})
-    nodes[f"{name}_fire"] = nir.Threshold(theta / np.float32(2))
+                                                         "v_init": v0, "compare": ">="})
+    full = (np.float32(0.5) if v_init is None
+            else np.asarray(v_init, np.float32).reshape(-1, *([1] * (len(shape) - 1))))
+    nodes[f"{name}_fire"] = nir.Threshold(fire_threshold(theta, np.broadcast_to(full, shape)))
     nodes[f"{name}_reset"] = nir.Scale(-theta)
     edges += [(src, name), (name, f"{name}_fire"), (f"{name}_fire", f"{name}_reset"),
               (f"{name}_reset", name)]
@@ -29,7 +34,7 @@ def _neuron(nodes, edges, name, src, theta, reset, shape):
 
 
 def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 8, classes: int = 3,
-                per_channel: bool = True, T: int = 4) -> nir.NIRGraph:
+                per_channel: bool = True, T: int = 4, calibrated: bool = False) -> nir.NIRGraph:
     """A tiny residual network with every structure the Loihi mapping handles::
 
         input (1, S, S) -> conv1 -> n1 -> conv2 -> n2 -> conv3 --+--> n3 -> avgpool 2 -> conv4 -> n4
@@ -38,9 +43,14 @@ def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 8, cla
         n4 -> global avgpool -> flatten -> affine -> output
 
     Random weights scaled so that neurons fire at moderate rates; thresholds per channel (or
-    per layer with ``per_channel=False``).
+    per layer with ``per_channel=False``); with ``calibrated``, per-channel initial membranes
+    in [0, 1] (the subtractive neurons of a membrane-calibrated conversion).
     """
     rng = np.random.default_rng(seed)
+    rng_v = np.random.default_rng(seed + 1000)
+
+    def v0(c):
+        return rng_v.uniform(0.0, 1.0, c).astype(np.float32) if calibrated and reset == "subtract" else None
     C, S = channels, size
     nodes: dict = {}
     edges: list = []
@@ -60,23 +70,23 @@ def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 8, cla
     add_conv("conv1", 1, C, S, 1, 0.8)
     edges.append(("input", "conv1"))
     th1, th2, th3, th4 = th(C), th(C), th(C), th(C)
-    s1 = _neuron(nodes, edges, "n1", "conv1", th1, reset, (C, S, S))
+    s1 = _neuron(nodes, edges, "n1", "conv1", th1, reset, (C, S, S), v0(C))
     add_conv("conv2", C, C, S, 1, 0.35)
     edges.append((s1, "conv2"))
-    s2 = _neuron(nodes, edges, "n2", "conv2", th2, reset, (C, S, S))
+    s2 = _neuron(nodes, edges, "n2", "conv2", th2, reset, (C, S, S), v0(C))
     add_conv("conv3", C, C, S, 1, 0.3)
     edges.append((s2, "conv3"))
     nodes["short"] = nir.Scale(np.broadcast_to(th1.reshape(C, 1, 1) * 0.5, (C, S, S)).astype(np.float32).copy())
     edges.append((s1, "short"))
     nodes["add"] = nir.Scale(np.ones((C, S, S), np.float32), metadata=meta_sum)
     edges += [("conv3", "add"), ("short", "add")]
-    s3 = _neuron(nodes, edges, "n3", "add", th3, reset, (C, S, S))
+    s3 = _neuron(nodes, edges, "n3", "add", th3, reset, (C, S, S), v0(C))
     nodes["pool"] = nir.AvgPool2d(kernel_size=np.array([2, 2]), stride=np.array([2, 2]),
                                   padding=np.array([0, 0]))
     edges.append((s3, "pool"))
     add_conv("conv4", C, C, S // 2, 1, 0.6)
     edges.append(("pool", "conv4"))
-    s4 = _neuron(nodes, edges, "n4", "conv4", th4, reset, (C, S // 2, S // 2))
+    s4 = _neuron(nodes, edges, "n4", "conv4", th4, reset, (C, S // 2, S // 2), v0(C))
     h = S // 2
     nodes["gap"] = nir.AvgPool2d(kernel_size=np.array([h, h]), stride=np.array([h, h]),
                                  padding=np.array([0, 0]))

@@ -29,17 +29,19 @@ def _sim(graph, x, T=T):
     return Loihi2SimBackend().compile(graph, record=True).run(x, T)
 
 
-@pytest.mark.parametrize("reset,dense_limit", [("zero", 2**22), ("subtract", 0)])
-def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit):
+@pytest.mark.parametrize("reset,dense_limit,calibrated", [("zero", 2**22, False), ("subtract", 0, False),
+                                                           ("subtract", 2**22, True)])
+def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated):
     """Every population's v and spikes at every step, and the readout, are identical.
 
     The hard-reset net runs Lava's Dense/DelayDense + LIF; the subtractive one Sparse/
-    DelaySparse + the custom SubtractiveIF process (dense_limit=0).
+    DelaySparse + the custom SubtractiveIF process (dense_limit=0); the calibrated one has a
+    per-channel initial membrane (one integer per neuron).
     """
     ok, reason = LavaBackend().availability()
     if not ok:
         pytest.skip(f"Lava side environment missing: {reason}")
-    g = small_graph(reset, seed=1)
+    g = small_graph(reset, seed=1, calibrated=calibrated)
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
     sim = _sim(g, x)
     lava = LavaBackend().compile(g, dense_limit=dense_limit).run(x, T)

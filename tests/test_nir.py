@@ -96,7 +96,7 @@ def test_parse_reads_a_plain_if_node_as_hard_reset():
 @pytest.mark.parametrize("breakage, where", [
     ("unknown", "'n1'"), ("dangling", "'nowhere'"), ("cycle", "cycle"), ("no_output", "Output"),
     ("theta", "positive"), ("shape", "fc2"), ("mixed", "mixed reset"), ("duplicate", "twice"),
-    ("half", "theta/2"), ("no_meta", "metadata"),
+    ("half", r"theta \* \(1 - v_init\)"), ("no_meta", "metadata"),
 ])
 def test_parse_refuses_bad_graphs_naming_the_node_or_edge(breakage, where):
     nodes, edges = _tiny()

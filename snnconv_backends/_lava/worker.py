@@ -141,7 +141,9 @@ def main(job_path, out_path):
             procs[p["name"]] = LIF(shape=(n,), du=4095, dv=0, vth=int(p["vth"]), v=0,
                                    bias_mant=mant, bias_exp=exp, name=p["name"])
         else:
-            procs[p["name"]] = SubtractiveIF(shape=(n,), vth=int(p["vth"]), v=int(p["v_init"]),
+            v0 = (int(p["v_init"]) if p["v_init"] is not None
+                  else np.tile(job[f"p{j}_v_init"].astype(np.int32), B))  # batch-major, as the biases
+            procs[p["name"]] = SubtractiveIF(shape=(n,), vth=int(p["vth"]), v=v0,
                                              bias_mant=mant, bias_exp=exp, name=p["name"])
     conns = []
     for j, p in enumerate(spec["populations"]):
