@@ -35,7 +35,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
-            "dense_limit": 2**22, "max_memory_gb": None}
+            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True}
 
 
 def lava_python() -> Path:
@@ -113,12 +113,17 @@ class LavaProgram(Program):
             conns = []
             for c in p.conns:
                 rows, cols, v = c.coo(shapes[c.source], p.shape)
-                arrays[f"c{k}_rows"] = np.asarray(rows, np.int64)
-                arrays[f"c{k}_cols"] = np.asarray(cols, np.int64)
-                arrays[f"c{k}_vals"] = np.asarray(v, np.int32)
-                conns.append({"index": k, "name": c.name, "source": c.source, "exp": int(c.exp),
-                              "delay": int(c.delay)})
-                k += 1
+                v = np.asarray(v, np.int32)
+                # a split connection is two single-sign synapse groups (two processes)
+                parts = ([(c.name + "+", v > 0), (c.name + "-", v < 0)]
+                         if c.report.get("sign_mode") == "split" else [(c.name, slice(None))])
+                for name, sel in parts:
+                    arrays[f"c{k}_rows"] = np.asarray(rows, np.int64)[sel]
+                    arrays[f"c{k}_cols"] = np.asarray(cols, np.int64)[sel]
+                    arrays[f"c{k}_vals"] = v[sel]
+                    conns.append({"index": k, "name": name, "source": c.source, "exp": int(c.exp),
+                                  "delay": int(c.delay)})
+                    k += 1
             per_neuron = isinstance(p.v_init, np.ndarray)
             if per_neuron:  # a calibrated initial membrane: one value per neuron
                 arrays[f"p{j}_v_init"] = np.asarray(p.v_init, np.int32)
@@ -210,7 +215,7 @@ class LavaBackend(Backend):
     Options: ``python`` (the interpreter with lava-nc 0.10.0), ``timeout`` (seconds per run),
     ``step_seconds`` (latency estimate), ``dense_limit`` (connections with more matrix entries
     than this, batch included, run as Lava ``Sparse`` instead of ``Dense``), ``max_memory_gb``
-    (address-space limit per Lava process).
+    (address-space limit per Lava process), ``split_signs`` (as loihi2-sim's).
     """
 
     name = "lava"
@@ -224,4 +229,4 @@ class LavaBackend(Backend):
             raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
         opts = dict(_OPTIONS)
         opts.update(options)
-        return LavaProgram(loihi2.quantize(graph), opts)
+        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"])), opts)

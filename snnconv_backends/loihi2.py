@@ -14,9 +14,10 @@ Per step, for every neuron (``a_in`` the sum of the incoming connections' output
     v = clip24(v + u + bias)              (dv = 0: integrate; bias = mant << exp, 13-bit mant)
     s = v > vth << 6
     hard reset ("zero"):       v = 0 where s          (Lava's LIF, du=4095, dv=0)
-    subtractive ("subtract"):  v = v - (vth << 6) where s, v[0] = (vth << 6) / 2
-                               (a custom neuron program, as Loihi 2's programmable neurons
-                               allow; Lava has no such built-in neuron)
+    subtractive ("subtract"):  v = v - (vth << 6) where s, v[0] = (vth << 6) / 2, or
+                               round(v_init * (vth << 6)) per neuron after membrane
+                               calibration (a custom neuron program, as Loihi 2's
+                               programmable neurons allow; Lava has no such built-in neuron)
 
 Mapping of a parsed NIR graph (:func:`quantize`):
 
@@ -43,7 +44,13 @@ scales with ``vth`` while each connection's exponent moves in powers of two, so 
 exponent step a connection's largest mantissa fills all 8 bits (:func:`_best_vth`; on the
 Fashion-MNIST ResNet-14 this halves the weight rounding step of most layers and brings
 ``loihi2-sim`` from -0.56 to -0.13 points of the float SNN). Then each connection's exponent
-follows from its largest weight. Nothing is wrapped silently: the worst case is checked on the integer
+follows from its largest weight. A connection whose weights have both signs is mapped as two
+synapse groups, one excitatory and one inhibitory, sharing its exponent (``split_signs``, on
+by default): each keeps 8 bits of magnitude, where Lava's mixed sign mode keeps 7 (even
+mantissas). Zero mantissas are absent synapses, so the split costs no synapses; in Lava it is
+two Dense/Sparse processes into the same neurons. On the Fashion-MNIST ResNet-14 (hard reset,
+10,000 test images) it raises the share of images on which loihi2-sim and the float SNN agree
+from 90.5% to 91.1% (the same network with 16-bit weights: 92.8%). Nothing is wrapped silently: the worst case is checked on the integer
 mantissas at compile time, and saturation, wrapping and bias clipping are counted at run time.
 """
 
@@ -412,26 +419,33 @@ def _compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.nda
     return mat
 
 
-def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8) -> tuple[np.ndarray, int, dict[str, Any]]:
+def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
+                      split: bool = False) -> tuple[np.ndarray, int, dict[str, Any]]:
     """Float weights in ``a_in`` units -> (``bits``-bit mantissas, exponent, report).
 
     Mixed-sign weights keep even mantissas in ``[-2**bits + 2, 2**bits - 2]`` (Lava's mixed
-    sign mode drops the lowest bit), single-sign ones ``[0, 2**bits - 1]`` (or negated).
+    sign mode drops the lowest bit), single-sign ones ``[0, 2**bits - 1]`` (or negated). With
+    ``split``, mixed-sign weights become two single-sign synapse groups with one exponent
+    (``sign_mode="split"``): every mantissa in ``[-2**bits + 1, 2**bits - 1]``, twice as fine;
+    only where that exponent is >= 0 (a negative one floors each group's sum separately).
     """
     amax = float(np.abs(scaled).max()) if scaled.size else 0.0
     mixed = scaled.size > 0 and scaled.min() < 0 < scaled.max()
-    lim = 2**bits - 2 if mixed else 2**bits - 1
     if amax == 0.0:
         return np.zeros(scaled.shape, np.int32), 0, {"exp": 0, "mant_max": 0, "bits": 0, "sign_mode": "excitatory",
                                                      "zero_rounded": 0, "rel_error": 0.0, "clipped": 0}
-    e = _weight_exp(amax, mixed, bias, bits)
+    if mixed and split and _weight_exp(amax, False, bias, bits) < 0:
+        split = False
+    halve = mixed and not split  # Lava's mixed sign mode: even mantissas
+    lim = 2**bits - 2 if halve else 2**bits - 1
+    e = _weight_exp(amax, halve, bias, bits)
     x = scaled / 2.0**e
-    m = 2.0 * np.round(x / 2.0) if mixed else np.round(x)
+    m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
     clipped = int((np.abs(m) > lim).sum())
     m = np.clip(m, -lim, lim).astype(np.int32)
     deq = m.astype(np.float64) * 2.0**e
     err = float(np.sqrt(((deq - scaled) ** 2).sum() / max((scaled**2).sum(), 1e-300)))
-    sign = "mixed" if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
+    sign = ("split" if split else "mixed") if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
     return m, e, {"exp": e, "mant_max": int(np.abs(m).max()), "bits": int(np.abs(m).max()).bit_length(),
                   "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
                   "rel_error": err, "clipped": clipped}
@@ -501,7 +515,7 @@ def _row_sums(kind: str, m: np.ndarray, tgt_shape: tuple[int, ...]) -> tuple[np.
 
 
 def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...], cname: str,
-             weight_bits: int | Mapping[str, int]) -> tuple[float, bool, bool, int, float]:
+             weight_bits: int | Mapping[str, int], split: bool) -> tuple[float, bool, bool, int, float]:
     """A connection's entry for :func:`_best_vth`: its weights in ``a_in`` units are
     ``w * vth / theta`` (per target channel)."""
     n = int(np.prod(shape))
@@ -514,7 +528,7 @@ def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...]
     else:  # diag, bias: one input per neuron
         sc = w.reshape(-1) / _per_neuron(theta, shape)
         fan_in = 1.0
-    return (float(np.abs(sc).max()), bool(sc.min() < 0 < sc.max()), kind == "bias",
+    return (float(np.abs(sc).max()), bool(sc.min() < 0 < sc.max()) and not split, kind == "bias",
             _bits(weight_bits, cname), fan_in)
 
 
@@ -529,12 +543,16 @@ def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
     return np.round(full * (vth << LOIHI["vth_shift"])).astype(np.int64)
 
 
-def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> QuantizedNetwork:
+def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True) -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
     ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
     mapping connection name -> bits (``"*"``: the others) to measure what the 8-bit budget
     costs layer by layer. More than 8 bits cannot run on the chip (nor in Lava).
+    ``split_signs``: a connection with weights of both signs becomes two single-sign synapse
+    groups (excitatory and inhibitory) sharing one exponent, so its mantissas have 8 bits of
+    magnitude instead of Lava's mixed sign mode's 7; the same synapses (zero mantissas are
+    absent), two processes in Lava (see :func:`_quantize_weights`).
 
     Raises:
         BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
@@ -617,8 +635,9 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
                 lim = np.where(worst > 0, 64.0 * a_max * theta_n / np.maximum(worst, 1e-300), np.inf)
             vth = int(min(_VTH_CAP, math.floor(float(lim.min()) / 64.0)))
             if vth >= 2:
-                vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits) for cname, _, kind, w, _ in raw]
-                                + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits)]
+                vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits, split_signs)
+                                      for cname, _, kind, w, _ in raw]
+                                + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits, split_signs)]
                                    if np.any(const != 0) else []))
         else:
             vth = 0
@@ -643,7 +662,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
                     sc = w * s_n / 64.0
                 else:
                     sc = w * s_n[:, None] / 64.0
-                m, e, rep = _quantize_weights(sc, bias=False, bits=_bits(weight_bits, cname))
+                m, e, rep = _quantize_weights(sc, bias=False, bits=_bits(weight_bits, cname), split=split_signs)
                 rep["float_weights"] = int(w.size)
                 delay = d - depth[s] - 1
                 conns.append(Connection(cname, s, tgt.name, kind, m, e, delay, cparams, rep,
@@ -653,7 +672,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8) -> Quantiz
                 tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
             if np.any(const != 0):
                 m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
-                                              bits=_bits(weight_bits, f"{tgt.name}.bias"))
+                                              bits=_bits(weight_bits, f"{tgt.name}.bias"), split=split_signs)
                 conns.append(Connection(f"{tgt.name}.bias", CLOCK, tgt.name, "bias", m, e, d - 1,
                                         None, rep, _fanout("bias", m, None, (1,), shape)))
                 p_, n_ = _shifted_bounds(np.clip(m, 0, None), np.clip(m, None, 0), e)
@@ -1062,7 +1081,7 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
 # --- the backend ----------------------------------------------------------------------------
 
 _OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
-            "weight_bits": 8}
+            "weight_bits": 8, "split_signs": True}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -1163,11 +1182,14 @@ class Loihi2SimBackend(Backend):
     ``extra["trace"]``), ``step_seconds`` (latency estimate), ``batch_size`` (images per
     chunk; default ``256 // T`` on a CPU, where cache-sized chunks run fastest, else 256),
     ``weight_bits`` (8, Loihi's synapses; more, or a mapping connection -> bits, only to
-    measure what the 8-bit budget costs: such a network cannot run on the chip).
+    measure what the 8-bit budget costs: such a network cannot run on the chip),
+    ``split_signs`` (default True: mixed-sign connections as excitatory + inhibitory synapse
+    groups, 8 bits of magnitude each; False: Lava's mixed sign mode, 7).
     """
 
     name = "loihi2-sim"
 
     def compile(self, graph: Any, **options: Any) -> Loihi2Program:
         opts = _check_options(self.name, options)
-        return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"]), opts)
+        return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"],
+                                      split_signs=bool(opts["split_signs"])), opts)

@@ -92,3 +92,59 @@ def test_convert_with_bias_calibration_records_it(trained_digits_cnn, digits_loa
     record = meta.stage("spiking").changes["bias_calibration"]
     assert record["T"] == 8 and record["batches"] == 4
     assert meta.accuracy["snn"]["4"] > 50.0
+
+
+def _reference_means(qcfs, x, levels):
+    """Per-channel mean QCFS output of every site with all QCFS at ``levels`` levels."""
+    q = copy.deepcopy(qcfs)
+    for m in q.modules():
+        if isinstance(m, QCFS):
+            m.L = levels
+    return _layer_means(q, x, QCFS)
+
+
+def test_membrane_calibration_fits_both_horizons(qcfs_and_snn):
+    """horizons=(T1, T2): bias and per-channel v_init move every layer's mean at T1 and at T2
+    (each against the QCFS-ANN at that many levels) towards the reference."""
+    qcfs, snn, train = qcfs_and_snn
+    x = torch.cat([b[0] for _, b in zip(range(4), train)])
+    calibrated = calibrate_bias(snn, qcfs, [(x,)], num_batches=1, horizons=(2, 8))
+    sources = {n: r["source"] for n, r in snn.meta["neurons"].items()}
+    for t in (2, 8):
+        ref = _reference_means(qcfs, x, t)
+        snn.T = calibrated.T = t
+        before, after = _layer_means(snn.net, x, IFNeuron), _layer_means(calibrated.net, x, IFNeuron)
+        err_before = sum((before[n] - ref[s]).abs().sum().item() for n, s in sources.items())
+        err_after = sum((after[n] - ref[s]).abs().sum().item() for n, s in sources.items())
+        assert err_after < 0.5 * err_before, (t, err_after, err_before)
+    moved = []
+    for name, m in snnconv.spiking.neurons(calibrated.net).items():
+        assert m.v_init.dim() == 1 and ((m.v_init >= 0) & (m.v_init <= 1)).all(), name
+        moved.append(not torch.equal(m.v_init, torch.full_like(m.v_init, 0.5)))
+    # the first layer sees the static input, on which t IF steps compute QCFS at t levels
+    # exactly: nothing to correct there; the layers fed by spikes move
+    assert not moved[0] and all(moved[1:]), moved
+    for m in snnconv.spiking.neurons(snn.net).values():  # the input network is untouched
+        assert m.v_init.dim() == 0 and float(m.v_init) == 0.5
+    assert calibrated.meta["bias_calibration"]["horizons"] == [2, 8]
+
+
+def test_membrane_calibration_refusals(qcfs_and_snn, trained_digits_cnn, digits_loaders):
+    qcfs, snn, train = qcfs_and_snn
+    for bad in ((4, 4), (0, 4), (8, 2), (4,), 8):
+        with pytest.raises(ValueError, match="horizons"):
+            calibrate_bias(snn, qcfs, train, horizons=bad)
+    hard = snnconv.to_spiking(qcfs, T=4, reset="zero")
+    with pytest.raises(ValueError, match="subtractive"):
+        calibrate_bias(hard, qcfs, train, horizons=(2, 8))
+    with pytest.raises(ValueError, match="initial membrane"):
+        snnconv.convert(trained_digits_cnn, digits_loaders[0], reset="zero", bias_calibration_T=(2, 8),
+                        progress=False)
+
+
+def test_convert_calibrates_the_membrane_by_default(trained_digits_cnn, digits_loaders):
+    train, _ = digits_loaders
+    snn, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
+    record = meta.stage("spiking").changes["bias_calibration"]
+    assert record["horizons"] == [2, 8] and record["T"] == 8
+    assert all(m.v_init.dim() == 1 for m in snnconv.spiking.neurons(snn.net).values())

@@ -29,22 +29,24 @@ def _sim(graph, x, T=T):
     return Loihi2SimBackend().compile(graph, record=True).run(x, T)
 
 
-@pytest.mark.parametrize("reset,dense_limit,calibrated", [("zero", 2**22, False), ("subtract", 0, False),
-                                                           ("subtract", 2**22, True)])
-def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated):
+@pytest.mark.parametrize("reset,dense_limit,calibrated,split", [
+    ("zero", 2**22, False, True), ("subtract", 0, False, True), ("subtract", 2**22, True, True),
+    ("zero", 0, False, False)])
+def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split):
     """Every population's v and spikes at every step, and the readout, are identical.
 
     The hard-reset net runs Lava's Dense/DelayDense + LIF; the subtractive one Sparse/
     DelaySparse + the custom SubtractiveIF process (dense_limit=0); the calibrated one has a
-    per-channel initial membrane (one integer per neuron).
+    per-channel initial membrane (one integer per neuron). ``split``: mixed-sign connections
+    as two single-sign synapse groups (the default), else Lava's mixed sign mode.
     """
     ok, reason = LavaBackend().availability()
     if not ok:
         pytest.skip(f"Lava side environment missing: {reason}")
     g = small_graph(reset, seed=1, calibrated=calibrated)
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
-    sim = _sim(g, x)
-    lava = LavaBackend().compile(g, dense_limit=dense_limit).run(x, T)
+    sim = Loihi2SimBackend().compile(g, record=True, split_signs=split).run(x, T)
+    lava = LavaBackend().compile(g, dense_limit=dense_limit, split_signs=split).run(x, T)
     assert lava.extra["lava"]["idle_before_window"]
     vs, vl = sim.extra["trace"]["v"], lava.extra["trace"]["v"]
     assert set(vs) == set(vl) == {"n1", "n2", "n3", "n4", "output"}
@@ -112,11 +114,15 @@ def test_quantisation_stays_within_the_bit_budget():
         for c in p.conns:
             m = c.mant
             assert LOIHI["weight_exp_min"] <= c.exp <= LOIHI["weight_exp_max"]
-            if m.min() < 0 < m.max():  # mixed sign: Lava keeps even values only
+            if c.report["sign_mode"] == "mixed":  # Lava keeps even values only
                 assert (m % 2 == 0).all() and np.abs(m).max() <= 254
-            else:
-                assert np.abs(m).max() <= 255
+            else:  # single sign, or split into an excitatory and an inhibitory group
+                assert np.abs(m).max() <= 255 and (c.report["sign_mode"] == "split") == (m.min() < 0 < m.max())
+                assert c.report["sign_mode"] != "split" or c.exp >= 0
             assert c.report["clipped"] == 0
+    mixed = quantize(small_graph("subtract", seed=3), split_signs=False)
+    modes = {c.report["sign_mode"] for p in mixed.populations for c in p.conns}
+    assert "mixed" in modes and "split" not in modes
 
 
 def test_reports_and_latency():

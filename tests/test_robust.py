@@ -75,9 +75,11 @@ def _calls(snn):
     return counts
 
 
-@pytest.mark.parametrize("net, per_channel", [("cnn", True), ("resnet", False), ("resnet", True)])
+@pytest.mark.parametrize("net, per_channel, horizons", [("cnn", True, None), ("resnet", False, None),
+                                                       ("resnet", True, None), ("cnn", True, (2, 6)),
+                                                       ("resnet", True, (2, 6))])
 def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
-        net, per_channel, small_digits_ann, digits_data):
+        net, per_channel, horizons, small_digits_ann, digits_data):
     from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
 
     model = small_digits_ann if net == "cnn" else _trained_tiny_resnet(digits_data)
@@ -87,8 +89,8 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     snn = snnconv.to_spiking(qcfs, T=4)
     fast_snn, slow_snn = copy.deepcopy(snn), copy.deepcopy(snn)
     fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
-    fast = calibrate_bias(fast_snn, qcfs, loader, T=6)
-    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6)
+    fast = calibrate_bias(fast_snn, qcfs, loader, T=6, horizons=horizons)
+    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6, horizons=horizons)
     assert fast.meta["bias_calibration"]["method"] == "one-pass"
     assert slow.meta["bias_calibration"]["method"] == "rerun"
     assert set(fast_calls.values()) == {1}, f"one pass over the concatenated batches: {fast_calls}"
