@@ -106,8 +106,8 @@ def main() -> None:
            "load_average": os.getloadavg()}
     for reset in ("subtract", "zero"):
         torch.manual_seed(0)
-        snn, _ = snnconv.convert(copy.deepcopy(ann), calib, T=args.T, reset=reset, per_channel=True,
-                                 qcfs_epochs=args.qcfs_epochs, device=args.device, progress=False)
+        snn, meta = snnconv.convert(copy.deepcopy(ann), calib, T=args.T, reset=reset, per_channel=True,
+                                    qcfs_epochs=args.qcfs_epochs, device=args.device, progress=False)
         graph = export_nir(snn.cpu())
         snn = snn.to(args.device)
         t0 = time.perf_counter()
@@ -120,7 +120,8 @@ def main() -> None:
         t0 = time.perf_counter()
         p_sim, acc_sim = evaluate(lambda x: prog.run(x, args.T).outputs, test, args.batch)
         t_sim = time.perf_counter() - t0
-        rec = {"reference_backend": ref_backend, "float_snn": acc_ref, "loihi2_sim": acc_sim, "difference": acc_sim - acc_ref,
+        rec = {"convert_settings": {k: meta.settings[k] for k in ("per_channel", "bias_calibration_T", "L")},
+               "reference_backend": ref_backend, "float_snn": acc_ref, "loihi2_sim": acc_sim, "difference": acc_sim - acc_ref,
                "agreement": float((p_ref == p_sim).float().mean()) * 100,
                "seconds_float": t_ref, "seconds_sim": t_sim}
         if args.per_layer:

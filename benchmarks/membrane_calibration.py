@@ -10,7 +10,8 @@ percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
 - ``bias@8``: :func:`snnconv.spiking.calibrate_bias` at T=8 (convert()'s default before),
 - ``h4-16``, ``h4-32``: ``calibrate_bias(horizons=(4, 16))`` / ``(4, 32)`` (bias + initial
   membrane per channel, error model a + b/t; (4, 16) is convert()'s default at T=8),
-- ``h4-16/2b``: the same on 2 calibration batches instead of 4 (half the cost),
+- ``h8-16``, ``h8-32``: the first horizon at the network's T,
+- ``h4-16/2b``: (4, 16) on 2 calibration batches instead of 4 (half the cost),
 
 and the SNN is run once for 32 steps on the first ``--test-limit`` test images; the accuracy
 at T is that of the first T steps (nothing in the network depends on T). Writes
@@ -40,6 +41,7 @@ from snnconv.spiking import calibrate_bias, to_spiking  # noqa: E402
 
 TS = (1, 2, 4, 8, 16, 32)
 VARIANTS = {"bias@8": dict(T=8), "h4-16": dict(horizons=(4, 16)), "h4-32": dict(horizons=(4, 32)),
+            "h8-16": dict(horizons=(8, 16)), "h8-32": dict(horizons=(8, 32)),
             "h4-16/2b": dict(horizons=(4, 16), num_batches=2)}
 
 
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--cache", required=True)
     ap.add_argument("--archs", nargs="*", default=["resnet20", "tv_resnet", "mobilenet", "small_cnn"])
     ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--subset", type=int, default=5000)
     ap.add_argument("--test-limit", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=2)
@@ -71,7 +74,8 @@ def main() -> None:
         with torch.no_grad():
             ann_acc = float((ann(xt).argmax(1) == yt).float().mean()) * 100
             q_acc = float((qgm(xt).argmax(1) == yt).float().mean()) * 100
-        for name, kw in VARIANTS.items():
+        for name in args.variants:
+            kw = VARIANTS[name]
             key = f"{arch}-e{args.epochs}/{name}"
             if key in res:
                 continue

@@ -196,9 +196,9 @@ def convert(
         bias_calibration_T: the horizon(s) of bias calibration. Two horizons ``(T1, T2)``
             (subtractive reset) calibrate the bias and each channel's initial membrane so that
             the network holds at every T, not only at one; the default for ``reset="subtract"``
-            is ``(max(1, T // 2), 2 * T)``, i.e. (4, 16) at T=8 (on the robustness matrix it
-            raised accuracy at T=4 to 32 over bias calibration at T; benchmarks/README.md
-            "Membrane calibration"). One
+            is ``(T, 2 * T)``: exact at the network's T and at 2T, and on the robustness
+            matrix better at T=4 to 32 than bias calibration at T and than (T/2, 2T)
+            (benchmarks/README.md "Membrane calibration"). One
             integer calibrates the bias alone for that many steps (the default for
             ``reset="zero"``: ``T``; NIR's IF has no initial membrane).
         threshold_calibration: before bias calibration, fit each layer's threshold to the
@@ -244,7 +244,7 @@ def convert(
     if per_channel is None:
         per_channel = reset == "subtract"
     if bias_calibration_T is None:
-        bias_calibration_T = (max(1, T // 2), 2 * T) if reset == "subtract" else T
+        bias_calibration_T = (T, 2 * T) if reset == "subtract" else T
     if isinstance(bias_calibration_T, (tuple, list)):
         bias_calibration_T = tuple(bias_calibration_T)
         if reset != "subtract":

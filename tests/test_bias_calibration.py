@@ -146,5 +146,5 @@ def test_convert_calibrates_the_membrane_by_default(trained_digits_cnn, digits_l
     train, _ = digits_loaders
     snn, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
     record = meta.stage("spiking").changes["bias_calibration"]
-    assert record["horizons"] == [2, 8] and record["T"] == 8
+    assert record["horizons"] == [4, 8] and record["T"] == 8
     assert all(m.v_init.dim() == 1 for m in snnconv.spiking.neurons(snn.net).values())
