@@ -99,12 +99,19 @@ def main() -> None:
     ap.add_argument("--per-layer", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--qcfs-epochs", type=int, default=0, help="QCFS training epochs in convert()")
+    ap.add_argument("--resets", nargs="*", default=["subtract", "zero"], choices=["subtract", "zero"],
+                    help="reset modes to run (the JSON keeps the other's earlier record)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ann, calib, test = data(args.dataset, args.limit)
     out = {"dataset": args.dataset, "T": args.T, "n_test": len(test), "device": args.device,
            "load_average": os.getloadavg()}
-    for reset in ("subtract", "zero"):
+    path = os.path.join(os.path.dirname(__file__), "results", f"loihi2_accuracy_{args.dataset}.json")
+    if os.path.exists(path) and set(args.resets) != {"subtract", "zero"}:
+        with open(path) as f:
+            earlier = json.load(f)
+        out.update({r: earlier[r] for r in ("subtract", "zero") if r in earlier and r not in args.resets})
+    for reset in args.resets:
         torch.manual_seed(0)
         snn, meta = snnconv.convert(copy.deepcopy(ann), calib, T=args.T, reset=reset, per_channel=True,
                                     qcfs_epochs=args.qcfs_epochs, device=args.device, progress=False)
@@ -136,7 +143,6 @@ def main() -> None:
                                                    args.batch)[1]
         out[reset] = rec
         print(reset, json.dumps(rec, indent=1), flush=True)
-    path = os.path.join(os.path.dirname(__file__), "results", f"loihi2_accuracy_{args.dataset}.json")
     from snnconv.meta import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(out, indent=2) + "\n").encode())
