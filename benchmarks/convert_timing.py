@@ -8,7 +8,8 @@ training-mode passes, Gaussian data: time does not depend on accuracy): ``conver
 QCFS training (10 calibration batches of 128, T=8, bias calibration on its default 4 batches)
 with its per-stage times; then the references: 10 ANN forwards of the calibration batches, and
 one T-step SNN pass over the bias calibration batches (the cost floor of bias calibration),
-and bias calibration alone, one-pass (now) and by re-running the network up to each layer
+bias calibration alone at T, membrane calibration (horizons (T, 2T), convert()'s default for
+subtractive reset) against a 2T-step pass, and bias calibration by re-running the network up to each layer
 (before; ``--skip-rerun`` leaves it out: it grows with the square of the depth). Best of
 ``--repeat``. Writes ``results/convert_timing.json`` (or ``--out``).
 """
@@ -108,6 +109,16 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     result["bias_calibration_seconds"] = _best(lambda: calibrate_bias(snn, qcfs, loader, T=T), repeat, device)
     result["bias_calibration_over_snn_pass"] = result["bias_calibration_seconds"] / result["snn_pass_seconds"]
     print("bias calibration", result["bias_calibration_seconds"], flush=True)
+    # convert()'s default for reset="subtract": membrane calibration, one 2T-step pass
+    snn.T = 2 * T
+    result["snn_pass_2T_seconds"] = _best(snn_pass, repeat, device)
+    snn.T = T
+    result["membrane_calibration_seconds"] = _best(
+        lambda: calibrate_bias(snn, qcfs, loader, horizons=(T, 2 * T)), repeat, device)
+    result["membrane_calibration_over_snn_pass"] = result["membrane_calibration_seconds"] / result["snn_pass_seconds"]
+    result["membrane_calibration_over_snn_pass_2T"] = (result["membrane_calibration_seconds"]
+                                                       / result["snn_pass_2T_seconds"])
+    print("membrane calibration", result["membrane_calibration_seconds"], flush=True)
     if rerun:
         result["bias_calibration_rerun_seconds"] = _best(
             lambda: _calibrate_bias_by_rerun(snn, qcfs, loader, T=T), 1, device)
