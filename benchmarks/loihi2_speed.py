@@ -46,7 +46,7 @@ def main() -> None:
     torch.manual_seed(0)
     calib = TensorDataset(torch.randn(512, 1, 28, 28), torch.zeros(512, dtype=torch.long))
     snn, _ = snnconv.convert(resnet14(in_channels=1).eval(), DataLoader(calib, batch_size=128),
-                             T=args.T, reset=args.reset, per_channel=True, progress=False,
+                             T=args.T, reset=args.reset, per_channel=args.reset == "subtract", progress=False,
                              bias_calibration=False)
     graph = export_nir(snn)
     x = torch.randn(args.batch, 1, 28, 28)
