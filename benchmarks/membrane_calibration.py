@@ -9,8 +9,8 @@ percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
 
 - ``bias@8``: :func:`snnconv.spiking.calibrate_bias` at T=8 (convert()'s default before),
 - ``h4-16``, ``h4-32``: ``calibrate_bias(horizons=(4, 16))`` / ``(4, 32)`` (bias + initial
-  membrane per channel, error model a + b/t; (8, 16) is convert()'s default at T=8),
-- ``h8-16``, ``h8-32``: the first horizon at the network's T,
+  membrane per channel, error model a + b/t),
+- ``h8-16``, ``h8-32``: the first horizon at the network's T ((8, 16) is convert()'s default),
 - ``h4-16/2b``: (4, 16) on 2 calibration batches instead of 4 (half the cost),
 
 and the SNN is run once for 32 steps on the first ``--test-limit`` test images; the accuracy
