@@ -312,7 +312,7 @@ def convert(
     with _stage(meta, "spiking") as rec:
         snn = to_spiking(qgm, T=T, reset=reset)
         if threshold_calibration:
-            snn = calibrate_thresholds(snn, qgm, loader, T=bias_calibration_T)
+            snn = calibrate_thresholds(snn, qgm, loader, T=T if horizons else bias_calibration_T)
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
                                  horizons=horizons)

@@ -508,12 +508,14 @@ def _reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels
 def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int | None,
                 num_batches: int, horizons: tuple[int, int] | None = None):
     """Calibration batches, the reference's per-channel mean output per QCFS site (a pair of
-    them, at ``L = T1`` and ``L = T2``, with ``horizons``), and the copy."""
+    them, at ``L = T1`` and ``L = T2``, with ``horizons``; T is then T2), and the copy."""
     from .data import split_batch
 
     if not isinstance(snn, SpikingNetwork) or "neurons" not in snn.meta:
         raise StageOrderError("calibrate_bias needs a SpikingNetwork made by to_spiking (its meta "
                               "maps each neuron to its QCFS site)")
+    if horizons is not None:
+        T = _check_horizons(snn, horizons)[1]
     T = snn.T if T is None else T
     _check_T(T)
     batches = []
@@ -622,10 +624,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
         DataError: the loader is empty.
     """
-    if horizons is not None:
-        horizons = _check_horizons(snn, horizons)
-        T = horizons[1]
     T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches, horizons)
+    horizons = None if horizons is None else (int(horizons[0]), int(horizons[1]))
     gm = out.net
     calls = call_counts(gm)
     plan, shifts = [], {}
@@ -705,10 +705,8 @@ def _calibrate_bias_by_rerun(snn: "SpikingNetwork", reference: nn.Module, loader
                              T: int | None = None, num_batches: int = 4,
                              horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
     """:func:`calibrate_bias` by the quadratic re-run algorithm (the reference in the tests)."""
-    if horizons is not None:
-        horizons = _check_horizons(snn, horizons)
-        T = horizons[1]
     T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches, horizons)
+    horizons = None if horizons is None else (int(horizons[0]), int(horizons[1]))
     return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
 
 
@@ -777,7 +775,8 @@ class SpikingNetwork(nn.Module):
         with a straight-through gradient; the weights are the SNN's. This is the QCFS-ANN the
         network computes when every layer's input is constant in time, and what ``snn(x)``
         tends to as T grows (for a large ``levels``): after BPTT at a few steps, compare the two
-        to see what fine-tuning did to the many-step behaviour.
+        to see what fine-tuning did to the many-step behaviour. A calibrated initial membrane
+        (``IFNeuron.v_init``) is not part of this limit: every neuron uses QCFS's shift of 1/2.
         """
         _check_T(levels, "levels (quantisation steps)")
         units = list(neurons(self.net).values())

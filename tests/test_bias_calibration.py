@@ -120,10 +120,11 @@ def test_membrane_calibration_fits_both_horizons(qcfs_and_snn):
     moved = []
     for name, m in snnconv.spiking.neurons(calibrated.net).items():
         assert m.v_init.dim() == 1 and ((m.v_init >= 0) & (m.v_init <= 1)).all(), name
-        moved.append(not torch.equal(m.v_init, torch.full_like(m.v_init, 0.5)))
+        moved.append(float((m.v_init - 0.5).abs().max()))
     # the first layer sees the static input, on which t IF steps compute QCFS at t levels
-    # exactly: nothing to correct there; the layers fed by spikes move
-    assert not moved[0] and all(moved[1:]), moved
+    # (up to float rounding at level boundaries): nothing to correct there; the layers fed by
+    # spikes move
+    assert moved[0] < 1e-3 and all(d > 1e-2 for d in moved[1:]), moved
     for m in snnconv.spiking.neurons(snn.net).values():  # the input network is untouched
         assert m.v_init.dim() == 0 and float(m.v_init) == 0.5
     assert calibrated.meta["bias_calibration"]["horizons"] == [2, 8]
@@ -148,3 +149,12 @@ def test_convert_calibrates_the_membrane_by_default(trained_digits_cnn, digits_l
     record = meta.stage("spiking").changes["bias_calibration"]
     assert record["horizons"] == [4, 8] and record["T"] == 8
     assert all(m.v_init.dim() == 1 for m in snnconv.spiking.neurons(snn.net).values())
+
+
+def test_convert_with_threshold_calibration_and_membrane_calibration(trained_digits_cnn, digits_loaders):
+    """threshold_calibration=True on a subtractive network runs at the network's T, then the
+    membrane calibration at its two horizons."""
+    snn, meta = snnconv.convert(trained_digits_cnn, digits_loaders[0], T=4, threshold_calibration=True,
+                                progress=False)
+    assert meta.stage("spiking").changes["threshold_calibration"]["T"] == 4
+    assert meta.stage("spiking").changes["bias_calibration"]["horizons"] == [4, 8]
