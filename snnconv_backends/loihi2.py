@@ -832,12 +832,10 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         if float(vmin) < lo or float(vmax) > hi:  # 24-bit saturation (rare): clip and count
             stats.saturated += int(((v < lo) | (v > hi)).sum())
             v.clamp_(lo, hi)
-        if hard:
-            fired = torch.gt(v, vth)
-            spikes[t].copy_(fired)
-            v.masked_fill_(fired, 0.0)
+        torch.gt(v, vth, out=spikes[t])
+        if hard:  # v - v * s: exact on integer-valued floats (s is 0 or 1)
+            v.addcmul_(v, spikes[t], value=-1.0)
         else:
-            torch.gt(v, vth, out=spikes[t])
             v.sub_(spikes[t], alpha=vth)
         if record:
             volts[t] = v.to(torch.int32)
