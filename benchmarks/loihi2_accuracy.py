@@ -9,7 +9,9 @@ for reset "subtract" and "zero"; each SNN is run on the test set by the torch Sp
 (the float reference ``cpu`` reproduces bit for bit) and by loihi2-sim. ``--limit`` evaluates
 the first N test images only. Digits: the demo SmallCNN trained for 15 epochs on scikit-learn
 digits (seconds on a CPU); digits-resnet8: ResNet-8 (residual) on digits upsampled to 16x16,
-15 epochs, cached under results/cache. Also measures, per connection, what its 8-bit budget costs: the
+15 epochs, cached under results/cache. ``--two-groups [DEPTH ...]`` also runs loihi2-sim
+with ``weight_groups=2`` (~15-bit weights from two 8-bit synapse groups) on every connection,
+or on those into the first DEPTH layers, and reports the synapse cost. Also measures, per connection, what its 8-bit budget costs: the
 accuracy with that one connection at 8 bits and every other at 16 (``--per-layer``).
 Writes results/loihi2_accuracy_<dataset>.json.
 """
@@ -98,6 +100,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--per-layer", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--two-groups", type=int, nargs="*", default=None, metavar="DEPTH",
+                    help="also run loihi2-sim with weight_groups=2 (a connection's rounding residual as "
+                         "a second synapse group) on the connections into populations at depth <= "
+                         "DEPTH, for each DEPTH given (none given: all connections)")
     ap.add_argument("--qcfs-epochs", type=int, default=0, help="QCFS training epochs in convert()")
     ap.add_argument("--resets", nargs="*", default=["subtract", "zero"], choices=["subtract", "zero"],
                     help="reset modes to run (the JSON keeps the other's earlier record)")
@@ -131,6 +137,23 @@ def main() -> None:
                "reference_backend": ref_backend, "float_snn": acc_ref, "loihi2_sim": acc_sim, "difference": acc_sim - acc_ref,
                "agreement": float((p_ref == p_sim).float().mean()) * 100,
                "seconds_float": t_ref, "seconds_sim": t_sim}
+        if args.two_groups is not None:  # connections as two synapse groups (~15-bit weights)
+            from snnconv_backends.loihi2 import resources
+
+            rec["synapses"], rec["cores"] = resources(q)["synapses"], resources(q)["cores"]
+            rec["two_groups"] = {}
+            for dmax in args.two_groups or [q.depth]:
+                groups = {c.name: 2 for p in q.populations for c in p.conns if p.depth <= dmax}
+                q2 = quantize(graph, weight_groups=groups)
+                prog2 = Loihi2Program(q2, dict(_OPTIONS, device=args.device))
+                t0 = time.perf_counter()
+                p2, acc2 = evaluate(lambda x: prog2.run(x, args.T).outputs, test, args.batch)
+                key = "all" if dmax >= q.depth else f"depth<={dmax}"
+                rec["two_groups"][key] = {
+                    "connections": len(groups), "loihi2_sim": acc2, "difference": acc2 - acc_ref,
+                    "agreement": float((p_ref == p2).float().mean()) * 100,
+                    "synapses": resources(q2)["synapses"], "cores": resources(q2)["cores"],
+                    "seconds_sim": time.perf_counter() - t0}
         if args.per_layer:
             names = [c.name for p in q.populations for c in p.conns]
             rec["all_16_bits"] = evaluate(lambda x: Loihi2Program(quantize(graph, weight_bits=16), dict(

@@ -22,6 +22,7 @@ __all__ = [
     "call_sites",
     "call_counts",
     "capture",
+    "run_lockstep",
     "describe_node",
 ]
 
@@ -198,3 +199,38 @@ def capture(gm: fx.GraphModule, inputs: Iterable[Any], names: Iterable[str],
     with torch.no_grad():
         out = interp.run(*inputs)
     return (interp.values, out) if with_output else interp.values
+
+
+def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
+                 before: dict[str, Callable[[list[Any]], list[Any]]]) -> list[Any]:
+    """Run ``gm`` on each of ``chunks`` node by node, every chunk through a node before any
+    goes on to the next one; returns the outputs per chunk.
+
+    ``before[node_name](firsts)`` receives that node's first argument for every chunk and
+    returns the ones it should run on: a correction computed from the whole data set takes
+    effect before the next layer, while every operation still runs on one chunk (small,
+    cache-sized tensors) and the graph is interpreted once. Values are freed after their
+    last use, as ``fx.Interpreter.run`` does.
+    """
+    its = [fx.Interpreter(gm, garbage_collect_values=True) for _ in chunks]
+    for it, c in zip(its, chunks):
+        it.env = {}
+        it.args_iter = iter([c])
+    last = its[0].user_to_last_uses
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            return [it.run_node(node) for it in its]
+        hook = before.get(node.name)
+        if hook is None:
+            for it in its:
+                it.env[node] = it.run_node(node)
+        else:
+            fetched = [it.fetch_args_kwargs_from_env(node) for it in its]
+            firsts = hook([args[0] for args, _ in fetched])
+            for it, (args, kwargs), first in zip(its, fetched, firsts):
+                with it._set_current_node(node):
+                    it.env[node] = getattr(it, node.op)(node.target, (first, *args[1:]), kwargs)
+        for dead in last.get(node, []):
+            for it in its:
+                del it.env[dead]
+    raise UnsupportedModelError("the graph has no output node")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from spikingjelly.activation_based import neuron, surrogate
 
 from .errors import CheckpointError, DataError, StageOrderError, UnsupportedModelError
-from .graph import call_counts, capture, describe_node, module_of, prepare
+from .graph import call_counts, capture, describe_node, module_of, prepare, run_lockstep
 from .guards import assert_no_batchnorm
 from .meta import atomic_write_bytes
 from .qcfs import QCFS, _check_activations, _FloorSTE, relu_sites
@@ -124,6 +124,33 @@ class IFNeuron(nn.Module):
             v = (1.0 - (s.detach() if self.detach_reset else s)) * h
         return torch.stack(spikes)
 
+    def _inference(self, seq: torch.Tensor) -> torch.Tensor:
+        """The same dynamics without autograd, in place: three tensor operations per step
+        instead of the surrogate's graph. Bit-identical to the training path (tested): ``h = v
+        + x``; ``h - 1 >= 0`` is ``h >= 1`` in IEEE arithmetic; ``v - s`` (subtractive reset)
+        and ``h - h * s`` (``(1 - s) * h`` for ``s`` in {0, 1})."""
+        if self.reset == "zero":
+            theta = _channel_view(self.theta, seq.dim() - 1)
+            s = torch.empty_like(seq)
+            v = seq[0].clone()
+            for t in range(seq.shape[0]):
+                if t:
+                    v.add_(seq[t])
+                torch.ge(v, theta, out=s[t])
+                v.addcmul_(v, s[t], value=-1.0)
+            return s
+        s = seq / _channel_view(self.theta, seq.dim(), channel_dim=2)  # ours: steps become spikes
+        if self.v_init.dim() or float(self.v_init) != 0.5:
+            v = s[0] + _channel_view(self.v_init.to(seq.dtype), seq.dim() - 1)
+        else:
+            v = s[0] + 0.5
+        for t in range(seq.shape[0]):
+            if t:
+                v.add_(s[t])
+            torch.ge(v, 1.0, out=s[t])
+            v.sub_(s[t])
+        return s
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rate_levels:
             if self.reset != "subtract":
@@ -137,6 +164,8 @@ class IFNeuron(nn.Module):
         if TB % self.T:
             raise ValueError(f"IFNeuron got a batch of {TB}, not a multiple of T={self.T}")
         seq = x.reshape(self.T, TB // self.T, *x.shape[1:])
+        if not torch.is_grad_enabled():
+            return self._inference(seq).reshape(x.shape)
         if self.reset == "zero":
             return self._hard(seq).reshape(x.shape)
         theta = _channel_view(self.theta, seq.dim(), channel_dim=2)
@@ -613,10 +642,11 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     calibration of Li et al. (ICML 2021) and the error model of Bu et al. (ICLR 2022) and Hao
     et al. (AAAI 2023), fitted per channel; ``T`` is then ignored.
 
-    Cost: one T-step pass of the SNN over the ``num_batches`` batches (run as one batch: memory
-    is that of a forward at ``num_batches`` times the batch size): at each neuron, the spikes
-    of the uncorrected input give the shift, and the corrected input goes on to the next
-    layers. Where a shifted layer's output also reaches other nodes (or its module is called
+    Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
+    layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of
+    ``snn.chunk_size`` time-folded samples; memory is that of a forward at ``num_batches`` times
+    the batch size): at each neuron, the spikes of the uncorrected input give the shift, and the
+    corrected input goes on to the next layers. Where a shifted layer's output also reaches other nodes (or its module is called
     twice), that shortcut is not exact and each layer is re-run from the input instead
     (quadratic in depth; ``meta["bias_calibration"]["method"] == "rerun"``).
 
@@ -640,31 +670,29 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             continue
         if calls.get(str(node.target), 0) != 1 or not _shift_reaches_only(gm, node, hit, calls):
             return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
-        plan.append((neuron_mod, str(node.target), source, module_of(gm, hit[0])))
+        plan.append((node.name, neuron_mod, str(node.target), source, module_of(gm, hit[0])))
     sizes = [len(x) for x in batches]
+    # cache-sized chunks on a CPU (as SpikingNetwork's chunk_size), each inside one batch
+    per = max(1, snn.chunk_size // T) if snn.chunk_size and batches[0].device.type == "cpu" else None
+    chunks = [c for x in batches for c in (x.split(per) if per else [x])]
 
-    def correct(mod, args, name, source, layer):
-        x = args[0]
-        s = mod.forward(x)  # the module's own forward: no hook runs again
-        delta = _fit(mod, s, T, sizes, _target(target_mean, source), horizons)
+    def correct(xs, mod, name, source, layer):
+        s = torch.cat([mod(x).reshape(T, len(x) // T, *x.shape[1:]) for x in xs], dim=1)
+        delta = _fit(mod, s.reshape(-1, *s.shape[2:]), T, sizes, _target(target_mean, source), horizons)
+        del s
         added = _apply_shift(layer, delta)
         shifts[name] = float(delta.abs().mean())
         if added.dim() and isinstance(layer, nn.Linear):
             view = added  # a Linear's bias runs along the last dimension
         else:
-            view = _channel_view(added, x.dim())
-        return (x + view,)
+            view = _channel_view(added, xs[0].dim())
+        return [x + view for x in xs]
 
-    handles = [m.register_forward_pre_hook(
-        lambda mod, args, n=name, s=source, l=layer: correct(mod, args, n, s, l))
-        for m, name, source, layer in plan]
+    before = {node_name: (lambda xs, m=mod, n=name, s=source, l=layer: correct(xs, m, n, s, l))
+              for node_name, mod, name, source, layer in plan}
     out.T = T
-    try:
-        with torch.no_grad():
-            gm(torch.cat(batches) if len(batches) > 1 else batches[0])
-    finally:
-        for h in handles:
-            h.remove()
+    with torch.no_grad():
+        run_lockstep(gm, chunks, before)
     shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
                                      if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
     return _finish(out, snn, T, batches, shifts, "one-pass", horizons)

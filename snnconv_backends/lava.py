@@ -35,7 +35,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
-            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True}
+            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1}
 
 
 def lava_python() -> Path:
@@ -215,7 +215,8 @@ class LavaBackend(Backend):
     Options: ``python`` (the interpreter with lava-nc 0.10.0), ``timeout`` (seconds per run),
     ``step_seconds`` (latency estimate), ``dense_limit`` (connections with more matrix entries
     than this, batch included, run as Lava ``Sparse`` instead of ``Dense``), ``max_memory_gb``
-    (address-space limit per Lava process), ``split_signs`` (as loihi2-sim's).
+    (address-space limit per Lava process), ``split_signs`` and ``weight_groups`` (as
+    loihi2-sim's).
     """
 
     name = "lava"
@@ -229,4 +230,5 @@ class LavaBackend(Backend):
             raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
         opts = dict(_OPTIONS)
         opts.update(options)
-        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"])), opts)
+        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"]),
+                                           weight_groups=opts["weight_groups"]), opts)

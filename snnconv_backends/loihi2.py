@@ -50,7 +50,16 @@ by default): each keeps 8 bits of magnitude, where Lava's mixed sign mode keeps 
 mantissas). Zero mantissas are absent synapses, so the split costs no synapses; in Lava it is
 two Dense/Sparse processes into the same neurons. On the Fashion-MNIST ResNet-14 (hard reset,
 10,000 test images) it raises the share of images on which loihi2-sim and the float SNN agree
-from 90.5% to 91.1% (the same network with 16-bit weights: 92.8%). Nothing is wrapped silently: the worst case is checked on the integer
+from 90.5% to 91.1% (the same network with 16-bit weights: 92.8%).
+
+Finer weights on 8-bit synapses (``weight_groups=2``, off by default): a connection's rounding
+residual becomes a second synapse group ``"<name>.lo"`` from the same source with an exponent
+about 8 lower (negative exponents floor each group's sum, as Lava's Dense does), so the pair
+carries ~15-bit weights at twice that connection's synapses and synaptic operations. Errors
+made in early layers are amplified by every layer after them, so the first layers gain most
+(a mapping ``{connection: 2}`` selects them; benchmarks/README.md has the trade-off measured).
+
+Nothing is wrapped silently: the worst case is checked on the integer
 mantissas at compile time, and saturation, wrapping and bias clipping are counted at run time.
 """
 
@@ -487,11 +496,16 @@ def _best_vth(vth_max: int, conns: Sequence[tuple[float, bool, bool, int, float]
     return min(sorted(cands, reverse=True), key=cost) if conns else vth_max
 
 
-def _bits(weight_bits: int | Mapping[str, int], name: str) -> int:
-    b = weight_bits.get(name, weight_bits.get("*", 8)) if isinstance(weight_bits, Mapping) else weight_bits
-    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 1 <= b <= 24:
-        raise BackendError(f"weight_bits for {name!r} must be an integer in 1..24, got {b!r}")
+def _bits(weight_bits: int | Mapping[str, int], name: str, what: str = "weight_bits",
+          lo: int = 1, hi: int = 24, default: int = 8) -> int:
+    b = weight_bits.get(name, weight_bits.get("*", default)) if isinstance(weight_bits, Mapping) else weight_bits
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not lo <= b <= hi:
+        raise BackendError(f"{what} for {name!r} must be an integer in {lo}..{hi}, got {b!r}")
     return int(b)
+
+
+def _groups(weight_groups: int | Mapping[str, int], name: str) -> int:
+    return _bits(weight_groups, name, "weight_groups", 1, 2, 1)
 
 
 def _shifted_bounds(pos: np.ndarray, neg: np.ndarray, e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -543,7 +557,8 @@ def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
     return np.round(full * (vth << LOIHI["vth_shift"])).astype(np.int64)
 
 
-def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True) -> QuantizedNetwork:
+def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
+             weight_groups: int | Mapping[str, int] = 1) -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
     ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
@@ -553,6 +568,11 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
     groups (excitatory and inhibitory) sharing one exponent, so its mantissas have 8 bits of
     magnitude instead of Lava's mixed sign mode's 7; the same synapses (zero mantissas are
     absent), two processes in Lava (see :func:`_quantize_weights`).
+    ``weight_groups``: 1 (default) or 2 synapse groups per connection (or a mapping connection
+    name -> groups, ``"*"``: the others). With 2, the rounding residual of the 8-bit weights
+    becomes a second connection ``"<name>.lo"`` from the same source with an exponent about 8
+    lower, so the pair carries ~15-bit weights on 8-bit synapses: runnable on the chip (and in
+    Lava), at twice the synapses and synaptic operations of that connection (see resources).
 
     Raises:
         BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
@@ -662,14 +682,28 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                     sc = w * s_n / 64.0
                 else:
                     sc = w * s_n[:, None] / 64.0
-                m, e, rep = _quantize_weights(sc, bias=False, bits=_bits(weight_bits, cname), split=split_signs)
+                bits = _bits(weight_bits, cname)
+                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs)
                 rep["float_weights"] = int(w.size)
                 delay = d - depth[s] - 1
-                conns.append(Connection(cname, s, tgt.name, kind, m, e, delay, cparams, rep,
-                                        _fanout(kind, m, cparams, tuple(mp.ops[s].out_shape), shape)))
-                p_, n_ = _row_sums(kind, m, shape)
-                p_, n_ = _shifted_bounds(p_, n_, e)
-                tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
+                groups = [(cname, m, e, rep)]
+                if _groups(weight_groups, cname) == 2:
+                    # the rounding residual as a second synapse group with a smaller exponent
+                    resid = sc - m.astype(np.float64) * 2.0**e
+                    if np.any(resid != 0):
+                        m2, e2, rep2 = _quantize_weights(resid, bias=False, bits=bits, split=split_signs)
+                        if e2 < e:
+                            deq = m.astype(np.float64) * 2.0**e + m2.astype(np.float64) * 2.0**e2
+                            rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
+                                                              / max((sc**2).sum(), 1e-300)))
+                            rep2["residual_of"] = cname
+                            groups.append((f"{cname}.lo", m2, e2, rep2))
+                for gname, gm, ge, grep in groups:
+                    conns.append(Connection(gname, s, tgt.name, kind, gm, ge, delay, cparams, grep,
+                                            _fanout(kind, gm, cparams, tuple(mp.ops[s].out_shape), shape)))
+                    p_, n_ = _row_sums(kind, gm, shape)
+                    p_, n_ = _shifted_bounds(p_, n_, ge)
+                    tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
             if np.any(const != 0):
                 m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
                                               bits=_bits(weight_bits, f"{tgt.name}.bias"), split=split_signs)
@@ -1079,7 +1113,7 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
 # --- the backend ----------------------------------------------------------------------------
 
 _OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
-            "weight_bits": 8, "split_signs": True}
+            "weight_bits": 8, "split_signs": True, "weight_groups": 1}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -1182,7 +1216,9 @@ class Loihi2SimBackend(Backend):
     ``weight_bits`` (8, Loihi's synapses; more, or a mapping connection -> bits, only to
     measure what the 8-bit budget costs: such a network cannot run on the chip),
     ``split_signs`` (default True: mixed-sign connections as excitatory + inhibitory synapse
-    groups, 8 bits of magnitude each; False: Lava's mixed sign mode, 7).
+    groups, 8 bits of magnitude each; False: Lava's mixed sign mode, 7), ``weight_groups``
+    (1, or 2: each connection's rounding residual as a second synapse group, ~15-bit weights
+    at twice the synapses; or a mapping connection -> groups; see :func:`quantize`).
     """
 
     name = "loihi2-sim"
@@ -1190,4 +1226,5 @@ class Loihi2SimBackend(Backend):
     def compile(self, graph: Any, **options: Any) -> Loihi2Program:
         opts = _check_options(self.name, options)
         return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"],
-                                      split_signs=bool(opts["split_signs"])), opts)
+                                      split_signs=bool(opts["split_signs"]),
+                                      weight_groups=opts["weight_groups"]), opts)

@@ -29,24 +29,29 @@ def _sim(graph, x, T=T):
     return Loihi2SimBackend().compile(graph, record=True).run(x, T)
 
 
-@pytest.mark.parametrize("reset,dense_limit,calibrated,split", [
-    ("zero", 2**22, False, True), ("subtract", 0, False, True), ("subtract", 2**22, True, True),
-    ("zero", 0, False, False)])
-def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split):
+@pytest.mark.parametrize("reset,dense_limit,calibrated,split,groups", [
+    ("zero", 2**22, False, True, 1), ("subtract", 0, False, True, 1), ("subtract", 2**22, True, True, 1),
+    ("zero", 0, False, False, 1), ("zero", 2**22, False, True, 2)])
+def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split, groups):
     """Every population's v and spikes at every step, and the readout, are identical.
 
     The hard-reset net runs Lava's Dense/DelayDense + LIF; the subtractive one Sparse/
     DelaySparse + the custom SubtractiveIF process (dense_limit=0); the calibrated one has a
     per-channel initial membrane (one integer per neuron). ``split``: mixed-sign connections
-    as two single-sign synapse groups (the default), else Lava's mixed sign mode.
+    as two single-sign synapse groups (the default), else Lava's mixed sign mode. ``groups=2``:
+    every connection's rounding residual as a second connection with a negative exponent.
     """
     ok, reason = LavaBackend().availability()
     if not ok:
         pytest.skip(f"Lava side environment missing: {reason}")
     g = small_graph(reset, seed=1, calibrated=calibrated)
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
-    sim = Loihi2SimBackend().compile(g, record=True, split_signs=split).run(x, T)
-    lava = LavaBackend().compile(g, dense_limit=dense_limit, split_signs=split).run(x, T)
+    opts = {"split_signs": split, "weight_groups": groups}
+    sim = Loihi2SimBackend().compile(g, record=True, **opts).run(x, T)
+    lava = LavaBackend().compile(g, dense_limit=dense_limit, **opts).run(x, T)
+    if groups == 2:
+        lo = [c for p in quantize(g, weight_groups=2).populations for c in p.conns if c.name.endswith(".lo")]
+        assert lo and min(c.exp for c in lo) < 0
     assert lava.extra["lava"]["idle_before_window"]
     vs, vl = sim.extra["trace"]["v"], lava.extra["trace"]["v"]
     assert set(vs) == set(vl) == {"n1", "n2", "n3", "n4", "output"}
@@ -123,6 +128,26 @@ def test_quantisation_stays_within_the_bit_budget():
     mixed = quantize(small_graph("subtract", seed=3), split_signs=False)
     modes = {c.report["sign_mode"] for p in mixed.populations for c in p.conns}
     assert "mixed" in modes and "split" not in modes
+
+
+def test_two_weight_groups_refine_the_weights_within_the_budget():
+    """weight_groups=2: each connection gains a residual group "<name>.lo" (8-bit mantissas, a
+    lower exponent) that makes the summed weights finer; synapses are counted for both."""
+    g = small_graph("zero", seed=3)
+    one, two = quantize(g), quantize(g, weight_groups=2)
+    hi = {c.name: c for p in one.populations for c in p.conns}
+    lo = {c.name: c for p in two.populations for c in p.conns if c.name.endswith(".lo")}
+    assert lo
+    for name, c in lo.items():
+        base = hi[name[:-3]]
+        assert c.exp < base.exp and np.abs(c.mant).max() <= 255 and c.report["clipped"] == 0
+        assert c.report["rel_error"] < base.report["rel_error"] / 8
+    for p in two.populations:
+        assert p.report.get("a_in_bound", 0) <= LOIHI["a_in_max"]
+    from snnconv_backends.loihi2 import resources
+    assert resources(two)["synapses"] > resources(one)["synapses"]
+    with pytest.raises(BackendError, match="weight_groups"):
+        quantize(g, weight_groups=3)
 
 
 def test_reports_and_latency():

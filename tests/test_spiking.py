@@ -121,6 +121,26 @@ def test_if_matches_reference_recurrence_on_random_inputs():
         assert torch.equal(out, _reference_if(x, theta, theta / 2))
 
 
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_if_inference_path_is_bit_identical_to_the_training_path(reset):
+    """Without autograd IFNeuron runs an in-place loop; with it, spikingjelly's surrogate node
+    (subtract) or the surrogate loop (zero): the same spikes, bit for bit, including ties at
+    the threshold, per-channel thresholds, calibrated initial membranes and 2-D inputs."""
+    g = torch.Generator().manual_seed(0)
+    v0s = [None, 0.3, torch.rand(6, generator=g)] if reset == "subtract" else [None]
+    for theta in (torch.tensor(0.5), torch.rand(6, generator=g) + 0.1):
+        for v0 in v0s:
+            for shape in ((6, 5, 5), (6,)):
+                m = IFNeuron(theta, T=7, reset=reset, v_init=v0)
+                x = torch.randn(7 * 4, *shape, generator=g)
+                x[:8] = 0.5  # exact ties with the threshold 0.5
+                with torch.enable_grad():
+                    ref = m(x)
+                with torch.no_grad():
+                    fast = m(x)
+                assert ref.sum() > 0 and torch.equal(ref.detach(), fast), (theta, v0, shape)
+
+
 def test_if_rejects_bad_thresholds_and_batches():
     for bad in (0.0, -1.0, float("nan"), float("inf"), torch.ones(2, 2)):
         with pytest.raises(ValueError):
