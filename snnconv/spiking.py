@@ -580,23 +580,38 @@ def _check_horizons(snn: "SpikingNetwork", horizons: Any) -> tuple[int, int]:
     return int(horizons[0]), int(horizons[1])
 
 
-def _fit(mod: "IFNeuron", s: torch.Tensor, T: int, sizes: list[int], target: Any,
+def _rates(mod: "IFNeuron", parts: list[tuple[torch.Tensor, int]], n_batches: int,
+           steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Per channel, ``theta`` times the mean spike rate over the first ``t`` steps, for each
+    ``t`` in ``steps``: the mean over the images of each calibration batch, then over the
+    batches. ``parts``: spikes ``[T, b, ...]`` with the index of the batch they belong to."""
+    sums = {t: [0.0] * n_batches for t in steps}
+    counts = [0] * n_batches
+    for seq, k in parts:
+        dims = [d for d in range(seq.dim() - 1) if d != 1]
+        counts[k] += seq[0].numel() // seq.shape[2]
+        acc, done = None, 0
+        for t in sorted(steps):  # prefix sums over time, one pass
+            part = seq[done:t].sum(0)
+            acc = part if acc is None else acc + part
+            done = t
+            sums[t][k] = sums[t][k] + acc.double().sum(dim=dims)
+    theta = mod.theta.detach().double()
+    return {t: sum(sums[t][k] / (counts[k] * t) for k in range(n_batches)) / n_batches * theta
+            for t in steps}
+
+
+def _fit(mod: "IFNeuron", parts: list[tuple[torch.Tensor, int]], n_batches: int, T: int, target: Any,
          horizons: tuple[int, int] | None) -> torch.Tensor:
-    """The bias shift for IF ``mod`` from its spikes ``s`` (``[T*B, ...]``); with ``horizons``
-    it also moves ``mod.v_init``. Per channel, the error to the reference mean is modelled as
-    ``a + b / t`` over ``t`` steps and solved at the two horizons: ``a`` goes to the bias and
-    ``b`` (input units, divided by theta) to the initial membrane, kept in ``[0, 1]``."""
-    seq = s.reshape(T, -1, *s.shape[1:])
-    theta = _channel_view(mod.theta.detach(), seq.dim() - 1)
-
-    def mean_over(steps: int) -> torch.Tensor:
-        rate = seq[:steps].mean(0) * theta
-        return sum(_channel_mean(part) for part in rate.split(sizes)) / len(sizes)
-
+    """The bias shift for IF ``mod`` from its spikes (``parts``, see :func:`_rates`); with
+    ``horizons`` it also moves ``mod.v_init``. Per channel, the error to the reference mean is
+    modelled as ``a + b / t`` over ``t`` steps and solved at the two horizons: ``a`` goes to the
+    bias and ``b`` (input units, divided by theta) to the initial membrane, kept in ``[0, 1]``."""
     if horizons is None:
-        return target - mean_over(T)
+        return target - _rates(mod, parts, n_batches, (T,))[T]
     (t1, t2), (m1, m2) = horizons, (target[0], target[1])
-    e1, e2 = m1 - mean_over(t1), m2 - mean_over(t2)
+    r = _rates(mod, parts, n_batches, (t1, t2))
+    e1, e2 = m1 - r[t1], m2 - r[t2]
     b = (e1 - e2) / (1.0 / t1 - 1.0 / t2)
     th = mod.theta.detach().double()
     v0 = (mod.v_init.double() + b / th).clamp(0.0, 1.0)
@@ -671,24 +686,28 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         if calls.get(str(node.target), 0) != 1 or not _shift_reaches_only(gm, node, hit, calls):
             return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
         plan.append((node.name, neuron_mod, str(node.target), source, module_of(gm, hit[0])))
-    sizes = [len(x) for x in batches]
     # cache-sized chunks on a CPU (as SpikingNetwork's chunk_size), each inside one batch
     per = max(1, snn.chunk_size // T) if snn.chunk_size and batches[0].device.type == "cpu" else None
-    chunks = [c for x in batches for c in (x.split(per) if per else [x])]
+    chunks, owner = [], []
+    for k, x in enumerate(batches):
+        for c in (x.split(per) if per else [x]):
+            chunks.append(c)
+            owner.append(k)
 
     def correct(xs, mod, name, source, layer):
-        s = torch.cat([mod(x).reshape(T, len(x) // T, *x.shape[1:]) for x in xs], dim=1)
-        delta = _fit(mod, s.reshape(-1, *s.shape[2:]), T, sizes, _target(target_mean, source), horizons)
-        del s
+        parts = [(mod(x).reshape(T, len(x) // T, *x.shape[1:]), k) for x, k in zip(xs, owner)]
+        delta = _fit(mod, parts, len(batches), T, _target(target_mean, source), horizons)
+        del parts
         added = _apply_shift(layer, delta)
         shifts[name] = float(delta.abs().mean())
         if added.dim() and isinstance(layer, nn.Linear):
             view = added  # a Linear's bias runs along the last dimension
         else:
             view = _channel_view(added, xs[0].dim())
-        return [x + view for x in xs]
+        # in place: every node from the layer to this neuron has this one user
+        return [x.add_(view) if x.is_contiguous() else x + view for x in xs]
 
-    before = {node_name: (lambda xs, m=mod, n=name, s=source, l=layer: correct(xs, m, n, s, l))
+    before = {node_name: (lambda xs, m=mod, n=name, s=source, lay=layer: correct(xs, m, n, s, lay))
               for node_name, mod, name, source, layer in plan}
     out.T = T
     with torch.no_grad():
@@ -711,7 +730,6 @@ def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_m
     out.T = T
     gm = out.net
     shifts: dict[str, Any] = {}
-    sizes = [len(x) for x in batches]
     for node in gm.graph.nodes:
         neuron_mod = module_of(gm, node)
         if not isinstance(neuron_mod, IFNeuron):
@@ -721,9 +739,9 @@ def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_m
         if _target(target_mean, source) is None or layer is None:
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
-        s = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
-        s = torch.cat([p.reshape(T, -1, *p.shape[1:]) for p in s], dim=1)
-        delta = _fit(neuron_mod, s.reshape(-1, *s.shape[2:]), T, sizes, _target(target_mean, source), horizons)
+        values = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
+        parts = [(v.reshape(T, len(x), *v.shape[1:]), k) for k, (v, x) in enumerate(zip(values, batches))]
+        delta = _fit(neuron_mod, parts, len(batches), T, _target(target_mean, source), horizons)
         _apply_shift(layer, delta)
         shifts[str(node.target)] = float(delta.abs().mean())
     return _finish(out, snn, T, batches, shifts, "rerun", horizons)
