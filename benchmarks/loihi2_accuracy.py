@@ -81,6 +81,22 @@ def data(name: str, limit: int | None):
     return ann, train, te
 
 
+def layer_table(graph) -> str:
+    """Per connection: exponent, sign mode and relative weight error of the 8-bit mantissas, and
+    with the residual group of ``weight_groups=2`` (markdown)."""
+    q1, q2 = quantize(graph), quantize(graph, weight_groups=2)
+    lo = {c.name[:-3]: c for p in q2.populations for c in p.conns if c.name.endswith(".lo")}
+    rows = ["| target (depth) | connection | exp | sign mode | rel. error, 8 bits | two groups (exp of the second) |",
+            "|---|---|---|---|---|---|"]
+    for p in q1.populations:
+        for c in p.conns:
+            r, second = c.report, lo.get(c.name)
+            two = f"{100 * second.report['rel_error']:.4f}% ({second.exp})" if second else "-"
+            rows.append(f"| {p.name} ({p.depth}) | {c.name} | {r['exp']} | {r['sign_mode']} | "
+                        f"{100 * r['rel_error']:.2f}% | {two} |")
+    return "\n".join(rows)
+
+
 def evaluate(fn, dataset, batch: int):
     preds, ys = [], []
     for x, y in DataLoader(dataset, batch_size=batch):
@@ -100,6 +116,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--per-layer", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", action="store_true", help="print each connection's quantisation")
+    ap.add_argument("--layers-only", action="store_true", help="--layers, then skip the evaluation")
     ap.add_argument("--two-groups", type=int, nargs="*", default=None, metavar="DEPTH",
                     help="also run loihi2-sim with weight_groups=2 (a connection's rounding residual as "
                          "a second synapse group) on the connections into populations at depth <= "
@@ -123,6 +141,10 @@ def main() -> None:
                                     qcfs_epochs=args.qcfs_epochs, device=args.device, progress=False)
         graph = export_nir(snn.cpu())
         snn = snn.to(args.device)
+        if args.layers or args.layers_only:
+            print(layer_table(graph))
+            if args.layers_only:
+                continue
         t0 = time.perf_counter()
         ref_backend = "cpu" if args.device == "cpu" else "gpu"
         ref_prog = snnconv.backends.get(ref_backend).compile(graph)
@@ -166,6 +188,8 @@ def main() -> None:
                                                    args.batch)[1]
         out[reset] = rec
         print(reset, json.dumps(rec, indent=1), flush=True)
+    if args.layers_only:
+        return
     from snnconv.meta import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(out, indent=2) + "\n").encode())
