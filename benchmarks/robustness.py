@@ -399,7 +399,7 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def table(summary: list[dict], subset: int | None = None) -> str:
+def table(summary: list[dict], subset: int | None = None, test_limit: int | None = None) -> str:
     """The markdown table for benchmarks/README.md."""
     Ts = sorted({int(t) for r in summary for t in r["snn"]})
     head = ["data", "network", "ANN epochs", "cell", "ANN", "QCFS-ANN"] + [f"T={t}" for t in Ts] + ["floors"]
@@ -417,7 +417,8 @@ def table(summary: list[dict], subset: int | None = None) -> str:
                 "finetune_a4_lr2e-3": "finetune 1 ep, T=4, alpha 4, lr 2e-3"}.get(r["cell"], r["cell"])
         lines.append("| " + " | ".join([r["dataset"], r["arch"], str(r["epochs"]), name, cell(r["ann"]),
                                         cell(r["qcfs"])] + [cell(snn.get(t)) for t in Ts] + [flag]) + " |")
-    note = ("\nAccuracy (%) on the full test split, mean (worst) over seeds; convert() defaults "
+    split = f"the first {test_limit} test images" if test_limit else "the full test split"
+    note = (f"\nAccuracy (%) on {split}, mean (worst) over seeds; convert() defaults "
             "(vgg_max: maxpool='avg'). Floors: worst seed within 3.0 of the ANN at T=16 and 1.0 at "
             "T=32; fine-tuned: within 2.0 at T=4 and T=8 >= T=4 - 0.5.")
     if subset:
@@ -486,7 +487,7 @@ def main(argv=None) -> int:
             data = json.load(fh)
         # recomputed from the per-job records (a summary written by an older version may be stale)
         summary = summarize(data["records"]) if data.get("records") else _normalize(data["summary"])
-        print(table(summary, data.get("train_subset")))
+        print(table(summary, data.get("train_subset"), data.get("settings", {}).get("test_limit")))
         plot(summary, os.path.splitext(args.table)[0] + ".png")
         return 0
     if args.job:
@@ -549,7 +550,7 @@ def main(argv=None) -> int:
             write()
     summary = _normalize(json.loads(json.dumps(write())))
     plot(summary, args.out + ".png")
-    print(table(summary, None if args.smoke else args.train_subset))
+    print(table(summary, None if args.smoke else args.train_subset, args.test_limit))
     print(f"wall {time.perf_counter() - start:.0f}s; {args.out}.json, {args.out}.png")
     errors = [job_key(r) for r in records if "error" in r]
     if errors:
