@@ -228,8 +228,7 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
             fetched = [it.fetch_args_kwargs_from_env(node) for it in its]
             firsts = hook([args[0] for args, _ in fetched])
             for it, (args, kwargs), first in zip(its, fetched, firsts):
-                with it._set_current_node(node):
-                    it.env[node] = getattr(it, node.op)(node.target, (first, *args[1:]), kwargs)
+                it.env[node] = getattr(it, node.op)(node.target, (first, *args[1:]), kwargs)
         for dead in last.get(node, []):
             for it in its:
                 del it.env[dead]

@@ -140,10 +140,7 @@ class IFNeuron(nn.Module):
                 v.addcmul_(v, s[t], value=-1.0)
             return s
         s = seq / _channel_view(self.theta, seq.dim(), channel_dim=2)  # ours: steps become spikes
-        if self.v_init.dim() or float(self.v_init) != 0.5:
-            v = s[0] + _channel_view(self.v_init.to(seq.dtype), seq.dim() - 1)
-        else:
-            v = s[0] + 0.5
+        v = s[0] + _channel_view(self.v_init.to(seq.dtype), seq.dim() - 1)
         for t in range(seq.shape[0]):
             if t:
                 v.add_(s[t])
@@ -537,14 +534,16 @@ def _reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels
 def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int | None,
                 num_batches: int, horizons: tuple[int, int] | None = None):
     """Calibration batches, the reference's per-channel mean output per QCFS site (a pair of
-    them, at ``L = T1`` and ``L = T2``, with ``horizons``; T is then T2), and the copy."""
+    them, at ``L = T1`` and ``L = T2``, with ``horizons``; T is then T2), the copy, and the
+    checked horizons (a pair of ints, or None)."""
     from .data import split_batch
 
     if not isinstance(snn, SpikingNetwork) or "neurons" not in snn.meta:
         raise StageOrderError("calibrate_bias needs a SpikingNetwork made by to_spiking (its meta "
                               "maps each neuron to its QCFS site)")
     if horizons is not None:
-        T = _check_horizons(snn, horizons)[1]
+        horizons = _check_horizons(snn, horizons)
+        T = horizons[1]
     T = snn.T if T is None else T
     _check_T(T)
     batches = []
@@ -565,7 +564,7 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     else:
         target_mean = tuple(_reference_means(ref, ref_nodes, batches, h) for h in horizons)
     out = copy.deepcopy(snn)
-    return T, batches, target_mean, out
+    return T, batches, target_mean, out, horizons
 
 
 def _check_horizons(snn: "SpikingNetwork", horizons: Any) -> tuple[int, int]:
@@ -669,8 +668,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
         DataError: the loader is empty.
     """
-    T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches, horizons)
-    horizons = None if horizons is None else (int(horizons[0]), int(horizons[1]))
+    T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons)
     gm = out.net
     calls = call_counts(gm)
     plan, shifts = [], {}
@@ -751,8 +749,7 @@ def _calibrate_bias_by_rerun(snn: "SpikingNetwork", reference: nn.Module, loader
                              T: int | None = None, num_batches: int = 4,
                              horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
     """:func:`calibrate_bias` by the quadratic re-run algorithm (the reference in the tests)."""
-    T, batches, target_mean, out = _bias_setup(snn, reference, loader, T, num_batches, horizons)
-    horizons = None if horizons is None else (int(horizons[0]), int(horizons[1]))
+    T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons)
     return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
 
 

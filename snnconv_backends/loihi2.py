@@ -698,11 +698,11 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                                                               / max((sc**2).sum(), 1e-300)))
                             rep2["residual_of"] = cname
                             groups.append((f"{cname}.lo", m2, e2, rep2))
-                for gname, gm, ge, grep in groups:
-                    conns.append(Connection(gname, s, tgt.name, kind, gm, ge, delay, cparams, grep,
-                                            _fanout(kind, gm, cparams, tuple(mp.ops[s].out_shape), shape)))
-                    p_, n_ = _row_sums(kind, gm, shape)
-                    p_, n_ = _shifted_bounds(p_, n_, ge)
+                for gname, gmant, gexp, grep in groups:
+                    conns.append(Connection(gname, s, tgt.name, kind, gmant, gexp, delay, cparams, grep,
+                                            _fanout(kind, gmant, cparams, tuple(mp.ops[s].out_shape), shape)))
+                    p_, n_ = _row_sums(kind, gmant, shape)
+                    p_, n_ = _shifted_bounds(p_, n_, gexp)
                     tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
             if np.any(const != 0):
                 m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
@@ -728,6 +728,12 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
         pops.append(Population(tgt.name, role, shape, d, vth,
                                _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
                                np.asarray(scale_c, np.float64), tuple(conns), False, rep))
+    names = {c.name for p in pops for c in p.conns}
+    for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
+        unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []
+        if unknown:
+            raise BackendError(f"loihi2-sim: {what} names no connection of this graph: {unknown}; "
+                               f"connections: {sorted(names)}")
     return QuantizedNetwork(g, tuple(pops), tuple(static_ops), depth[targets[-1].name])
 
 

@@ -148,6 +148,10 @@ def test_two_weight_groups_refine_the_weights_within_the_budget():
     assert resources(two)["synapses"] > resources(one)["synapses"]
     with pytest.raises(BackendError, match="weight_groups"):
         quantize(g, weight_groups=3)
+    with pytest.raises(BackendError, match="names no connection.*conv99"):
+        quantize(g, weight_groups={"conv99": 2})
+    assert len(quantize(g, weight_groups={"conv3": 2}).population("n3").conns) == \
+        len(one.population("n3").conns) + 1
 
 
 def test_reports_and_latency():
