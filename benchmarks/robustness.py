@@ -308,6 +308,7 @@ def run_job(job: dict) -> dict:
     test = DataLoader(test_set, batch_size=500 if device.type == "cuda" else 250)  # 500 x T=32 fits 12 processes
     Ts = tuple(job["Ts"])
     extra = {"maxpool": "avg"} if job["arch"] == "vgg_max" else {}
+    extra.update(job.get("overrides") or {})
     out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)
     if job["finetune"]:
         from snnconv import FinetuneConfig
@@ -352,14 +353,32 @@ def plan(args) -> list[dict]:
             long = epochs == max(e for d, a, e in grid if d == dataset and a == arch)
             jobs.append(dict(dataset=dataset, arch=arch, epochs=epochs, seed=seed, Ts=list(Ts),
                              subset=subset if dataset == "fmnist" else None, smoke=args.smoke,
-                             finetune=long and arch in FT_ARCHS and (dataset == "fmnist" or args.smoke),
-                             device=args.device, threads=threads, cache=args.out + "_cache",
+                             finetune=(long and arch in FT_ARCHS and (dataset == "fmnist" or args.smoke)
+                                       and not args.no_finetune),
+                             device=args.device, threads=threads, cache=args.cache or args.out + "_cache",
+                             overrides=overrides(args.set),
                              fashion_root=args.fashion_root, test_limit=args.test_limit,
                              variants=not args.no_variants and long and (dataset == "fmnist" or args.smoke)))
     cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1}
     jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (3 if j["dataset"] == "fmnist" else 1)
                               + 20 * j["finetune"]))
     return jobs
+
+
+def overrides(pairs: list[str] | None) -> dict:
+    """``--set key=value`` pairs as convert() keyword arguments (values as Python literals)."""
+    import ast
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set wants key=value, got {pair!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 def job_key(job: dict) -> str:
@@ -478,6 +497,10 @@ def main(argv=None) -> int:
     p.add_argument("--variants-budget", type=float, default=240.0,
                    help="seconds after the start within which comparison cells may still start (0: always)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run: digits, 2 small nets, 1 seed")
+    p.add_argument("--no-finetune", action="store_true", help="skip the fine-tuning cells")
+    p.add_argument("--set", nargs="*", metavar="KEY=VALUE",
+                   help="convert() settings for every cell (Python literals), to compare a default")
+    p.add_argument("--cache", help="ANN checkpoint folder (default <out>_cache; share it between runs)")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

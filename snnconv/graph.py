@@ -203,33 +203,45 @@ def capture(gm: fx.GraphModule, inputs: Iterable[Any], names: Iterable[str],
 
 def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
                  before: dict[str, Callable[[list[Any]], list[Any]]]) -> list[Any]:
-    """Run ``gm`` on each of ``chunks`` node by node, every chunk through a node before any
-    goes on to the next one; returns the outputs per chunk.
+    """Run ``gm`` on each of ``chunks``, every chunk up to a hooked node before any goes past
+    it; returns the outputs per chunk.
 
     ``before[node_name](firsts)`` receives that node's first argument for every chunk and
     returns the ones it should run on: a correction computed from the whole data set takes
     effect before the next layer, while every operation still runs on one chunk (small,
-    cache-sized tensors) and the graph is interpreted once. Values are freed after their
-    last use, as ``fx.Interpreter.run`` does.
+    cache-sized tensors) and the graph is interpreted once. From one hooked node to the next,
+    each chunk runs the whole stretch before the next chunk starts (its values stay in cache).
+    Values are freed after their last use, as ``fx.Interpreter.run`` does.
     """
     its = [fx.Interpreter(gm, garbage_collect_values=True) for _ in chunks]
     for it, c in zip(its, chunks):
         it.env = {}
         it.args_iter = iter([c])
     last = its[0].user_to_last_uses
+
+    def run(it, node, first=None):
+        if first is None:
+            it.env[node] = it.run_node(node)
+        else:
+            args, kwargs = it.fetch_args_kwargs_from_env(node)
+            it.env[node] = getattr(it, node.op)(node.target, (first[0], *args[1:]), kwargs)
+        for dead in last.get(node, []):
+            del it.env[dead]
+
+    # the stretch from one hooked node to the next runs chunk by chunk (its values stay in
+    # cache); only the hooks see all chunks at once
+    segment: list[fx.Node] = []
+    firsts: list[Any] = [None] * len(its)
     for node in gm.graph.nodes:
+        hook = before.get(node.name)
+        if hook is None and node.op != "output":
+            segment.append(node)
+            continue
+        for k, it in enumerate(its):
+            for i, n in enumerate(segment):
+                run(it, n, firsts[k] if i == 0 else None)
         if node.op == "output":
             return [it.run_node(node) for it in its]
-        hook = before.get(node.name)
-        if hook is None:
-            for it in its:
-                it.env[node] = it.run_node(node)
-        else:
-            fetched = [it.fetch_args_kwargs_from_env(node) for it in its]
-            firsts = hook([args[0] for args, _ in fetched])
-            for it, (args, kwargs), first in zip(its, fetched, firsts):
-                it.env[node] = getattr(it, node.op)(node.target, (first, *args[1:]), kwargs)
-        for dead in last.get(node, []):
-            for it in its:
-                del it.env[dead]
+        firsts = [(f,) for f in hook([it.fetch_args_kwargs_from_env(node)[0][0] for it in its])]
+        segment = [node]
     raise UnsupportedModelError("the graph has no output node")

@@ -579,30 +579,75 @@ def _check_horizons(snn: "SpikingNetwork", horizons: Any) -> tuple[int, int]:
     return int(horizons[0]), int(horizons[1])
 
 
-def _rates(mod: "IFNeuron", parts: list[tuple[torch.Tensor, int]], n_batches: int,
+def _spike_counts(mod: "IFNeuron", seq: torch.Tensor, steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Per channel (dim 1 of a step), the spikes of IF ``mod`` on the input ``seq`` ``[T, b,
+    ...]`` over the first ``t`` steps, summed over the images and positions, for each ``t`` in
+    ``steps`` (float64). The same arithmetic as :meth:`IFNeuron._inference`, step by step, but
+    the spike train is never stored: a running count per position is all calibration needs."""
+    step = seq[0]
+    dims = [d for d in range(step.dim()) if d != 1]
+    counts, wanted = {}, set(steps)
+    cnt = torch.zeros_like(step)
+    spk = torch.empty_like(step)
+    if mod.reset == "zero":
+        theta = _channel_view(mod.theta, step.dim())
+        v = step.clone()
+    else:
+        theta = _channel_view(mod.theta, step.dim())
+        buf = torch.empty_like(step)
+        v = step / theta + _channel_view(mod.v_init.to(step.dtype), step.dim())
+    for t in range(max(steps)):
+        if mod.reset == "zero":
+            if t:
+                v.add_(seq[t])
+            torch.ge(v, theta, out=spk)
+            v.addcmul_(v, spk, value=-1.0)
+        else:
+            if t:
+                v.add_(torch.div(seq[t], theta, out=buf))
+            torch.ge(v, 1.0, out=spk)
+            v.sub_(spk)
+        cnt.add_(spk)
+        if t + 1 in wanted:
+            counts[t + 1] = cnt.double().sum(dim=dims)
+    return counts
+
+
+def _rates(mod: "IFNeuron", parts: list[tuple[dict[int, torch.Tensor], int, int]], n_batches: int,
            steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Per channel, ``theta`` times the mean spike rate over the first ``t`` steps, for each
     ``t`` in ``steps``: the mean over the images of each calibration batch, then over the
-    batches. ``parts``: spikes ``[T, b, ...]`` with the index of the batch they belong to."""
+    batches. ``parts``: (counts of :func:`_spike_counts`, positions per channel, batch index)."""
     sums = {t: [0.0] * n_batches for t in steps}
-    counts = [0] * n_batches
-    for seq, k in parts:
-        dims = [d for d in range(seq.dim() - 1) if d != 1]
-        counts[k] += seq[0].numel() // seq.shape[2]
-        acc, done = None, 0
-        for t in sorted(steps):  # prefix sums over time, one pass
-            part = seq[done:t].sum(0)
-            acc = part if acc is None else acc + part
-            done = t
-            sums[t][k] = sums[t][k] + acc.double().sum(dim=dims)
+    positions = [0] * n_batches
+    for counts, n, k in parts:
+        positions[k] += n
+        for t in steps:
+            sums[t][k] = sums[t][k] + counts[t]
     theta = mod.theta.detach().double()
-    return {t: sum(sums[t][k] / (counts[k] * t) for k in range(n_batches)) / n_batches * theta
+    return {t: sum(sums[t][k] / (positions[k] * t) for k in range(n_batches)) / n_batches * theta
             for t in steps}
 
 
-def _fit(mod: "IFNeuron", parts: list[tuple[torch.Tensor, int]], n_batches: int, T: int, target: Any,
+def _counted(mod: "IFNeuron | None", x: torch.Tensor, T: int, k: int, steps: tuple[int, ...]):
+    """One part for :func:`_rates`: the spike counts of ``mod`` on ``x`` (``[T*b, ...]``) of
+    batch ``k``; with ``mod=None``, ``x`` are the spikes themselves."""
+    seq = x.reshape(T, len(x) // T, *x.shape[1:])
+    if mod is not None:
+        counts = _spike_counts(mod, seq, steps)
+    else:
+        dims = [d for d in range(seq.dim() - 1) if d != 1]
+        counts, acc, done = {}, None, 0
+        for t in sorted(steps):  # prefix sums over time
+            part = seq[done:t].sum(0)
+            acc, done = (part if acc is None else acc + part), t
+            counts[t] = acc.double().sum(dim=dims)
+    return counts, seq[0].numel() // seq.shape[2], k
+
+
+def _fit(mod: "IFNeuron", parts: list, n_batches: int, T: int, target: Any,
          horizons: tuple[int, int] | None) -> torch.Tensor:
-    """The bias shift for IF ``mod`` from its spikes (``parts``, see :func:`_rates`); with
+    """The bias shift for IF ``mod`` from its spike counts (``parts``, see :func:`_rates`); with
     ``horizons`` it also moves ``mod.v_init``. Per channel, the error to the reference mean is
     modelled as ``a + b / t`` over ``t`` steps and solved at the two horizons: ``a`` goes to the
     bias and ``b`` (input units, divided by theta) to the initial membrane, kept in ``[0, 1]``."""
@@ -669,6 +714,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         DataError: the loader is empty.
     """
     T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons)
+    steps = (T,) if horizons is None else horizons
     gm = out.net
     calls = call_counts(gm)
     plan, shifts = [], {}
@@ -693,7 +739,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             owner.append(k)
 
     def correct(xs, mod, name, source, layer):
-        parts = [(mod(x).reshape(T, len(x) // T, *x.shape[1:]), k) for x, k in zip(xs, owner)]
+        parts = [_counted(mod, x, T, k, steps) for x, k in zip(xs, owner)]
         delta = _fit(mod, parts, len(batches), T, _target(target_mean, source), horizons)
         del parts
         added = _apply_shift(layer, delta)
@@ -738,7 +784,8 @@ def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_m
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
         values = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
-        parts = [(v.reshape(T, len(x), *v.shape[1:]), k) for k, (v, x) in enumerate(zip(values, batches))]
+        parts = [_counted(None, v, T, k, (T,) if horizons is None else horizons)
+                 for k, v in enumerate(values)]  # the neuron's own spikes: counted, not re-run
         delta = _fit(neuron_mod, parts, len(batches), T, _target(target_mean, source), horizons)
         _apply_shift(layer, delta)
         shifts[str(node.target)] = float(delta.abs().mean())
