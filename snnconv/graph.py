@@ -175,30 +175,55 @@ def describe_node(node: fx.Node) -> str:
 
 
 class _Capture(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, want: Callable[[fx.Node], bool]):
-        super().__init__(gm)
+    def __init__(self, gm: fx.GraphModule, want: Callable[[fx.Node], bool],
+                 reduce: Callable[[torch.Tensor], Any] | None = None):
+        super().__init__(gm, garbage_collect_values=True)
         self.want = want
+        self.reduce = reduce
         self.values: dict[str, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
-        if self.want(n):
-            # clone: a later in-place op (nn.ReLU(inplace=True)) would overwrite the value
-            self.values[n.name] = out.detach().clone() if isinstance(out, torch.Tensor) else out
+        if self.want(n) and isinstance(out, torch.Tensor):
+            # reduced or cloned now: a later in-place op (nn.ReLU(inplace=True)) would overwrite it
+            self.values[n.name] = self.reduce(out) if self.reduce else out.detach().clone()
+        elif self.want(n):
+            self.values[n.name] = out
         return out
 
 
 def capture(gm: fx.GraphModule, inputs: Iterable[Any], names: Iterable[str],
-            *, with_output: bool = False) -> Any:
-    """Run ``gm`` on ``inputs`` and return the outputs of the nodes called ``names``.
+            *, with_output: bool = False, reduce: Callable[[torch.Tensor], Any] | None = None) -> Any:
+    """Run ``gm`` on ``inputs`` and return the outputs of the nodes called ``names``
+    (``reduce(output)`` instead, taken as each is computed, where given).
 
     With ``with_output=True`` returns ``(values, model_output)``.
     """
     wanted = set(names)
-    interp = _Capture(gm, lambda n: n.name in wanted)
+    interp = _Capture(gm, lambda n: n.name in wanted, reduce)
     with torch.no_grad():
         out = interp.run(*inputs)
     return (interp.values, out) if with_output else interp.values
+
+
+class _Largest(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.largest = 0
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.largest = max(self.largest, out.numel() * out.element_size())
+        return out
+
+
+def largest_value(gm: fx.GraphModule, x: torch.Tensor) -> int:
+    """Bytes of the largest tensor that any node of ``gm`` produces on input ``x``."""
+    interp = _Largest(gm)
+    with torch.no_grad():
+        interp.run(x)
+    return interp.largest
 
 
 def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],

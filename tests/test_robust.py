@@ -93,9 +93,10 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6, horizons=horizons)
     assert fast.meta["bias_calibration"]["method"] == "one-pass"
     assert slow.meta["bias_calibration"]["method"] == "rerun"
-    # one pass: every layer runs once per chunk (chunk_size // T images, inside each batch)
+    # one pass: every layer runs once per chunk (chunk_size // T images, inside each batch; these
+    # activations are far under the 16 MiB cap), plus once on one image to size the chunks
     chunks = 4 * -(-50 // (fast_snn.chunk_size // 6))
-    assert set(fast_calls.values()) == {chunks}, f"one pass over the batches in chunks: {fast_calls}"
+    assert set(fast_calls.values()) == {chunks + 1}, f"one pass over the batches in chunks: {fast_calls}"
     assert max(slow_calls.values()) > 4
     a, b = fast.meta["bias_calibration"]["mean_abs_shift"], slow.meta["bias_calibration"]["mean_abs_shift"]
     assert a.keys() == b.keys() and all(isinstance(v, float) for v in a.values())
@@ -104,6 +105,29 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     sa, sb = fast.state_dict(), slow.state_dict()
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
+        small_digits_ann, digits_data, monkeypatch):
+    """Wide activations get smaller chunks (page faults, see spiking._CHUNK_BYTES); chunking
+    changes how the work is cut, never the result."""
+    from snnconv import spiking
+
+    loader = DataLoader(digits_data[0], batch_size=50)
+    qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(small_digits_ann), loader, L=4,
+                                  per_channel=True, progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4)
+    wide, narrow = copy.deepcopy(snn), copy.deepcopy(snn)
+    wide_calls, narrow_calls = _calls(wide), _calls(narrow)
+    a = spiking.calibrate_bias(wide, qcfs, loader, horizons=(2, 6))
+    per_image = spiking.largest_value(snn.net, digits_data[0].tensors[0][:1])  # at T=4
+    monkeypatch.setattr(spiking, "_CHUNK_BYTES", per_image // 4 * 6 * 3)  # 3 images at T=6
+    b = spiking.calibrate_bias(narrow, qcfs, loader, horizons=(2, 6))
+    assert set(narrow_calls.values()) == {4 * -(-50 // 3) + 1}, narrow_calls
+    assert max(narrow_calls.values()) > max(wide_calls.values())
+    sa, sb = a.state_dict(), b.state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 # --- item 4: no silent collapse -------------------------------------------------------------
