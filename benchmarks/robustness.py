@@ -262,7 +262,8 @@ def _convert_cell(ann, loader, test, device, Ts, **options) -> dict:
 
     has_on_collapse = "on_collapse" in inspect.signature(snnconv.convert).parameters
     t0 = time.perf_counter()
-    record: dict = {"options": {k: v for k, v in options.items() if k != "finetune_config"}}
+    record: dict = {"options": {k: dict(vars(v)) if k == "qcfs_train" else v
+                                for k, v in options.items() if k != "finetune_config"}}
     try:
         _, meta = snnconv.convert(ann, loader, eval_loader=test, eval_T=Ts, device=device,
                                   progress=False, **options)
@@ -309,6 +310,10 @@ def run_job(job: dict) -> dict:
     Ts = tuple(job["Ts"])
     extra = {"maxpool": "avg"} if job["arch"] == "vgg_max" else {}
     extra.update(job.get("overrides") or {})
+    if isinstance(extra.get("qcfs_train"), dict):  # --set "qcfs_train={'epochs': 1, 'lr': 1e-3}"
+        from snnconv import QCFSTrainConfig
+
+        extra["qcfs_train"] = QCFSTrainConfig(**{"seed": job["seed"], **extra["qcfs_train"]})
     out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)
     if job["finetune"]:
         from snnconv import FinetuneConfig
@@ -445,6 +450,34 @@ def table(summary: list[dict], subset: int | None = None, test_limit: int | None
     return "\n".join(lines) + note
 
 
+def compare(paths: list[str], Ts=(4, 8, 16, 32)) -> str:
+    """Markdown table: the same cells in several sweeps (one setting changed), worst-seed gap to
+    the ANN at each T, QCFS-ANN mean, and how many cells meet the floors."""
+    runs = []
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        label = " ".join(data.get("settings", {}).get("set") or []) or "defaults"
+        runs.append((label, {(r["dataset"], r["arch"], r["epochs"], r["cell"]): r
+                             for r in summarize(data["records"])}))
+    keys = sorted(set.intersection(*(set(rows) for _, rows in runs)))
+    head = ["data", "network", "ANN epochs", "run", "QCFS-ANN"] + [f"T={t} gap" for t in Ts] + ["floors"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in keys:
+        for label, rows in runs:
+            r = rows[key]
+            gaps = [f"{r['ann']['mean'] - r['snn'][t]['mean']:.2f} ({r['snn'][t]['worst_gap']:.2f})"
+                    if t in r["snn"] else "-" for t in Ts]
+            lines.append("| " + " | ".join([key[0], key[1], str(key[2]), label,
+                                            f"{r['qcfs']['mean']:.2f}" if r.get("qcfs") else "-"]
+                                           + gaps + ["met" if r["floors_met"] else "missed"]) + " |")
+    lines.append("")
+    for label, rows in runs:
+        met = sum(rows[k]["floors_met"] for k in keys)
+        lines.append(f"- {label}: floors met in {met} of {len(keys)} cells")
+    return "\n".join(lines) + "\n\nGap = ANN - SNN in points, mean (worst seed) over seeds."
+
+
 def plot(summary: list[dict], path: str) -> None:
     import matplotlib
 
@@ -502,9 +535,14 @@ def main(argv=None) -> int:
                    help="convert() settings for every cell (Python literals), to compare a default")
     p.add_argument("--cache", help="ANN checkpoint folder (default <out>_cache; share it between runs)")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
+    p.add_argument("--compare", nargs="+", metavar="JSON",
+                   help="print the cells of finished sweeps side by side (one setting changed)")
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.compare:
+        print(compare(args.compare))
+        return 0
     if args.table:
         with open(args.table) as fh:
             data = json.load(fh)

@@ -294,6 +294,12 @@ def _check_between_neurons(gm: fx.GraphModule, maxpool: str, stage: str) -> None
             "average pooling) and retrain the ANN.")
 
 
+def max_pools(gm: fx.GraphModule) -> list[str]:
+    """The max-pooling modules of ``gm`` that ``maxpool="avg"`` would replace."""
+    return [str(n.target) for n in gm.graph.nodes
+            if type(module_of(gm, n)) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}]
+
+
 def _replace_maxpool(gm: fx.GraphModule) -> list[str]:
     replaced = []
     for node in gm.graph.nodes:

@@ -709,10 +709,13 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     et al. (AAAI 2023), fitted per channel; ``T`` is then ignored.
 
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
-    layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of
-    ``snn.chunk_size`` time-folded samples; memory is that of a forward at ``num_batches`` times
-    the batch size): at each neuron, the spikes of the uncorrected input give the shift, and the
-    corrected input goes on to the next layers. Where a shifted layer's output also reaches other nodes (or its module is called
+    layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
+    ``snn.chunk_size`` time-folded samples and 16 MiB per value; memory is that of a forward
+    at ``num_batches`` times the batch size): at each neuron, a running spike count of the
+    uncorrected input (the spike train is not stored) gives the shift, and the corrected input
+    goes on to the next layers; plus one reference forward of the QCFS-ANN per horizon. On a
+    2-core CPU about 1.1-1.6x a T-step pass (benchmarks/README.md). Where a shifted layer's
+    output also reaches other nodes (or its module is called
     twice), that shortcut is not exact and each layer is re-run from the input instead
     (quadratic in depth; ``meta["bias_calibration"]["method"] == "rerun"``).
 

@@ -273,6 +273,15 @@ def test_other_activations_and_max_pooling_through_convert():
     snn, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", progress=False)
     assert meta.stage("qcfs").changes["maxpool_replaced"] == ["pool"]
     assert not any(isinstance(m, nn.MaxPool2d) for m in snn.modules())
+    # average pooling is another function: by default one epoch of QCFS training adapts to it
+    assert meta.settings["qcfs_epochs"] == 1 and len(meta.stage("qcfs").changes["history"]) == 1
+    _, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", qcfs_epochs=0, progress=False)
+    assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
+    with pytest.warns(UserWarning, match="no labels"):
+        _, meta = snnconv.convert(model, [x for x, _ in _pairs()], T=2, maxpool="avg", progress=False)
+    assert meta.settings["qcfs_epochs"] == 0
+    _, meta = snnconv.convert(_tiny(), _pairs(), T=2, progress=False)  # no max-pooling: no training
+    assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
 
 
 def test_convert_result_has_no_batchnorm_and_one_if_per_relu_site():
