@@ -206,7 +206,7 @@ def convert(
         qcfs_epochs: epochs of QCFS-aware training of the ANN (needs labels; ``qcfs_train``
             sets the rest). ``None`` (default): one epoch where ``maxpool="avg"`` replaced
             max-pooling (on the robustness matrix it lifts the VGG's SNN at T=16 from 37 to 7
-            points under the ANN after 2 epochs of training, 32 to 4.5 after 10), none otherwise
+            points under the ANN after 2 epochs of training, 30 to 4.4 after 10), none otherwise
             (there one epoch changed little, or cost accuracy at T >= 16; benchmarks/README.md
             "QCFS training on the matrix").
         per_channel: one threshold per channel or one per layer. The default (None) is per
