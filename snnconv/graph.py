@@ -23,6 +23,7 @@ __all__ = [
     "call_counts",
     "capture",
     "run_lockstep",
+    "NodeOutputs",
     "describe_node",
 ]
 
@@ -226,15 +227,21 @@ def largest_value(gm: fx.GraphModule, x: torch.Tensor) -> int:
     return interp.largest
 
 
+class NodeOutputs(list):
+    """What a :func:`run_lockstep` hook returns to stand in for its node: the node's output for
+    every chunk (the node itself is then not run)."""
+
+
 def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
                  before: dict[str, Callable[[list[Any]], list[Any]]]) -> list[Any]:
     """Run ``gm`` on each of ``chunks``, every chunk up to a hooked node before any goes past
     it; returns the outputs per chunk.
 
     ``before[node_name](firsts)`` receives that node's first argument for every chunk and
-    returns the ones it should run on: a correction computed from the whole data set takes
-    effect before the next layer, while every operation still runs on one chunk (small,
-    cache-sized tensors) and the graph is interpreted once. From one hooked node to the next,
+    returns the ones it should run on (or a :class:`NodeOutputs`, the node's outputs): a
+    correction computed from the whole data set takes effect before the next layer, while
+    every operation still runs on one chunk (small, cache-sized tensors) and the graph is
+    interpreted once. From one hooked node to the next,
     each chunk runs the whole stretch before the next chunk starts (its values stay in cache).
     Values are freed after their last use, as ``fx.Interpreter.run`` does.
     """
@@ -267,6 +274,13 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
                 run(it, n, firsts[k] if i == 0 else None)
         if node.op == "output":
             return [it.run_node(node) for it in its]
-        firsts = [(f,) for f in hook([it.fetch_args_kwargs_from_env(node)[0][0] for it in its])]
-        segment = [node]
+        got = hook([it.fetch_args_kwargs_from_env(node)[0][0] for it in its])
+        if isinstance(got, NodeOutputs):
+            for it, value in zip(its, got):
+                it.env[node] = value
+                for dead in last.get(node, []):
+                    del it.env[dead]
+            firsts, segment = [None] * len(its), []
+        else:
+            firsts, segment = [(f,) for f in got], [node]
     raise UnsupportedModelError("the graph has no output node")

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from spikingjelly.activation_based import neuron, surrogate
 
 from .errors import CheckpointError, DataError, StageOrderError, UnsupportedModelError
-from .graph import call_counts, capture, describe_node, largest_value, module_of, prepare, run_lockstep
+from .graph import (NodeOutputs, call_counts, capture, describe_node, largest_value, module_of, prepare,
+                    run_lockstep)
 from .guards import assert_no_batchnorm
 from .meta import atomic_write_bytes
 from .qcfs import QCFS, _check_activations, _FloorSTE, relu_sites
@@ -455,8 +456,16 @@ def _value_at(gm: fx.GraphModule, x: torch.Tensor, name: str) -> torch.Tensor:
     return interp.value
 
 
+def _channel_sums(v: torch.Tensor) -> torch.Tensor:
+    """Per channel (dim 1), the sum of ``v`` in float64: each image's positions summed in
+    float32 first (a contiguous reduction; no float64 copy of ``v``)."""
+    if v.dim() > 2:
+        v = v.reshape(v.shape[0], v.shape[1], -1).sum(2)
+    return v.double().sum(0)
+
+
 def _channel_mean(v: torch.Tensor) -> torch.Tensor:
-    return v.double().mean(dim=[d for d in range(v.dim()) if d != 1])
+    return _channel_sums(v) / (v.numel() // v.shape[1])
 
 
 def _bias_path(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
@@ -613,6 +622,49 @@ def _spike_counts(mod: "IFNeuron", seq: torch.Tensor, steps: tuple[int, ...]) ->
     return counts
 
 
+def _charge_counts(mod: "IFNeuron", u: torch.Tensor, steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """:func:`_spike_counts` of a subtractive-reset neuron on its input already divided by
+    theta (``u``, ``[T, b, ...]``), without a running count: after ``t`` steps a position has
+    fired ``v_init + u[0] + ... + u[t-1] - v[t]`` times (its charge in, minus what is left), so
+    the channel sums of ``u`` and of the membrane at the wanted steps give the same counts up to
+    float rounding, for three tensor operations per step instead of five."""
+    step = u[0]
+    v0 = _channel_view(mod.v_init.to(step.dtype), step.dim())
+    per_channel = step.numel() // step.shape[1]
+    counts, charge, done = {}, 0.0, 0
+    spk = torch.empty_like(step)
+    v = step + v0
+    for t in range(max(steps)):
+        if t:
+            v.add_(u[t])
+        torch.ge(v, 1.0, out=spk)
+        v.sub_(spk)
+        if t + 1 in steps:
+            # positions summed in float32 first (a float64 reduction over these strided
+            # dimensions is 20x slower)
+            charge = charge + _channel_sums(u[done:t + 1].reshape(-1, *step.shape[1:]))
+            done = t + 1
+            start = mod.v_init.double().expand(step.shape[1]) * per_channel
+            counts[t + 1] = start + charge - _channel_sums(v)
+    return counts
+
+
+def _fire_shifted(mod: "IFNeuron", u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The spikes (in place of ``u``, ``[T, b, ...]``, the input divided by theta) of a
+    subtractive-reset neuron whose input is raised by ``shift`` (per channel, in units of theta)
+    at every step: the membrane is kept without the shift and compared with ``1 - (t+1) *
+    shift`` instead, which saves adding the shift to the input."""
+    step = u[0]
+    shift = shift.to(step.dtype)
+    v = step + _channel_view(mod.v_init.to(step.dtype), step.dim())
+    for t in range(u.shape[0]):
+        if t:
+            v.add_(u[t])
+        torch.ge(v, 1.0 - (t + 1) * shift, out=u[t])
+        v.sub_(u[t])
+    return u
+
+
 def _rates(mod: "IFNeuron", parts: list[tuple[dict[int, torch.Tensor], int, int]], n_batches: int,
            steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Per channel, ``theta`` times the mean spike rate over the first ``t`` steps, for each
@@ -711,13 +763,15 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
     ``snn.chunk_size`` time-folded samples and 16 MiB per value; memory is that of a forward
-    at ``num_batches`` times the batch size): at each neuron, a running spike count of the
-    uncorrected input (the spike train is not stored) gives the shift, and the corrected input
-    goes on to the next layers; plus one reference forward of the QCFS-ANN per horizon. On a
-    2-core CPU about 1.1-1.6x a T-step pass (benchmarks/README.md). Where a shifted layer's
-    output also reaches other nodes (or its module is called
-    twice), that shortcut is not exact and each layer is re-run from the input instead
-    (quadratic in depth; ``meta["bias_calibration"]["method"] == "rerun"``).
+    at ``num_batches`` times the batch size): at each neuron the input is divided by theta in
+    place, the IF recursion on it gives the spike counts (from the membrane left at the
+    horizons; the spike train is not stored) and so the shift, then the neuron fires on the
+    same tensor with the shift folded into its threshold, and its spikes go on to the next
+    layers; plus one reference forward of the QCFS-ANN per horizon. On a 2-core CPU about
+    1.1-1.6x a T-step pass (benchmarks/README.md). Where a shifted layer's output also reaches
+    other nodes (or its module is called twice), that shortcut is not exact and each layer is
+    re-run from the input instead (quadratic in depth; ``meta["bias_calibration"]["method"] ==
+    "rerun"``).
 
     Raises:
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
@@ -753,15 +807,26 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             owner.append(k)
 
     def correct(xs, mod, name, source, layer):
-        parts = [_counted(mod, x, T, k, steps) for x, k in zip(xs, owner)]
+        along_last = isinstance(layer, nn.Linear) and xs[0].dim() > 2  # bias on the last dim
+        if mod.reset == "subtract" and not along_last:
+            # divide by theta once, in place (every node from the layer to this neuron has this
+            # one user); count from it, then fire on it with the shift, spikes in place: no
+            # second division, no pass to add the shift, no new tensor
+            theta = _channel_view(mod.theta, xs[0].dim())
+            us = [(x.div_(theta) if x.is_contiguous() else x / theta).reshape(T, len(x) // T, *x.shape[1:])
+                  for x in xs]
+            parts = [(_charge_counts(mod, u, steps), u[0].numel() // u.shape[2], k)
+                     for u, k in zip(us, owner)]
+        else:
+            us, parts = None, [_counted(mod, x, T, k, steps) for x, k in zip(xs, owner)]
         delta = _fit(mod, parts, len(batches), T, _target(target_mean, source), horizons)
         del parts
         added = _apply_shift(layer, delta)
         shifts[name] = float(delta.abs().mean())
-        if added.dim() and isinstance(layer, nn.Linear):
-            view = added  # a Linear's bias runs along the last dimension
-        else:
-            view = _channel_view(added, xs[0].dim())
+        if us is not None:
+            shift = _channel_view(added, xs[0].dim()) / _channel_view(mod.theta, xs[0].dim())
+            return NodeOutputs(_fire_shifted(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs))
+        view = added if along_last else _channel_view(added, xs[0].dim())
         # in place: every node from the layer to this neuron has this one user
         return [x.add_(view) if x.is_contiguous() else x + view for x in xs]
 

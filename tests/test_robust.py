@@ -75,18 +75,21 @@ def _calls(snn):
     return counts
 
 
-@pytest.mark.parametrize("net, per_channel, horizons", [("cnn", True, None), ("resnet", False, None),
-                                                       ("resnet", True, None), ("cnn", True, (2, 6)),
-                                                       ("resnet", True, (2, 6))])
+@pytest.mark.parametrize("net, per_channel, horizons, reset", [
+    ("cnn", True, None, "subtract"), ("resnet", False, None, "subtract"), ("resnet", True, None, "subtract"),
+    ("cnn", True, (2, 6), "subtract"), ("resnet", True, (2, 6), "subtract"), ("resnet", False, None, "zero")])
 def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
-        net, per_channel, horizons, small_digits_ann, digits_data):
+        net, per_channel, horizons, reset, small_digits_ann, digits_data):
+    """The one pass counts spikes from the membrane (subtractive reset) or by a running count
+    (reset to zero) and fires with the shift folded into the threshold: the same network as
+    re-running every corrected layer from the input, up to float rounding."""
     from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
 
     model = small_digits_ann if net == "cnn" else _trained_tiny_resnet(digits_data)
     loader = DataLoader(digits_data[0], batch_size=50)  # 4 batches of 50
     qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(model), loader, L=4, per_channel=per_channel,
                                   progress=False)
-    snn = snnconv.to_spiking(qcfs, T=4)
+    snn = snnconv.to_spiking(qcfs, T=4, reset=reset)
     fast_snn, slow_snn = copy.deepcopy(snn), copy.deepcopy(snn)
     fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
     fast = calibrate_bias(fast_snn, qcfs, loader, T=6, horizons=horizons)
