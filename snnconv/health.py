@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .graph import capture, module_of
 
-__all__ = ["activity", "collapse_report", "dead_layers", "accuracy_on", "chance_level"]
+__all__ = ["activity", "collapse_report", "dead_layers", "accuracy_of", "chance_level"]
 
 
 def _relu_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -37,8 +37,11 @@ def _relu_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return relu_sites(gm)
 
 
-def activity(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, dict[str, Any]]:
-    """Per-site activity of ``model`` (a traced ANN with ReLU or QCFS, or a SpikingNetwork)."""
+def activity(model: nn.Module, batches: list[torch.Tensor],
+             outputs: list[torch.Tensor] | None = None) -> dict[str, dict[str, Any]]:
+    """Per-site activity of ``model`` (a traced ANN with ReLU or QCFS, or a SpikingNetwork), in
+    eval mode; the model's output for each batch is appended to ``outputs`` where given (one
+    pass gives both, see :func:`accuracy_of`)."""
     from .qcfs import QCFS
     from .spiking import IFNeuron, SpikingNetwork, _channel_view
 
@@ -51,62 +54,61 @@ def activity(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, dict[st
         s[2] += float(mean) * n
         s[3] += n
 
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if isinstance(model, SpikingNetwork):
-            handles = []
-            for name, m in model.net.named_modules():
-                if isinstance(m, IFNeuron):
-                    def hook(mod, inp, out, name=name):
-                        counts = out.reshape(mod.T, -1, *out.shape[1:]).sum(0)
-                        add(name, (counts > 0).float().mean(), (counts >= mod.T).float().mean(),
-                            counts.float().mean() / mod.T, counts.numel())
-                    handles.append(m.register_forward_hook(hook))
-            try:
-                for x in batches:
-                    model.net(x)  # one T-step pass (the network's own T)
-            finally:
-                for h in handles:
-                    h.remove()
-        else:
-            gm = model
-            qcfs = {n.name: module_of(gm, n) for n in gm.graph.nodes
-                    if isinstance(module_of(gm, n), QCFS)}
-            names = set(qcfs) | {n.name for n in _relu_nodes(gm)}
-            # QCFS sites by module name; ReLU sites by fx node name (calibrate_qcfs names the
-            # QCFS of ReLU node ``n`` "qcfs_n")
-            labels = {n.name: (str(n.target) if n.name in qcfs else n.name) for n in gm.graph.nodes
-                      if n.name in names}
-            for x in batches:
-                values = capture(gm, (x,), names)
-                for node, v in values.items():
-                    v = v.detach().float()
-                    q = qcfs.get(node)
-                    if q is not None:
-                        lam = _channel_view(q.lam.detach().float(), v.dim())
-                        add(labels[node], (v > 0).float().mean(), (v >= lam * (1 - 1e-6)).float().mean(),
-                            (v / lam).mean(), v.numel())
-                    else:
-                        add(labels[node], (v > 0).float().mean(), None, v.mean(), v.numel())
-    return {name: {"active": s[0] / s[3], "saturated": s[1] / s[3] if s[4] else None, "mean": s[2] / s[3]}
-            for name, s in sums.items()}
-
-
-def accuracy_on(model: nn.Module, batches: list[torch.Tensor], labels: list[torch.Tensor]) -> float | None:
-    """Top-1 accuracy (percent) on labelled batches; ``None`` without labels."""
-    if not labels or any(y is None for y in labels):
-        return None
-    correct = total = 0
     was = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for x, y in zip(batches, labels):
-                out = model(x)
-                correct += (out.argmax(1).cpu() == y.cpu()).sum().item()
-                total += len(y)
+            if isinstance(model, SpikingNetwork):
+                handles = []
+                for name, m in model.net.named_modules():
+                    if isinstance(m, IFNeuron):
+                        def hook(mod, inp, out, name=name):
+                            counts = out.reshape(mod.T, -1, *out.shape[1:]).sum(0)
+                            add(name, (counts > 0).float().mean(), (counts >= mod.T).float().mean(),
+                                counts.float().mean() / mod.T, counts.numel())
+                        handles.append(m.register_forward_hook(hook))
+                try:
+                    for x in batches:
+                        out = model(x)  # one T-step pass (the network's own T, in its chunks)
+                        if outputs is not None:
+                            outputs.append(out)
+                finally:
+                    for h in handles:
+                        h.remove()
+            else:
+                gm = model
+                qcfs = {n.name: module_of(gm, n) for n in gm.graph.nodes
+                        if isinstance(module_of(gm, n), QCFS)}
+                names = set(qcfs) | {n.name for n in _relu_nodes(gm)}
+                # QCFS sites by module name; ReLU sites by fx node name (calibrate_qcfs names the
+                # QCFS of ReLU node ``n`` "qcfs_n")
+                labels = {n.name: (str(n.target) if n.name in qcfs else n.name) for n in gm.graph.nodes
+                          if n.name in names}
+                for x in batches:
+                    values, out = capture(gm, (x,), names, with_output=True)
+                    if outputs is not None:
+                        outputs.append(out)
+                    for node, v in values.items():
+                        v = v.detach().float()
+                        q = qcfs.get(node)
+                        if q is not None:
+                            lam = _channel_view(q.lam.detach().float(), v.dim())
+                            add(labels[node], (v > 0).float().mean(), (v >= lam * (1 - 1e-6)).float().mean(),
+                                (v / lam).mean(), v.numel())
+                        else:
+                            add(labels[node], (v > 0).float().mean(), None, v.mean(), v.numel())
     finally:
         model.train(was)
-    return 100.0 * correct / max(total, 1)
+    return {name: {"active": s[0] / s[3], "saturated": s[1] / s[3] if s[4] else None, "mean": s[2] / s[3]}
+            for name, s in sums.items()}
+
+
+def accuracy_of(outputs: list[torch.Tensor], labels: list[torch.Tensor]) -> float | None:
+    """Top-1 accuracy (percent) of a model's ``outputs`` on labelled batches; ``None`` without labels."""
+    if not labels or any(y is None for y in labels):
+        return None
+    correct = sum((out.argmax(1).cpu() == y.cpu()).sum().item() for out, y in zip(outputs, labels))
+    return 100.0 * correct / max(sum(len(y) for y in labels), 1)
 
 
 def chance_level(labels: list[torch.Tensor]) -> float | None:

@@ -20,7 +20,7 @@ from .data import first_batch
 from .errors import ConversionError, DataError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
-from .health import accuracy_on, activity, chance_level, collapse_report, dead_layers
+from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
 from .guards import assert_no_batchnorm
 from .hard_reset import calibrate_thresholds
 from .meta import ConversionMeta, StageRecord
@@ -120,7 +120,7 @@ class _Health:
         self.on_collapse = on_collapse
         self.finetune_follows = False
 
-    def check(self, rec: StageRecord, model: nn.Module, stage: str, act_model: nn.Module | None = None,
+    def check(self, rec: StageRecord, model: nn.Module, stage: str,
               what: str = "the network", source: dict[str, str] | None = None, hint: str = "") -> None:
         """Record activity and accuracy of ``model`` after ``stage``; raise or warn on a collapse.
 
@@ -129,8 +129,9 @@ class _Health:
         import warnings
 
         start = time.perf_counter()
-        act = activity(act_model if act_model is not None else model, self.x)
-        acc = accuracy_on(model, self.x, self.y)
+        outputs: list = []
+        act = activity(model, self.x, outputs)  # one pass: the activity and the outputs
+        acc = accuracy_of(outputs, self.y)
         rec.changes["activity"] = act
         rec.changes["check_accuracy"] = acc
         rec.changes["check_seconds"] = time.perf_counter() - start  # included in the stage's time
