@@ -314,13 +314,16 @@ def run_job(job: dict) -> dict:
         from snnconv import QCFSTrainConfig
 
         extra["qcfs_train"] = QCFSTrainConfig(**{"seed": job["seed"], **extra["qcfs_train"]})
-    out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)
+    if not job.get("finetune_only"):
+        out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)
     if job["finetune"]:
         from snnconv import FinetuneConfig
 
         limit = {"max_steps_per_epoch": 3} if job["smoke"] else {}
-        if job["smoke"]:
-            ft = dict(finetune_config=FinetuneConfig(epochs=1, T=4, seed=job["seed"], **limit))
+        settings = job.get("finetune_overrides") or {}  # --finetune-set
+        if job["smoke"] or settings:
+            ft = dict(finetune_config=FinetuneConfig(**{"epochs": 1, "T": 4, "seed": job["seed"], **limit,
+                                                        **settings}))
         else:
             ft = dict(finetune_epochs=1)
         out["cells"]["finetune"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], T=4,
@@ -362,8 +365,12 @@ def plan(args) -> list[dict]:
                                        and not args.no_finetune),
                              device=args.device, threads=threads, cache=args.cache or args.out + "_cache",
                              overrides=overrides(args.set),
+                             finetune_overrides=overrides(args.finetune_set),
+                             finetune_only=args.finetune_only,
                              fashion_root=args.fashion_root, test_limit=args.test_limit,
                              variants=not args.no_variants and long and (dataset == "fmnist" or args.smoke)))
+    if args.finetune_only:
+        jobs = [j for j in jobs if j["finetune"]]
     cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1}
     jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (3 if j["dataset"] == "fmnist" else 1)
                               + 20 * j["finetune"]))
@@ -457,7 +464,8 @@ def compare(paths: list[str], Ts=(4, 8, 16, 32)) -> str:
     for path in paths:
         with open(path) as fh:
             data = json.load(fh)
-        label = " ".join(data.get("settings", {}).get("set") or []) or "defaults"
+        settings = data.get("settings", {})
+        label = " ".join((settings.get("set") or []) + (settings.get("finetune_set") or [])) or "defaults"
         runs.append((label, {(r["dataset"], r["arch"], r["epochs"], r["cell"]): r
                              for r in summarize(data["records"])}))
     keys = sorted(set.intersection(*(set(rows) for _, rows in runs)))
@@ -533,6 +541,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-finetune", action="store_true", help="skip the fine-tuning cells")
     p.add_argument("--set", nargs="*", metavar="KEY=VALUE",
                    help="convert() settings for every cell (Python literals), to compare a default")
+    p.add_argument("--finetune-set", nargs="*", metavar="KEY=VALUE",
+                   help="FinetuneConfig settings for the fine-tuning cells (epochs 1, T=4 unless set)")
+    p.add_argument("--finetune-only", action="store_true",
+                   help="only the fine-tuning cells (no default cell; to compare a fine-tuning setting)")
     p.add_argument("--cache", help="ANN checkpoint folder (default <out>_cache; share it between runs)")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
     p.add_argument("--compare", nargs="+", metavar="JSON",
