@@ -482,6 +482,12 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
     assert len(history) == 1 and "val_acc" in history[0]
     assert snn.T == 2
     assert snnconv.find_batchnorm(snn) == []
+    # convert()'s own recipe (chosen on the robustness matrix), distilled from the user's ANN
+    from snnconv.pipeline import CONVERT_FINETUNE
+
+    used = meta.settings["finetune"]
+    assert {k: used[k] for k in CONVERT_FINETUNE} == CONVERT_FINETUNE and used["T"] == 2
+    assert CONVERT_FINETUNE["distill"] > 0 and CONVERT_FINETUNE["train_thresholds"]
 
 
 def test_convert_without_finetune_epochs_has_no_stage_4(small_digits_ann, digits_loaders):
