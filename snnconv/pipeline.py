@@ -249,7 +249,7 @@ def convert(
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
             :data:`CONVERT_FINETUNE` (distillation from ``model``, trained thresholds, ATan
-            alpha 4, lr 2e-3, batches of 64) at ``T``.
+            alpha 4, lr 2e-3, batches of 64 or the loader's if smaller) at ``T``.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
             activity on the first two calibration batches goes into that stage's ``meta``
             record (``changes["activity"]``, see :mod:`snnconv.health`). A QCFS site that
@@ -305,7 +305,11 @@ def convert(
         raise ValueError(f"finetune_epochs={finetune_epochs} disagrees with finetune_config.epochs="
                          f"{finetune_config.epochs}; give one of them")
     if finetune_config is None and finetune_epochs:
-        finetune_config = FinetuneConfig(epochs=finetune_epochs, T=T, seed=seed, **CONVERT_FINETUNE)
+        recipe = dict(CONVERT_FINETUNE)
+        own = getattr(loader, "batch_size", None)
+        if isinstance(own, int) and own < recipe["batch_size"]:
+            recipe["batch_size"] = own  # never larger batches than the user's (small data sets)
+        finetune_config = FinetuneConfig(epochs=finetune_epochs, T=T, seed=seed, **recipe)
     if finetune_config is not None:
         settings["finetune"] = vars(finetune_config).copy()
     meta = ConversionMeta(settings=settings, seed=seed)

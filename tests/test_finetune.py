@@ -490,6 +490,16 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
     assert CONVERT_FINETUNE["distill"] > 0 and CONVERT_FINETUNE["train_thresholds"]
 
 
+def test_convert_fine_tunes_a_small_data_set_in_the_loaders_batches(small_digits_ann, digits_data):
+    """The recipe's batches of 64 never exceed the user's: 60 images in batches of 8 still train."""
+    subset = torch.utils.data.Subset(digits_data[0], range(60))
+    loader = DataLoader(subset, batch_size=8)
+    snn, meta = snnconv.convert(small_digits_ann, loader, T=2, L=4, finetune_epochs=1, progress=False,
+                                on_collapse="warn")
+    assert meta.settings["finetune"]["batch_size"] == 8
+    assert meta.stages[-1].name == "finetune" and len(meta.stages[-1].changes["history"]) == 1
+
+
 def test_convert_without_finetune_epochs_has_no_stage_4(small_digits_ann, digits_loaders):
     _, meta = snnconv.convert(small_digits_ann, digits_loaders[0], T=2, L=4, progress=False)
     assert "finetune" not in [s.name for s in meta.stages]
