@@ -140,14 +140,8 @@ class IFNeuron(nn.Module):
                 torch.ge(v, theta, out=s[t])
                 v.addcmul_(v, s[t], value=-1.0)
             return s
-        s = seq / _channel_view(self.theta, seq.dim(), channel_dim=2)  # ours: steps become spikes
-        v = s[0] + _channel_view(self.v_init.to(seq.dtype), seq.dim() - 1)
-        for t in range(seq.shape[0]):
-            if t:
-                v.add_(s[t])
-            torch.ge(v, 1.0, out=s[t])
-            v.sub_(s[t])
-        return s
+        # ours: the input in units of theta, its steps become spikes
+        return _fire(self, seq / _channel_view(self.theta, seq.dim(), channel_dim=2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rate_levels:
@@ -649,18 +643,17 @@ def _charge_counts(mod: "IFNeuron", u: torch.Tensor, steps: tuple[int, ...]) -> 
     return counts
 
 
-def _fire_shifted(mod: "IFNeuron", u: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """The spikes (in place of ``u``, ``[T, b, ...]``, the input divided by theta) of a
-    subtractive-reset neuron whose input is raised by ``shift`` (per channel, in units of theta)
-    at every step: the membrane is kept without the shift and compared with ``1 - (t+1) *
-    shift`` instead, which saves adding the shift to the input."""
+def _fire(mod: "IFNeuron", u: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """The spikes, in place of ``u`` (``[T, b, ...]``, the input divided by theta), of the
+    subtractive-reset IF neuron ``mod``. With ``shift`` (per channel, in units of theta) the
+    input is raised by it at every step: the membrane is kept without the shift and compared
+    with ``1 - (t+1) * shift`` instead, which saves adding the shift to the input."""
     step = u[0]
-    shift = shift.to(step.dtype)
     v = step + _channel_view(mod.v_init.to(step.dtype), step.dim())
     for t in range(u.shape[0]):
         if t:
             v.add_(u[t])
-        torch.ge(v, 1.0 - (t + 1) * shift, out=u[t])
+        torch.ge(v, 1.0 if shift is None else 1.0 - (t + 1) * shift.to(step.dtype), out=u[t])
         v.sub_(u[t])
     return u
 
@@ -825,7 +818,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         shifts[name] = float(delta.abs().mean())
         if us is not None:
             shift = _channel_view(added, xs[0].dim()) / _channel_view(mod.theta, xs[0].dim())
-            return NodeOutputs(_fire_shifted(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs))
+            return NodeOutputs(_fire(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs))
         view = added if along_last else _channel_view(added, xs[0].dim())
         # in place: every node from the layer to this neuron has this one user
         return [x.add_(view) if x.is_contiguous() else x + view for x in xs]

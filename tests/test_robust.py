@@ -196,6 +196,22 @@ def test_meta_json_holds_per_layer_activity_after_every_stage(small_digits_ann, 
             assert a["saturated"] is None if stage == "fold" else 0 <= a["saturated"] < 1
 
 
+def test_the_stage_checks_accuracy_is_that_of_the_network_on_its_two_batches(small_digits_ann, digits_data):
+    """Activity and accuracy come from one pass (the SNN's own chunked forward): the recorded
+    accuracy is the network's on the first two calibration batches, ANN and SNN alike."""
+    loader = DataLoader(digits_data[0], batch_size=64)  # no shuffle: the first two batches are known
+    snn, meta = snnconv.convert(small_digits_ann, loader, T=4, L=4, progress=False)
+    (x1, y1), (x2, y2) = list(loader)[:2]
+    x, y = torch.cat([x1, x2]), torch.cat([y1, y2])
+    with torch.no_grad():
+        expect = {"fold": small_digits_ann.eval()(x), "spiking": snn(x)}
+    for stage, out in expect.items():
+        # the folded ANN may differ from the BatchNorm one by float rounding: one image at most
+        slack = 100.0 / len(y) if stage == "fold" else 1e-9
+        assert meta.stage(stage).changes["check_accuracy"] == pytest.approx(
+            100.0 * (out.argmax(1) == y).float().mean().item(), abs=slack), stage
+
+
 def test_qcfs_training_never_returns_worse_than_the_calibrated_state(small_digits_ann, digits_data):
     """A learning rate that wrecks the network: the calibrated state (epoch 0) is kept."""
     train = DataLoader(digits_data[0], batch_size=64)  # the same calibration batches both times
