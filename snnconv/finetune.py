@@ -31,7 +31,7 @@ from .progress import progress_bar
 from .data import split_batch, split_dataset
 from .errors import CheckpointError, DataError, StageOrderError
 from .meta import atomic_write_bytes
-from .metrics import evaluate
+from .metrics import accuracy_by_T, evaluate
 from .qcfs import make_optimizer
 from .spiking import IFNeuron, SpikingNetwork, neurons
 
@@ -52,7 +52,8 @@ class FinetuneConfig:
     data held out to pick the best epoch, ``checkpoint_dir``/``checkpoint_every``/``resume``,
     ``activation_checkpointing`` (None | "block" | "neuron"), ``amp`` (CUDA only), and
     ``horizons``: step counts h <= T whose running-average readouts each get a cross-entropy
-    term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too).
+    term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too); the
+    best epoch is then the one with the best mean validation accuracy over them.
     ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
     that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
     KL(teacher || snn)`` at temperature ``distill_temperature`` (tau).
@@ -616,7 +617,11 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                   "train_acc": float(100 * sums[1] / sums[2]),
                   "seconds": time.perf_counter() - t0}
         if data.val is not None:
-            record["val_acc"] = evaluate(model, data.val, device)
+            if cfg.horizons:  # the mean over the readouts that are trained, from one run
+                record["val_acc"] = sum(accuracy_by_T(model, data.val, cfg.horizons, device).values()
+                                        ) / len(cfg.horizons)
+            else:
+                record["val_acc"] = evaluate(model, data.val, device)
             if record["val_acc"] > best_val:
                 best_val = record["val_acc"]
                 best_state = copy.deepcopy(model.state_dict())

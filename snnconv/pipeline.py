@@ -31,11 +31,14 @@ from .spiking import SpikingNetwork, calibrate_bias, to_spiking
 __all__ = ["convert", "seed_everything"]
 
 #: The fine-tuning recipe of ``convert(..., finetune_epochs=N)`` (the rest as in
-#: :class:`FinetuneConfig`): chosen on the Fashion-MNIST ResNet-14 sweeps (run L) and confirmed
+#: :class:`FinetuneConfig`), unrolled for ``2 * T`` steps with readouts trained at ``T`` and
+#: ``2 * T`` (``horizons``). Chosen on the Fashion-MNIST ResNet-14 sweeps (run L) and confirmed
 #: on the robustness matrix, 1 epoch at T=4 on four networks, three seeds: mean T=4 gap to the
 #: ANN 15.27 -> 8.98 (ResNet-20), 5.92 -> 3.73 (tv_resnet), 36.18 -> 19.87 (MobileNet), 2.92 ->
 #: 1.93 (small CNN) against alpha 2 / lr 1e-3 / frozen thresholds / no distillation / the
-#: loader's batches (benchmarks/README.md, "Fine-tuning defaults on the matrix").
+#: loader's batches; the second readout at 2T keeps the network at longer T (mean T=16 gap
+#: 6.48 -> 2.97, 6.57 -> 1.12, 17.50 -> 7.05, 9.30 -> 1.82; T=4 within 0.7 either way) for
+#: 1.6-1.9 times the conversion time (benchmarks/README.md, "Fine-tuning defaults on the matrix").
 #: ``FinetuneConfig()`` keeps the conservative defaults: it has no teacher of its own.
 CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill": 0.5, "batch_size": 64}
 
@@ -249,7 +252,9 @@ def convert(
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
             :data:`CONVERT_FINETUNE` (distillation from ``model``, trained thresholds, ATan
-            alpha 4, lr 2e-3, batches of 64 or the loader's if smaller) at ``T``.
+            alpha 4, lr 2e-3, batches of 64 or the loader's if smaller), unrolled for ``2 * T``
+            steps with the readouts at ``T`` and ``2 * T`` trained (the network holds when run
+            longer than ``T``); the returned network keeps ``T``.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
             activity on the first two calibration batches goes into that stage's ``meta``
             record (``changes["activity"]``, see :mod:`snnconv.health`). A QCFS site that
@@ -309,7 +314,8 @@ def convert(
         own = getattr(loader, "batch_size", None)
         if isinstance(own, int) and own < recipe["batch_size"]:
             recipe["batch_size"] = own  # never larger batches than the user's (small data sets)
-        finetune_config = FinetuneConfig(epochs=finetune_epochs, T=T, seed=seed, **recipe)
+        finetune_config = FinetuneConfig(epochs=finetune_epochs, T=2 * T, horizons=(T, 2 * T), seed=seed,
+                                         **recipe)
     if finetune_config is not None:
         settings["finetune"] = vars(finetune_config).copy()
     meta = ConversionMeta(settings=settings, seed=seed)

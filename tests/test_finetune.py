@@ -486,7 +486,8 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
     from snnconv.pipeline import CONVERT_FINETUNE
 
     used = meta.settings["finetune"]
-    assert {k: used[k] for k in CONVERT_FINETUNE} == CONVERT_FINETUNE and used["T"] == 2
+    assert {k: used[k] for k in CONVERT_FINETUNE} == CONVERT_FINETUNE
+    assert used["T"] == 4 and tuple(used["horizons"]) == (2, 4)  # unrolled 2T, readouts at T and 2T
     assert CONVERT_FINETUNE["distill"] > 0 and CONVERT_FINETUNE["train_thresholds"]
 
 
@@ -516,6 +517,16 @@ def test_horizons_of_T_alone_equal_the_plain_loss(small_digits_snn, digits_loade
     a, b, c = plain.state_dict(), same.state_dict(), other.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_with_horizons_the_validation_accuracy_is_their_mean(small_digits_snn, digits_loaders):
+    """The best epoch is picked on what is trained: the mean accuracy over the horizons."""
+    train, _ = digits_loaders
+    tuned, history = snnconv.finetune(small_digits_snn, train, T=4, epochs=1, max_steps_per_epoch=2,
+                                      horizons=(2, 4), progress=False)
+    _, val_set = split_dataset(train.dataset, 0.1, seed=0)
+    by_T = accuracy_by_T(tuned, DataLoader(val_set, batch_size=256), (2, 4))
+    assert history[0]["val_acc"] == pytest.approx((by_T[2] + by_T[4]) / 2)
 
 
 @pytest.mark.parametrize("horizons", [(), (0,), (5,), (2, 9)])
