@@ -11,7 +11,8 @@ one T-step SNN pass over the bias calibration batches (the cost floor of bias ca
 bias calibration alone at T, membrane calibration (horizons (T, 2T), convert()'s default for
 subtractive reset) against a 2T-step pass, and bias calibration by re-running the network up to each layer
 (before; ``--skip-rerun`` leaves it out: it grows with the square of the depth). Best of
-``--repeat``. Writes ``results/convert_timing.json`` (or ``--out``).
+``--repeat``; ``--T`` another T. Also convert()'s peak memory (CUDA's allocator peak, or the
+process's maximum resident set on a CPU). Writes ``results/convert_timing.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import copy
 import inspect
 import os
+import resource
 import sys
 import time
 
@@ -68,6 +70,8 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
                     "threads": torch.get_num_threads(), "device": str(device)}
     best_meta = None
     total = float("inf")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(repeat):
         _sync(device)
         t0 = time.perf_counter()
@@ -77,6 +81,11 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
         if time.perf_counter() - t0 < total:
             total, best_meta = time.perf_counter() - t0, meta
     result["convert_seconds"] = total
+    # peak memory of convert(): CUDA's allocator peak; on a CPU the process's high-water mark
+    # (ru_maxrss: run the largest network first, or one per process, for a per-network figure)
+    result["convert_peak_memory_gib"] = (
+        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     result["stages"] = {s.name: s.seconds for s in best_meta.stages}
     result["health_check_seconds"] = {s.name: s.changes.get("check_seconds") for s in best_meta.stages
                                       if "check_seconds" in s.changes}
@@ -131,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--T", type=int, default=8)
     p.add_argument("--skip-rerun", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "results", "convert_timing.json"))
     args = p.parse_args(argv)
@@ -142,21 +152,21 @@ def main(argv=None) -> int:
     logging.getLogger("spikingjelly").setLevel(logging.ERROR)
     rows = []
     for name in args.models:
-        r = measure(name, torch.device(args.device), repeat=args.repeat, rerun=not args.skip_rerun)
+        r = measure(name, torch.device(args.device), T=args.T, repeat=args.repeat, rerun=not args.skip_rerun)
         rows.append(r)
         print(json.dumps(r, indent=1), flush=True)
     atomic_write_text(args.out, json.dumps(rows, indent=1) + "\n")
     print("| network | device | convert() | prepare | fold | qcfs | spiking (to_spiking + bias cal.) | "
           "10 ANN forwards | one T-step SNN pass (4 batches) | bias cal. | bias cal. / SNN pass | "
-          "bias cal. before (rerun) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "bias cal. before (rerun) | peak memory GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["stages"]
         print(f"| {r['model']} | {r['device']}, {r['threads']} threads | {r['convert_seconds']:.2f} | "
               f"{s.get('prepare', 0):.2f} | {s.get('fold', 0):.2f} | {s.get('qcfs', 0):.2f} | "
               f"{s.get('spiking', 0):.2f} | {r['ann_forwards_seconds']:.2f} | {r['snn_pass_seconds']:.2f} | "
               f"{r['bias_calibration_seconds']:.2f} | {r['bias_calibration_over_snn_pass']:.2f} | "
-              f"{r.get('bias_calibration_rerun_seconds', float('nan')):.1f} |")
+              f"{r.get('bias_calibration_rerun_seconds', float('nan')):.1f} | {r['convert_peak_memory_gib']:.2f} |")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import traceback
 from typing import Any, Callable, Iterable
@@ -24,6 +25,7 @@ __all__ = [
     "capture",
     "run_lockstep",
     "NodeOutputs",
+    "Packed",
     "describe_node",
 ]
 
@@ -229,7 +231,77 @@ def largest_value(gm: fx.GraphModule, x: torch.Tensor) -> int:
 
 class NodeOutputs(list):
     """What a :func:`run_lockstep` hook returns to stand in for its node: the node's output for
-    every chunk (the node itself is then not run)."""
+    every chunk (the node itself is then not run). ``spikes=True`` says they hold only zeros
+    and ones (then kept :class:`Packed` where they outlive the next hook)."""
+
+    def __init__(self, values: Iterable[Any] = (), spikes: bool = False):
+        super().__init__(values)
+        self.spikes = spikes
+
+
+class Packed:
+    """A tensor of zeros and ones (spikes) kept as ``bool``, a quarter of float32's memory, in
+    :func:`run_lockstep`'s values and unpacked to its dtype, bit for bit, for each use."""
+
+    __slots__ = ("bits", "dtype")
+
+    def __init__(self, spikes: torch.Tensor):
+        self.bits, self.dtype = spikes.to(torch.bool), spikes.dtype
+
+    def unpack(self) -> torch.Tensor:
+        return self.bits.to(self.dtype)
+
+
+def _unpacked(value: Any) -> Any:
+    return value.unpack() if isinstance(value, Packed) else value
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+             operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+             operator.irshift, operator.imatmul}
+
+
+def _in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Whether ``n`` may change one of its inputs."""
+    if n.op == "call_function":
+        return n.target in _IN_PLACE
+    if n.op == "call_method":
+        return n.target.endswith("_") and not n.target.startswith("_")
+    if n.op == "call_module":
+        return bool(getattr(gm.get_submodule(n.target), "inplace", False))
+    return False
+
+
+def _late_order(gm: fx.GraphModule, fixed: set[str]) -> list[fx.Node]:
+    """The nodes of ``gm`` in an order that runs each node just before its first user, where
+    that is safe (nodes named in ``fixed`` keep their place, as does anything that changes or
+    reads a value changed in place): a value that only a later node needs (a shortcut's
+    scaling) is then made when it is needed, not kept alive across the nodes in between."""
+    nodes = list(gm.graph.nodes)
+    changed = {a for n in nodes if _in_place(gm, n) for a in n.all_input_nodes}
+    order: list[fx.Node] = []
+    waiting: set[fx.Node] = set()
+
+    def emit(n: fx.Node) -> None:
+        for a in n.all_input_nodes:
+            if a in waiting:
+                waiting.discard(a)
+                emit(a)
+        order.append(n)
+
+    for n in nodes:
+        if (n.op in ("call_module", "call_function", "call_method") and n.name not in fixed and n.users
+                and not _in_place(gm, n) and not any(a in changed for a in n.all_input_nodes)):
+            waiting.add(n)
+        else:
+            emit(n)
+    return order
+
+
+class _Lockstep(fx.Interpreter):
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return fx.node.map_aggregate(args, _unpacked), fx.node.map_aggregate(kwargs, _unpacked)
 
 
 def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
@@ -241,15 +313,28 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
     returns the ones it should run on (or a :class:`NodeOutputs`, the node's outputs): a
     correction computed from the whole data set takes effect before the next layer, while
     every operation still runs on one chunk (small, cache-sized tensors) and the graph is
-    interpreted once. From one hooked node to the next,
+    interpreted once, each node as late as it can run (:func:`_late_order`). From one hooked
+    node to the next,
     each chunk runs the whole stretch before the next chunk starts (its values stay in cache).
-    Values are freed after their last use, as ``fx.Interpreter.run`` does.
+    Values are freed after their last use, as ``fx.Interpreter.run`` does. Every chunk of
+    every batch is alive at once at a hook, so a hook's spikes (``NodeOutputs(...,
+    spikes=True)``) that are still needed after the next hook (a shortcut) are kept
+    :class:`Packed`, a quarter of the memory (packing costs an operation per use: only there).
     """
-    its = [fx.Interpreter(gm, garbage_collect_values=True) for _ in chunks]
+    its = [_Lockstep(gm, garbage_collect_values=True) for _ in chunks]
     for it, c in zip(its, chunks):
         it.env = {}
         it.args_iter = iter([c])
-    last = its[0].user_to_last_uses
+    order = _late_order(gm, set(before))
+    last_user = {a: n for n in order for a in n.all_input_nodes}
+    last: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_user.items():
+        last.setdefault(user, []).append(value)
+    at = {n: i for i, n in enumerate(order)}
+    hooks_at = [i for i, n in enumerate(order) if n.name in before] + [len(order)]
+    # the hooked nodes whose value is still needed after the next hook
+    outlive = {n for n, i in at.items() if n.name in before and n in last_user
+               and at[last_user[n]] > next(h for h in hooks_at if h > i)}
 
     def run(it, node, first=None):
         if first is None:
@@ -264,7 +349,7 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
     # cache); only the hooks see all chunks at once
     segment: list[fx.Node] = []
     firsts: list[Any] = [None] * len(its)
-    for node in gm.graph.nodes:
+    for node in order:
         hook = before.get(node.name)
         if hook is None and node.op != "output":
             segment.append(node)
@@ -276,8 +361,10 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
             return [it.run_node(node) for it in its]
         got = hook([it.fetch_args_kwargs_from_env(node)[0][0] for it in its])
         if isinstance(got, NodeOutputs):
-            for it, value in zip(its, got):
-                it.env[node] = value
+            pack = got.spikes and node in outlive
+            for i, (it, value) in enumerate(zip(its, got)):
+                got[i] = None  # the float spikes go as they are packed
+                it.env[node] = Packed(value) if pack else value
                 for dead in last.get(node, []):
                     del it.env[dead]
             firsts, segment = [None] * len(its), []

@@ -818,7 +818,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         shifts[name] = float(delta.abs().mean())
         if us is not None:
             shift = _channel_view(added, xs[0].dim()) / _channel_view(mod.theta, xs[0].dim())
-            return NodeOutputs(_fire(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs))
+            return NodeOutputs((_fire(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs)),
+                               spikes=True)
         view = added if along_last else _channel_view(added, xs[0].dim())
         # in place: every node from the layer to this neuron has this one user
         return [x.add_(view) if x.is_contiguous() else x + view for x in xs]

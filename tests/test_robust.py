@@ -110,6 +110,80 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+class _LateUse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(2, 3, 1), torch.nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        s = x.sum(1, keepdim=True) * 0.5  # needed only at the end
+        h = torch.relu(self.a(x))
+        t = h * 3  # reads h, which the next line changes in place
+        h.add_(1)
+        return self.b(h) + s + t
+
+
+def test_lockstep_runs_a_node_just_before_its_first_user_unless_a_value_changes_in_place():
+    """Values needed only later (a shortcut's scaling) are made when needed, so they are not
+    alive for every chunk across the hooks in between; what reads a value that an in-place op
+    changes keeps its place, and the outputs are those of the network itself."""
+    from snnconv.graph import _late_order, run_lockstep, trace
+
+    torch.manual_seed(0)
+    gm = trace(_LateUse())
+    order = _late_order(gm, fixed=set())
+    names = [n.name for n in order]
+    assert sorted(names) == sorted(n.name for n in gm.graph.nodes)
+    assert all(names.index(a.name) < names.index(n.name) for n in order for a in n.all_input_nodes)
+    (scale,) = [n for n in order if n.op == "call_function" and n.args[1:] == (0.5,)]
+    first_user = min(names.index(u.name) for u in scale.users)
+    assert names.index(scale.name) == first_user - 1
+    (t,) = [n for n in order if n.args[1:] == (3,)]
+    assert names.index(t.name) < names.index(next(n.name for n in order if n.target == "add_"))
+    chunks = [torch.randn(3, 2, 4, 4) for _ in range(3)]
+    outs = run_lockstep(gm, chunks, {})
+    for c, o in zip(chunks, outs):
+        assert torch.equal(o, gm(c))
+
+
+class _Skip(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(2, 3, 1), torch.nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return torch.relu(self.b(h)) + h  # h outlives the second ReLU
+
+
+def test_lockstep_packs_the_spikes_that_outlive_the_next_hook_and_unpacks_them_bit_for_bit(monkeypatch):
+    from snnconv import graph
+
+    spikes = (torch.rand(4, 5) > 0.5).float()
+    assert graph.Packed(spikes).bits.dtype == torch.bool and torch.equal(graph.Packed(spikes).unpack(), spikes)
+    made = []
+
+    class Counted(graph.Packed):
+        def __init__(self, value):
+            super().__init__(value)
+            made.append(value.shape)
+
+    monkeypatch.setattr(graph, "Packed", Counted)
+    torch.manual_seed(0)
+    gm = graph.trace(_Skip())
+    first, second = [n.name for n in gm.graph.nodes if n.target is torch.relu]
+    chunks = [torch.randn(3, 2, 4, 4) for _ in range(2)]
+
+    def fire(spikes):
+        return lambda xs: graph.NodeOutputs(((x > 0).float() for x in xs), spikes=spikes)
+
+    dense = graph.run_lockstep(gm, chunks, {first: fire(False), second: fire(False)})
+    assert made == []
+    kept = graph.run_lockstep(gm, chunks, {first: fire(True), second: fire(True)})
+    assert len(made) == len(chunks)  # the first ReLU's spikes, still needed after the second
+    assert all(torch.equal(a, b) for a, b in zip(dense, kept))
+
+
 def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
         small_digits_ann, digits_data, monkeypatch):
     """Wide activations get smaller chunks (page faults, see spiking._CHUNK_BYTES); chunking
