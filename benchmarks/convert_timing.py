@@ -166,7 +166,8 @@ def main(argv=None) -> int:
               f"{s.get('prepare', 0):.2f} | {s.get('fold', 0):.2f} | {s.get('qcfs', 0):.2f} | "
               f"{s.get('spiking', 0):.2f} | {r['ann_forwards_seconds']:.2f} | {r['snn_pass_seconds']:.2f} | "
               f"{r['bias_calibration_seconds']:.2f} | {r['bias_calibration_over_snn_pass']:.2f} | "
-              f"{r.get('bias_calibration_rerun_seconds', float('nan')):.1f} | {r['convert_peak_memory_gib']:.2f} |")
+              f"{r.get('bias_calibration_rerun_seconds', float('nan')):.1f} | "
+              f"{r['convert_peak_memory_gib']:.2f} |")
     return 0
 
 

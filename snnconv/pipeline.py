@@ -50,6 +50,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _bias_batches(calib_batches: Any) -> int:
+    """Batches of bias/membrane calibration: 4, or fewer where the user asked for fewer."""
+    return min(4, calib_batches) if isinstance(calib_batches, int) and calib_batches > 0 else 4
+
+
 def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, maxpool: str,
                    gm: nn.Module, health: "_Health", seed: int) -> QCFSTrainConfig | None:
     """QCFS training settings; ``qcfs_epochs=None`` (default) trains one epoch where
@@ -214,6 +219,10 @@ def convert(
             QCFS training and fine-tuning. Validation data is split from it.
         T: time steps of the returned network (settable later with ``snn.T``).
         L: QCFS quantisation levels.
+        calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
+            use the first ``min(4, calib_batches)`` of them, all at once for up to ``2 * T`` steps
+            (their memory: a forward of that many batches at ``2 * T``; lower it here, or the
+            loader's batch size, on a machine short of memory).
         maxpool: ``"error"`` (default) refuses max-pooling, which binary spikes cannot compute;
             ``"avg"`` replaces it by average pooling (a different function: see ``qcfs_epochs``).
         qcfs_epochs: epochs of QCFS-aware training of the ANN (needs labels; ``qcfs_train``
@@ -364,10 +373,11 @@ def convert(
     with _stage(meta, "spiking") as rec:
         snn = to_spiking(qgm, T=T, reset=reset)
         if threshold_calibration:
-            snn = calibrate_thresholds(snn, qgm, loader, T=T if horizons else bias_calibration_T)
+            snn = calibrate_thresholds(snn, qgm, loader, T=T if horizons else bias_calibration_T,
+                                       num_batches=_bias_batches(calib_batches))
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
-                                 horizons=horizons)
+                                 horizons=horizons, num_batches=_bias_batches(calib_batches))
         snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")

@@ -94,6 +94,13 @@ def test_convert_with_bias_calibration_records_it(trained_digits_cnn, digits_loa
     assert meta.accuracy["snn"]["4"] > 50.0
 
 
+def test_convert_calibrates_on_fewer_batches_where_calib_batches_asks_for_fewer(trained_digits_cnn,
+                                                                                digits_loaders):
+    """calib_batches is the user's handle on the calibration's memory (all its batches at once)."""
+    _, meta = snnconv.convert(trained_digits_cnn, digits_loaders[0], T=4, calib_batches=2, progress=False)
+    assert meta.stage("spiking").changes["bias_calibration"]["batches"] == 2
+
+
 def _reference_means(qcfs, x, levels):
     """Per-channel mean QCFS output of every site with all QCFS at ``levels`` levels."""
     q = copy.deepcopy(qcfs)

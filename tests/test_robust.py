@@ -160,7 +160,8 @@ def test_lockstep_packs_the_spikes_that_outlive_the_next_hook_and_unpacks_them_b
     from snnconv import graph
 
     spikes = (torch.rand(4, 5) > 0.5).float()
-    assert graph.Packed(spikes).bits.dtype == torch.bool and torch.equal(graph.Packed(spikes).unpack(), spikes)
+    packed = graph.Packed(spikes)
+    assert packed.bits.dtype == torch.bool and torch.equal(packed.unpack(), spikes)
     made = []
 
     class Counted(graph.Packed):
