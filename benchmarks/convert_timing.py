@@ -89,7 +89,8 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     result["stages"] = {s.name: s.seconds for s in best_meta.stages}
     result["health_check_seconds"] = {s.name: s.changes.get("check_seconds") for s in best_meta.stages
                                       if "check_seconds" in s.changes}
-    print("convert", result["convert_seconds"], result["stages"], flush=True)
+    print("convert", result["convert_seconds"], result["stages"],
+          f"peak memory {result['convert_peak_memory_gib']:.2f} GiB", flush=True)
     ann = copy.deepcopy(model).to(device)
     xs = [xb.to(device) for xb, _ in loader]
 
