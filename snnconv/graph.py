@@ -258,13 +258,17 @@ def _unpacked(value: Any) -> Any:
 
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
              operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-             operator.irshift, operator.imatmul}
+             operator.irshift, operator.imatmul, operator.setitem}
 
 
 def _in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
-    """Whether ``n`` may change one of its inputs."""
+    """Whether ``n`` may change one of its inputs (``operator.iadd``, ``x.add_(y)``,
+    ``torch.relu_(x)``, ``inplace=True``, ``out=``)."""
+    if n.kwargs.get("inplace") or "out" in n.kwargs:
+        return True
     if n.op == "call_function":
-        return n.target in _IN_PLACE
+        name = getattr(n.target, "__name__", "")
+        return n.target in _IN_PLACE or (name.endswith("_") and not name.startswith("_"))
     if n.op == "call_method":
         return n.target.endswith("_") and not n.target.startswith("_")
     if n.op == "call_module":

@@ -111,26 +111,33 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
 
 
 class _LateUse(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, how="method"):
         super().__init__()
         self.a, self.b = torch.nn.Conv2d(2, 3, 1), torch.nn.Conv2d(3, 3, 1)
+        self.how = how
 
     def forward(self, x):
         s = x.sum(1, keepdim=True) * 0.5  # needed only at the end
         h = torch.relu(self.a(x))
         t = h * 3  # reads h, which the next line changes in place
-        h.add_(1)
+        if self.how == "method":
+            h.add_(1)
+        elif self.how == "function":
+            torch.sigmoid_(h)
+        else:
+            torch.nn.functional.hardtanh(h, inplace=True)
         return self.b(h) + s + t
 
 
-def test_lockstep_runs_a_node_just_before_its_first_user_unless_a_value_changes_in_place():
+@pytest.mark.parametrize("how", ["method", "function", "inplace"])
+def test_lockstep_runs_a_node_just_before_its_first_user_unless_a_value_changes_in_place(how):
     """Values needed only later (a shortcut's scaling) are made when needed, so they are not
     alive for every chunk across the hooks in between; what reads a value that an in-place op
     changes keeps its place, and the outputs are those of the network itself."""
-    from snnconv.graph import _late_order, run_lockstep, trace
+    from snnconv.graph import _in_place, _late_order, run_lockstep, trace
 
     torch.manual_seed(0)
-    gm = trace(_LateUse())
+    gm = trace(_LateUse(how))
     order = _late_order(gm, fixed=set())
     names = [n.name for n in order]
     assert sorted(names) == sorted(n.name for n in gm.graph.nodes)
@@ -139,7 +146,8 @@ def test_lockstep_runs_a_node_just_before_its_first_user_unless_a_value_changes_
     first_user = min(names.index(u.name) for u in scale.users)
     assert names.index(scale.name) == first_user - 1
     (t,) = [n for n in order if n.args[1:] == (3,)]
-    assert names.index(t.name) < names.index(next(n.name for n in order if n.target == "add_"))
+    (change,) = [n for n in order if _in_place(gm, n)]
+    assert names.index(t.name) < names.index(change.name)
     chunks = [torch.randn(3, 2, 4, 4) for _ in range(3)]
     outs = run_lockstep(gm, chunks, {})
     for c, o in zip(chunks, outs):
