@@ -25,6 +25,7 @@ import io
 import numbers
 import operator
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -757,7 +758,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
     ``snn.chunk_size`` time-folded samples and 16 MiB per value; memory is that of a forward
     at ``num_batches`` times the batch size, with each value made just before its first use and
-    spikes that a shortcut still needs kept as bool): at each neuron the input is divided by theta in
+    spikes that a shortcut still needs kept as bool; a ``RuntimeWarning`` says so first where
+    that will not fit the free memory): at each neuron the input is divided by theta in
     place, the IF recursion on it gives the spike counts (from the membrane left at the
     horizons; the spike train is not stored) and so the shift, then the neuron fires on the
     same tensor with the shift folded into its threshold, and its spikes go on to the next
@@ -791,8 +793,9 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     # cache-sized chunks on a CPU (as SpikingNetwork's chunk_size), each inside one batch
     out.T = T
     per = None
+    per_image = largest_value(gm, batches[0][:1])  # all T steps of one image
+    _warn_if_short_of_memory(2 * per_image * sum(len(x) for x in batches), batches, T)
     if snn.chunk_size and batches[0].device.type == "cpu":
-        per_image = largest_value(gm, batches[0][:1])  # all T steps of one image
         per = max(1, min(snn.chunk_size // T, _CHUNK_BYTES // max(1, per_image)))
     chunks, owner = [], []
     for k, x in enumerate(batches):
@@ -832,6 +835,33 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
                                      if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
     return _finish(out, snn, T, batches, shifts, "one-pass", horizons)
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Free memory where the calibration runs (CUDA's, or Linux's MemAvailable); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _warn_if_short_of_memory(need: int, batches: list, T: int) -> None:
+    """Warn before the lockstep runs where it will not fit: an out-of-memory kill says nothing.
+    ``need``: twice the largest value over all images (ResNet-18's measured peaks, 5.1 and
+    8.1 GiB at 16 and 32 steps, are 2.0-2.5 times that value, which is 2 and 4 GiB)."""
+    free = _available_bytes(batches[0].device)
+    if free is not None and need > free:
+        warnings.warn(
+            f"bias calibration runs its {len(batches)} batches ({sum(len(x) for x in batches)} images) "
+            f"together for {T} steps: about {need / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free on "
+            f"{batches[0].device}; if it runs out of memory, pass convert(calib_batches=...) below 4 or "
+            "a loader with smaller batches", RuntimeWarning, stacklevel=3)
 
 
 def _target(target_mean: Any, source: Any) -> Any:
