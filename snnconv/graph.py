@@ -25,7 +25,6 @@ __all__ = [
     "capture",
     "run_lockstep",
     "NodeOutputs",
-    "Packed",
     "describe_node",
 ]
 
@@ -286,12 +285,18 @@ def _late_order(gm: fx.GraphModule, fixed: set[str]) -> list[fx.Node]:
     order: list[fx.Node] = []
     waiting: set[fx.Node] = set()
 
-    def emit(n: fx.Node) -> None:
-        for a in n.all_input_nodes:
-            if a in waiting:
-                waiting.discard(a)
-                emit(a)
-        order.append(n)
+    def emit(n: fx.Node) -> None:  # n after its waiting inputs, depth first (no recursion)
+        stack = [(n, iter(n.all_input_nodes))]
+        while stack:
+            node, inputs = stack[-1]
+            for a in inputs:
+                if a in waiting:
+                    waiting.discard(a)
+                    stack.append((a, iter(a.all_input_nodes)))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
 
     for n in nodes:
         if (n.op in ("call_module", "call_function", "call_method") and n.name not in fixed and n.users

@@ -794,7 +794,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     out.T = T
     per = None
     per_image = largest_value(gm, batches[0][:1])  # all T steps of one image
-    _warn_if_short_of_memory(2 * per_image * sum(len(x) for x in batches), batches, T)
+    _warn_if_short_of_memory(per_image, batches, T)
     if snn.chunk_size and batches[0].device.type == "cpu":
         per = max(1, min(snn.chunk_size // T, _CHUNK_BYTES // max(1, per_image)))
     chunks, owner = [], []
@@ -851,17 +851,20 @@ def _available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def _warn_if_short_of_memory(need: int, batches: list, T: int) -> None:
+def _warn_if_short_of_memory(per_image: int, batches: list, T: int) -> None:
     """Warn before the lockstep runs where it will not fit: an out-of-memory kill says nothing.
-    ``need``: twice the largest value over all images (ResNet-18's measured peaks, 5.1 and
-    8.1 GiB at 16 and 32 steps, are 2.0-2.5 times that value, which is 2 and 4 GiB)."""
-    free = _available_bytes(batches[0].device)
+    It needs about twice its largest value (``per_image``, all T steps of one image) over all
+    images: ResNet-18's measured peaks, 5.1 and 8.1 GiB at 16 and 32 steps, are 2.0-2.5 times
+    that value (2 and 4 GiB)."""
+    images = sum(len(x) for x in batches)
+    need, free = 2 * per_image * images, _available_bytes(batches[0].device)
     if free is not None and need > free:
         warnings.warn(
-            f"bias calibration runs its {len(batches)} batches ({sum(len(x) for x in batches)} images) "
-            f"together for {T} steps: about {need / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free on "
-            f"{batches[0].device}; if it runs out of memory, pass convert(calib_batches=...) below 4 or "
-            "a loader with smaller batches", RuntimeWarning, stacklevel=3)
+            f"bias calibration runs its {len(batches)} batches ({images} images) together for {T} "
+            f"steps: about {need / 2**30:.1f} GiB, with {free / 2**30:.1f} GiB free on {batches[0].device}; "
+            "if it runs out of memory, calibrate on fewer batches (convert(calib_batches=...) below 4, "
+            "calibrate_bias(num_batches=...)) or pass a loader with smaller batches",
+            RuntimeWarning, stacklevel=3)
 
 
 def _target(target_mean: Any, source: Any) -> Any:

@@ -154,6 +154,21 @@ def test_lockstep_runs_a_node_just_before_its_first_user_unless_a_value_changes_
         assert torch.equal(o, gm(c))
 
 
+class _Chain(torch.nn.Module):
+    def forward(self, x):
+        for _ in range(3000):  # deeper than Python's recursion limit
+            x = x + 1
+        return x
+
+
+def test_lockstep_orders_a_graph_deeper_than_the_recursion_limit():
+    from snnconv.graph import _late_order, run_lockstep, trace
+
+    gm = trace(_Chain())
+    assert [n.name for n in _late_order(gm, fixed=set())] == [n.name for n in gm.graph.nodes]
+    assert torch.equal(run_lockstep(gm, [torch.zeros(2)], {})[0], torch.full((2,), 3000.0))
+
+
 class _Skip(torch.nn.Module):
     def __init__(self):
         super().__init__()
