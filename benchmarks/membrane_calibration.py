@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/membrane_calibration.py --cache CACHE [--archs resnet20 tv_resnet ...]
 
 CACHE is the ANN cache of a robustness sweep (``<out>_cache`` of benchmarks/robustness.py,
-Fashion-MNIST, seed 0, ``--train-subset`` images; the networks are loaded, never trained
+Fashion-MNIST, seed ``--seed`` (0), ``--train-subset`` images; the networks are loaded, never trained
 here). For each network: fold, QCFS calibration with convert()'s defaults (L=8, per channel,
 percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
 
@@ -12,8 +12,11 @@ percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
   membrane per channel, error model a + b/t),
 - ``h8-16``, ``h8-32``: the first horizon at the network's T ((8, 16) is convert()'s default),
 - ``h4-16/2b``: (4, 16) on 2 calibration batches instead of 4 (half the cost),
+- ``m8``, ``m16``: ``calibrate_bias(T=8 / 16, membrane=True)``: the initial membrane alone
+  absorbs the error at that T, the bias only what the membrane's [0, 1] range cannot
+  (``m16`` is convert()'s default since session 11),
 
-and the SNN is run once for 32 steps on the first ``--test-limit`` test images; the accuracy
+and the SNN is run once for 64 steps on the first ``--test-limit`` test images; the accuracy
 at T is that of the first T steps (nothing in the network depends on T). Writes
 results/membrane_calibration.json and prints a markdown table.
 """
@@ -39,10 +42,11 @@ from snnconv.graph import prepare  # noqa: E402
 from snnconv.qcfs import calibrate_qcfs  # noqa: E402
 from snnconv.spiking import calibrate_bias, to_spiking  # noqa: E402
 
-TS = (1, 2, 4, 8, 16, 32)
+TS = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = {"bias@8": dict(T=8), "h4-16": dict(horizons=(4, 16)), "h4-32": dict(horizons=(4, 32)),
             "h8-16": dict(horizons=(8, 16)), "h8-32": dict(horizons=(8, 32)),
-            "h4-16/2b": dict(horizons=(4, 16), num_batches=2)}
+            "h4-16/2b": dict(horizons=(4, 16), num_batches=2),
+            "m8": dict(T=8, membrane=True), "m16": dict(T=16, membrane=True)}
 
 
 def main() -> None:
@@ -54,19 +58,21 @@ def main() -> None:
     ap.add_argument("--subset", type=int, default=5000)
     ap.add_argument("--test-limit", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="the cached ANN's seed (and the loader's)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "membrane_calibration.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    train, test = R.datasets("fmnist", args.subset, 0)
+    train, test = R.datasets("fmnist", args.subset, args.seed)
     xt, yt = test.tensors[0][:args.test_limit], test.tensors[1][:args.test_limit]
     res = json.load(open(args.out)) if os.path.exists(args.out) else {}
     for arch in args.archs:
-        job = dict(dataset="fmnist", arch=arch, epochs=args.epochs, seed=0, subset=args.subset,
+        job = dict(dataset="fmnist", arch=arch, epochs=args.epochs, seed=args.seed, subset=args.subset,
                    smoke=False, cache=args.cache)
         ann, cached = R.cached_ann(job, train, torch.device("cpu"))
         if not cached:
             raise SystemExit(f"{arch}: no cached ANN under {args.cache}; run benchmarks/robustness.py first")
-        loader = DataLoader(train, batch_size=128, shuffle=True, generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(train, batch_size=128, shuffle=True,
+                            generator=torch.Generator().manual_seed(args.seed))
         gm = prepare(ann)
         fold_graph(gm, (next(iter(loader))[0],))
         qgm = calibrate_qcfs(gm, loader, L=8, percentile=99.9, per_channel=True, num_batches=10,
@@ -76,14 +82,14 @@ def main() -> None:
             q_acc = float((qgm(xt).argmax(1) == yt).float().mean()) * 100
         for name in args.variants:
             kw = VARIANTS[name]
-            key = f"{arch}-e{args.epochs}/{name}"
+            key = f"{arch}-e{args.epochs}" + (f"-s{args.seed}" if args.seed else "") + f"/{name}"
             if key in res:
                 continue
             t0 = time.perf_counter()
             snn = calibrate_bias(to_spiking(qgm, T=8), qgm, loader, **kw)
             seconds = time.perf_counter() - t0
-            snn.T = 32
-            correct = torch.zeros(32)
+            snn.T = max(TS)
+            correct = torch.zeros(max(TS))
             with torch.no_grad():
                 for i in range(0, len(xt), 250):
                     steps = snn(xt[i:i + 250], per_step=True)
@@ -101,7 +107,8 @@ def main() -> None:
     for key, r in res.items():
         arch, name = key.split("/")
         snn = {int(t): a for t, a in r["snn"].items()}  # int keys in memory, str after JSON
-        print(f"| {arch} | {name} | {r['ann']:.1f} | " + " | ".join(f"{snn[t]:.1f}" for t in TS)
+        print(f"| {arch} | {name} | {r['ann']:.1f} | "
+              + " | ".join(f"{snn[t]:.1f}" if t in snn else "" for t in TS)
               + f" | {r['calibration_seconds']:.0f} |")
 
 

@@ -245,14 +245,17 @@ def convert(
         bias_calibration: after IF replacement, shift biases so that each layer's mean output
             matches the QCFS-ANN on calibration batches (:func:`snnconv.spiking.calibrate_bias`).
             Raises accuracy at every T on deep networks; see the benchmarks.
-        bias_calibration_T: the horizon(s) of bias calibration. Two horizons ``(T1, T2)``
-            (subtractive reset) calibrate the bias and each channel's initial membrane so that
-            the network holds at every T, not only at one; the default for ``reset="subtract"``
-            is ``(T, 2 * T)``: exact at the network's T and at 2T, and on the robustness
-            matrix better at T=4 to 32 than bias calibration at T and than (T/2, 2T)
-            (benchmarks/README.md "Membrane calibration"). One
-            integer calibrates the bias alone for that many steps (the default for
-            ``reset="zero"``: ``T``; NIR's IF has no initial membrane).
+        bias_calibration_T: the horizon(s) of bias calibration. ``None`` (default) with
+            ``reset="subtract"``: the membrane calibration at ``2 * T`` steps
+            (``calibrate_bias(membrane=True)``): each channel's initial membrane absorbs the
+            error, the bias only what the membrane's range cannot, so the network converges to
+            the ANN as it runs longer instead of keeping a bias that is right at one T (on the
+            robustness matrix better than the two-horizon fit at T >= 16 and far better at
+            T >= 32: benchmarks/README.md "Membrane-only calibration"). One integer
+            calibrates the bias alone for that many steps (the default for ``reset="zero"``:
+            ``T``; NIR's IF has no initial membrane). Two horizons ``(T1, T2)`` (subtractive
+            reset) fit bias and initial membrane per channel as ``a + b / t``, exact at both
+            (the default before; it decays beyond ``T2``).
         threshold_calibration: before bias calibration, fit each layer's threshold to the
             QCFS-ANN at ``bias_calibration_T`` steps
             (:func:`snnconv.hard_reset.calibrate_thresholds`; weights and the neuron model are
@@ -299,8 +302,9 @@ def convert(
         threshold_calibration = reset == "zero"
     if per_channel is None:
         per_channel = reset == "subtract"
+    membrane = bias_calibration_T is None and reset == "subtract"
     if bias_calibration_T is None:
-        bias_calibration_T = (T, 2 * T) if reset == "subtract" else T
+        bias_calibration_T = 2 * T if reset == "subtract" else T
     if isinstance(bias_calibration_T, (tuple, list)):
         bias_calibration_T = tuple(bias_calibration_T)
         if reset != "subtract":
@@ -309,6 +313,7 @@ def convert(
     horizons = bias_calibration_T if isinstance(bias_calibration_T, tuple) else None
     settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
                     bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
+                    membrane_calibration=membrane and bool(bias_calibration),
                     threshold_calibration=bool(threshold_calibration),
                     calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
                     finetune_epochs=finetune_epochs, device=str(device))
@@ -373,11 +378,12 @@ def convert(
     with _stage(meta, "spiking") as rec:
         snn = to_spiking(qgm, T=T, reset=reset)
         if threshold_calibration:
-            snn = calibrate_thresholds(snn, qgm, loader, T=T if horizons else bias_calibration_T,
+            snn = calibrate_thresholds(snn, qgm, loader, T=T if horizons or membrane else bias_calibration_T,
                                        num_batches=_bias_batches(calib_batches))
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
-                                 horizons=horizons, num_batches=_bias_batches(calib_batches))
+                                 horizons=horizons, membrane=membrane,
+                                 num_batches=_bias_batches(calib_batches))
         snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)
         assert_no_batchnorm(snn, stage="spiking")

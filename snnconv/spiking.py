@@ -536,15 +536,22 @@ def _reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels
 
 
 def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int | None,
-                num_batches: int, horizons: tuple[int, int] | None = None):
+                num_batches: int, horizons: tuple[int, int] | None = None, membrane: bool = False):
     """Calibration batches, the reference's per-channel mean output per QCFS site (a pair of
     them, at ``L = T1`` and ``L = T2``, with ``horizons``; T is then T2), the copy, and the
-    checked horizons (a pair of ints, or None)."""
+    checked horizons (a pair of ints, or None). ``membrane``: the reference at ``L = T``."""
     from .data import split_batch
 
     if not isinstance(snn, SpikingNetwork) or "neurons" not in snn.meta:
         raise StageOrderError("calibrate_bias needs a SpikingNetwork made by to_spiking (its meta "
                               "maps each neuron to its QCFS site)")
+    if horizons is not None and membrane:
+        raise ValueError("membrane=True calibrates at one T; give T, not horizons")
+    if membrane:
+        hard = [n for n, m in neurons(snn.net).items() if m.reset != "subtract"]
+        if hard:
+            raise ValueError(f"membrane calibration needs subtractive-reset neurons; {hard[0]} resets "
+                             "to zero (calibrate its bias instead: membrane=False)")
     if horizons is not None:
         horizons = _check_horizons(snn, horizons)
         T = horizons[1]
@@ -564,7 +571,7 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     ref.to(device)
     batches = [x.to(device) for x in batches]
     if horizons is None:
-        target_mean: Any = _reference_means(ref, ref_nodes, batches, None)
+        target_mean: Any = _reference_means(ref, ref_nodes, batches, T if membrane else None)
     else:
         target_mean = tuple(_reference_means(ref, ref_nodes, batches, h) for h in horizons)
     out = copy.deepcopy(snn)
@@ -692,18 +699,27 @@ def _counted(mod: "IFNeuron | None", x: torch.Tensor, T: int, k: int, steps: tup
 
 
 def _fit(mod: "IFNeuron", parts: list, n_batches: int, T: int, target: Any,
-         horizons: tuple[int, int] | None) -> torch.Tensor:
+         horizons: tuple[int, int] | None, membrane: bool = False) -> torch.Tensor:
     """The bias shift for IF ``mod`` from its spike counts (``parts``, see :func:`_rates`); with
     ``horizons`` it also moves ``mod.v_init``. Per channel, the error to the reference mean is
     modelled as ``a + b / t`` over ``t`` steps and solved at the two horizons: ``a`` goes to the
-    bias and ``b`` (input units, divided by theta) to the initial membrane, kept in ``[0, 1]``."""
-    if horizons is None:
+    bias and ``b`` (input units, divided by theta) to the initial membrane, kept in ``[0, 1]``.
+    ``membrane``: the error ``e`` at ``T`` steps goes to the initial membrane (``b = e * T``),
+    and to the bias only what the clamp leaves."""
+    if horizons is None and not membrane:
         return target - _rates(mod, parts, n_batches, (T,))[T]
+    th = mod.theta.detach().double()
+    if membrane:
+        e = target - _rates(mod, parts, n_batches, (T,))[T]
+        old = mod.v_init.double()
+        v0 = (old + e * T / th).clamp(0.0, 1.0)
+        with torch.no_grad():
+            mod.v_init = v0.to(torch.float32)
+        return e - (v0 - old) * th / T  # what the clamp left
     (t1, t2), (m1, m2) = horizons, (target[0], target[1])
     r = _rates(mod, parts, n_batches, (t1, t2))
     e1, e2 = m1 - r[t1], m2 - r[t2]
     b = (e1 - e2) / (1.0 / t1 - 1.0 / t2)
-    th = mod.theta.detach().double()
     v0 = (mod.v_init.double() + b / th).clamp(0.0, 1.0)
     b = (v0 - mod.v_init.double()) * th  # what the clamp left
     with torch.no_grad():
@@ -712,13 +728,16 @@ def _fit(mod: "IFNeuron", parts: list, n_batches: int, T: int, target: Any,
 
 
 def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list, shifts: dict,
-            method: str, horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
+            method: str, horizons: tuple[int, int] | None = None, membrane: bool = False) -> "SpikingNetwork":
     out.T = snn.T
     out.meta = copy.deepcopy(snn.meta)
     out.meta["bias_calibration"] = {"T": T, "batches": len(batches), "method": method,
                                     "mean_abs_shift": shifts}
     if horizons is not None:
         out.meta["bias_calibration"]["horizons"] = list(horizons)
+    if membrane:
+        out.meta["bias_calibration"]["membrane"] = True
+    if horizons is not None or membrane:
         out.meta["bias_calibration"]["v_init"] = {
             n: {"min": float(m.v_init.min()), "mean": float(m.v_init.mean()), "max": float(m.v_init.max())}
             for n, m in neurons(out.net).items()}
@@ -734,7 +753,7 @@ _CHUNK_BYTES = 16 * 2**20
 
 def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
                    T: int | None = None, num_batches: int = 4,
-                   horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
+                   horizons: tuple[int, int] | None = None, membrane: bool = False) -> "SpikingNetwork":
     """Shift biases so each IF layer's mean output over ``T`` steps matches the QCFS-ANN's.
 
     Layer by layer in graph order (each correction sees the corrected layers before it), the
@@ -745,14 +764,24 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     ICML 2021). Works on a copy; ``result.meta["bias_calibration"]`` records the shifts.
 
     A bias shift is right for one ``T`` only: calibrated at T=8, a network over-corrects at
-    T=32. ``horizons=(T1, T2)`` (subtractive reset only) calibrates for every T at once: the
+    T=32. ``horizons=(T1, T2)`` (subtractive reset only) calibrates at two T: the
     SNN runs ``T2`` steps, and per channel the error at ``t`` steps, against the reference with
     its QCFS at ``L = t`` levels (what a t-step IF layer computes on a constant input), is
     modelled as ``a + b / t``; solved at ``t = T1`` and ``T2``, ``a`` shifts the bias and ``b``
     the neuron's initial membrane ``v_init`` (a shift of ``b`` in the first step's charge moves
     the mean over t steps by ``b / t``), clamped to ``[0, 1]`` of theta. This is the potential
     calibration of Li et al. (ICML 2021) and the error model of Bu et al. (ICLR 2022) and Hao
-    et al. (AAAI 2023), fitted per channel; ``T`` is then ignored.
+    et al. (AAAI 2023), fitted per channel; ``T`` is then ignored. Beyond ``T2`` the bias ``a``
+    (curvature of the error between the horizons) stays and the network drifts away.
+
+    ``membrane=True`` (subtractive reset; :func:`snnconv.convert`'s default, at twice the
+    network's T) corrects through the initial membrane alone: per channel the error ``e`` at
+    ``T`` steps, against the reference at ``L = T`` levels, moves ``v_init`` by ``e * T``
+    (clamped to ``[0, 1]`` of theta; the bias gets only what the clamp leaves). A soft-reset IF
+    layer's error falls as ``1 / t`` (its spike count is the charge in, minus a membrane that
+    stays bounded), so a bias shift, which stays at every T, is right at its horizon(s) only:
+    fitted as ``a + b / t`` at (8, 16), ResNet-20 fell from 75 to 61% at T=64, where the
+    membrane alone converges to the ANN (benchmarks/README.md "Membrane-only calibration").
 
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
@@ -773,7 +802,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
         DataError: the loader is empty.
     """
-    T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons)
+    T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons,
+                                                         membrane)
     steps = (T,) if horizons is None else horizons
     gm = out.net
     calls = call_counts(gm)
@@ -788,7 +818,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
         if calls.get(str(node.target), 0) != 1 or not _shift_reaches_only(gm, node, hit, calls):
-            return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
+            return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons, membrane)
         plan.append((node.name, neuron_mod, str(node.target), source, module_of(gm, hit[0])))
     # cache-sized chunks on a CPU (as SpikingNetwork's chunk_size), each inside one batch
     out.T = T
@@ -816,7 +846,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
                      for u, k in zip(us, owner)]
         else:
             us, parts = None, [_counted(mod, x, T, k, steps) for x, k in zip(xs, owner)]
-        delta = _fit(mod, parts, len(batches), T, _target(target_mean, source), horizons)
+        delta = _fit(mod, parts, len(batches), T, _target(target_mean, source), horizons, membrane)
         del parts
         added = _apply_shift(layer, delta)
         shifts[name] = float(delta.abs().mean())
@@ -834,7 +864,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         run_lockstep(gm, chunks, before)
     shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
                                      if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
-    return _finish(out, snn, T, batches, shifts, "one-pass", horizons)
+    return _finish(out, snn, T, batches, shifts, "one-pass", horizons, membrane)
 
 
 def _available_bytes(device: torch.device) -> int | None:
@@ -875,7 +905,8 @@ def _target(target_mean: Any, source: Any) -> Any:
 
 
 def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_mean: Any,
-                          out: "SpikingNetwork", horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
+                          out: "SpikingNetwork", horizons: tuple[int, int] | None = None,
+                          membrane: bool = False) -> "SpikingNetwork":
     """The reference algorithm: for each neuron, re-run the corrected network up to it."""
     out.T = T
     gm = out.net
@@ -892,18 +923,20 @@ def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_m
         values = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
         parts = [_counted(None, v, T, k, (T,) if horizons is None else horizons)
                  for k, v in enumerate(values)]  # the neuron's own spikes: counted, not re-run
-        delta = _fit(neuron_mod, parts, len(batches), T, _target(target_mean, source), horizons)
+        delta = _fit(neuron_mod, parts, len(batches), T, _target(target_mean, source), horizons, membrane)
         _apply_shift(layer, delta)
         shifts[str(node.target)] = float(delta.abs().mean())
-    return _finish(out, snn, T, batches, shifts, "rerun", horizons)
+    return _finish(out, snn, T, batches, shifts, "rerun", horizons, membrane)
 
 
 def _calibrate_bias_by_rerun(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
                              T: int | None = None, num_batches: int = 4,
-                             horizons: tuple[int, int] | None = None) -> "SpikingNetwork":
+                             horizons: tuple[int, int] | None = None,
+                             membrane: bool = False) -> "SpikingNetwork":
     """:func:`calibrate_bias` by the quadratic re-run algorithm (the reference in the tests)."""
-    T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons)
-    return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons)
+    T, batches, target_mean, out, horizons = _bias_setup(snn, reference, loader, T, num_batches, horizons,
+                                                         membrane)
+    return _calibrate_bias_rerun(snn, T, batches, target_mean, out, horizons, membrane)
 
 
 def _check_T(T: Any, name: str = "T (number of time steps)") -> None:

@@ -145,6 +145,10 @@ def test_membrane_calibration_refusals(qcfs_and_snn, trained_digits_cnn, digits_
     hard = snnconv.to_spiking(qcfs, T=4, reset="zero")
     with pytest.raises(ValueError, match="subtractive"):
         calibrate_bias(hard, qcfs, train, horizons=(2, 8))
+    with pytest.raises(ValueError, match="subtractive"):
+        calibrate_bias(hard, qcfs, train, T=8, membrane=True)
+    with pytest.raises(ValueError, match="one T"):
+        calibrate_bias(snn, qcfs, train, horizons=(2, 8), membrane=True)
     with pytest.raises(ValueError, match="initial membrane"):
         snnconv.convert(trained_digits_cnn, digits_loaders[0], reset="zero", bias_calibration_T=(2, 8),
                         progress=False)
@@ -154,8 +158,38 @@ def test_convert_calibrates_the_membrane_by_default(trained_digits_cnn, digits_l
     train, _ = digits_loaders
     snn, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
     record = meta.stage("spiking").changes["bias_calibration"]
-    assert record["horizons"] == [4, 8] and record["T"] == 8
+    assert record["membrane"] is True and record["T"] == 8 and "horizons" not in record
+    assert meta.settings["membrane_calibration"] is True and meta.settings["bias_calibration_T"] == 8
     assert all(m.v_init.dim() == 1 for m in snnconv.spiking.neurons(snn.net).values())
+    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, bias_calibration_T=(4, 8), progress=False)
+    assert meta.stage("spiking").changes["bias_calibration"]["horizons"] == [4, 8]
+    assert meta.settings["membrane_calibration"] is False
+
+
+def test_membrane_calibration_moves_the_membrane_and_the_bias_only_where_it_must(qcfs_and_snn):
+    """membrane=True: every layer's mean at T moves towards the QCFS-ANN at T levels (what
+    v_init's range cannot take goes to the bias), and a layer's bias moves only where a
+    channel's v_init sits at a bound of [0, 1]."""
+    qcfs, snn, train = qcfs_and_snn
+    x = torch.cat([b[0] for _, b in zip(range(4), train)])
+    T = 8
+    calibrated = calibrate_bias(snn, qcfs, [(x,)], T=T, num_batches=1, membrane=True)
+    sources = {n: r["source"] for n, r in snn.meta["neurons"].items()}
+    ref = _reference_means(qcfs, x, T)
+    snn.T = calibrated.T = T
+    before, after = _layer_means(snn.net, x, IFNeuron), _layer_means(calibrated.net, x, IFNeuron)
+    err_before = sum((before[n] - ref[s]).abs().sum().item() for n, s in sources.items())
+    err_after = sum((after[n] - ref[s]).abs().sum().item() for n, s in sources.items())
+    assert err_after < 0.5 * err_before, (err_after, err_before)
+    interior = 0
+    for name, m in snnconv.spiking.neurons(calibrated.net).items():
+        assert m.v_init.dim() == 1 and ((m.v_init >= 0) & (m.v_init <= 1)).all(), name
+        shift = calibrated.meta["bias_calibration"]["mean_abs_shift"][name]
+        if ((m.v_init > 0) & (m.v_init < 1)).all():
+            interior += 1
+            assert shift < 1e-6, (name, shift)  # the membrane took it all: no bias
+    assert interior >= 1
+    assert calibrated.meta["bias_calibration"]["membrane"] is True
 
 
 def test_convert_with_threshold_calibration_and_membrane_calibration(trained_digits_cnn, digits_loaders):
@@ -164,7 +198,7 @@ def test_convert_with_threshold_calibration_and_membrane_calibration(trained_dig
     snn, meta = snnconv.convert(trained_digits_cnn, digits_loaders[0], T=4, threshold_calibration=True,
                                 progress=False)
     assert meta.stage("spiking").changes["threshold_calibration"]["T"] == 4
-    assert meta.stage("spiking").changes["bias_calibration"]["horizons"] == [4, 8]
+    assert meta.stage("spiking").changes["bias_calibration"]["membrane"] is True
 
 
 def test_bias_calibration_warns_before_it_runs_out_of_memory(qcfs_and_snn, monkeypatch):

@@ -75,11 +75,13 @@ def _calls(snn):
     return counts
 
 
-@pytest.mark.parametrize("net, per_channel, horizons, reset", [
-    ("cnn", True, None, "subtract"), ("resnet", False, None, "subtract"), ("resnet", True, None, "subtract"),
-    ("cnn", True, (2, 6), "subtract"), ("resnet", True, (2, 6), "subtract"), ("resnet", False, None, "zero")])
+@pytest.mark.parametrize("net, per_channel, horizons, reset, membrane", [
+    ("cnn", True, None, "subtract", False), ("resnet", False, None, "subtract", False),
+    ("resnet", True, None, "subtract", False), ("cnn", True, (2, 6), "subtract", False),
+    ("resnet", True, (2, 6), "subtract", False), ("resnet", False, None, "zero", False),
+    ("cnn", True, None, "subtract", True), ("resnet", False, None, "subtract", True)])
 def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
-        net, per_channel, horizons, reset, small_digits_ann, digits_data):
+        net, per_channel, horizons, reset, membrane, small_digits_ann, digits_data):
     """The one pass counts spikes from the membrane (subtractive reset) or by a running count
     (reset to zero) and fires with the shift folded into the threshold: the same network as
     re-running every corrected layer from the input, up to float rounding."""
@@ -92,8 +94,8 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     snn = snnconv.to_spiking(qcfs, T=4, reset=reset)
     fast_snn, slow_snn = copy.deepcopy(snn), copy.deepcopy(snn)
     fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
-    fast = calibrate_bias(fast_snn, qcfs, loader, T=6, horizons=horizons)
-    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6, horizons=horizons)
+    fast = calibrate_bias(fast_snn, qcfs, loader, T=6, horizons=horizons, membrane=membrane)
+    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6, horizons=horizons, membrane=membrane)
     assert fast.meta["bias_calibration"]["method"] == "one-pass"
     assert slow.meta["bias_calibration"]["method"] == "rerun"
     # one pass: every layer runs once per chunk (chunk_size // T images, inside each batch; these
