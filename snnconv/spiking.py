@@ -548,10 +548,7 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     if horizons is not None and membrane:
         raise ValueError("membrane=True calibrates at one T; give T, not horizons")
     if membrane:
-        hard = [n for n, m in neurons(snn.net).items() if m.reset != "subtract"]
-        if hard:
-            raise ValueError(f"membrane calibration needs subtractive-reset neurons; {hard[0]} resets "
-                             "to zero (calibrate its bias instead: membrane=False)")
+        _check_subtractive(snn, "membrane calibration", "calibrate its bias instead: membrane=False")
     if horizons is not None:
         horizons = _check_horizons(snn, horizons)
         T = horizons[1]
@@ -583,11 +580,15 @@ def _check_horizons(snn: "SpikingNetwork", horizons: Any) -> tuple[int, int]:
             or any(isinstance(h, bool) or not isinstance(h, numbers.Integral) for h in horizons)
             or not 1 <= horizons[0] < horizons[1]):
         raise ValueError(f"horizons must be two integers 1 <= T1 < T2, got {horizons!r}")
+    _check_subtractive(snn, "membrane calibration (horizons)", "calibrate it at one T instead")
+    return int(horizons[0]), int(horizons[1])
+
+
+def _check_subtractive(snn: "SpikingNetwork", what: str, instead: str) -> None:
+    """Refuse ``what`` (it moves the initial membrane) on a network with hard-reset neurons."""
     hard = [n for n, m in neurons(snn.net).items() if m.reset != "subtract"]
     if hard:
-        raise ValueError(f"membrane calibration (horizons) needs subtractive-reset neurons; "
-                         f"{hard[0]} resets to zero (calibrate it at one T instead)")
-    return int(horizons[0]), int(horizons[1])
+        raise ValueError(f"{what} needs subtractive-reset neurons; {hard[0]} resets to zero ({instead})")
 
 
 def _spike_counts(mod: "IFNeuron", seq: torch.Tensor, steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
@@ -708,23 +709,21 @@ def _fit(mod: "IFNeuron", parts: list, n_batches: int, T: int, target: Any,
     and to the bias only what the clamp leaves."""
     if horizons is None and not membrane:
         return target - _rates(mod, parts, n_batches, (T,))[T]
-    th = mod.theta.detach().double()
     if membrane:
+        t = T
         e = target - _rates(mod, parts, n_batches, (T,))[T]
-        old = mod.v_init.double()
-        v0 = (old + e * T / th).clamp(0.0, 1.0)
-        with torch.no_grad():
-            mod.v_init = v0.to(torch.float32)
-        return e - (v0 - old) * th / T  # what the clamp left
-    (t1, t2), (m1, m2) = horizons, (target[0], target[1])
-    r = _rates(mod, parts, n_batches, (t1, t2))
-    e1, e2 = m1 - r[t1], m2 - r[t2]
-    b = (e1 - e2) / (1.0 / t1 - 1.0 / t2)
-    v0 = (mod.v_init.double() + b / th).clamp(0.0, 1.0)
-    b = (v0 - mod.v_init.double()) * th  # what the clamp left
+        b = e * T
+    else:
+        (t1, t), (m1, m2) = horizons, (target[0], target[1])
+        r = _rates(mod, parts, n_batches, (t1, t))
+        e1, e = m1 - r[t1], m2 - r[t]
+        b = (e1 - e) / (1.0 / t1 - 1.0 / t)
+    th = mod.theta.detach().double()
+    old = mod.v_init.double()
+    v0 = (old + b / th).clamp(0.0, 1.0)
     with torch.no_grad():
         mod.v_init = v0.to(torch.float32)
-    return e2 - b / t2
+    return e - (v0 - old) * th / t  # the error at t that the clamped membrane left, to the bias
 
 
 def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list, shifts: dict,
