@@ -196,6 +196,7 @@ def convert(
     bias_calibration: bool = True,
     bias_calibration_T: int | tuple[int, int] | None = None,
     threshold_calibration: bool | None = None,
+    weight_calibration: bool = False,
     qcfs_epochs: int | None = None,
     qcfs_train: QCFSTrainConfig | None = None,
     finetune_epochs: int = 0,
@@ -261,6 +262,9 @@ def convert(
             (:func:`snnconv.hard_reset.calibrate_thresholds`; weights and the neuron model are
             untouched). ``None`` (default): on for ``reset="zero"``, whose neurons lose the
             charge above threshold at every spike and start empty; off for ``"subtract"``.
+        weight_calibration: with bias calibration, also refit the weights of every Conv/Linear
+            that reads spikes to the QCFS-ANN at ``T`` and ``2 * T`` steps
+            (``calibrate_bias(weights=True)``, same pass).
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
             :data:`CONVERT_FINETUNE` (distillation from ``model``, trained thresholds, ATan
@@ -315,6 +319,7 @@ def convert(
                     bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
                     membrane_calibration=membrane and bool(bias_calibration),
                     threshold_calibration=bool(threshold_calibration),
+                    weight_calibration=bool(weight_calibration and bias_calibration),
                     calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
                     finetune_epochs=finetune_epochs, device=str(device))
     if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
@@ -382,7 +387,7 @@ def convert(
                                        num_batches=_bias_batches(calib_batches))
         if bias_calibration:
             snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
-                                 horizons=horizons, membrane=membrane,
+                                 horizons=horizons, membrane=membrane, weights=bool(weight_calibration),
                                  num_batches=_bias_batches(calib_batches))
         snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
         snn.to(device)

@@ -218,3 +218,101 @@ def test_bias_calibration_warns_before_it_runs_out_of_memory(qcfs_and_snn, monke
         warnings.simplefilter("error", RuntimeWarning)
         plenty = calibrate_bias(snn, qcfs, loader, T=4)
     assert all(torch.equal(a, b) for a, b in zip(short.state_dict().values(), plenty.state_dict().values()))
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Conv2d(6, 4, 3, stride=2, padding=1),
+                                   torch.nn.Conv2d(6, 6, 3, padding=1, groups=3),
+                                   torch.nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False),
+                                   torch.nn.Linear(6, 5)])
+def test_weight_fit_recovers_the_reference_map(layer):
+    """The normal equations of one layer (unfolded columns, groups, bias difference): on rates
+    ``U`` whose reference input is ``U * theta`` per input channel, the fit from any start lands
+    on the reference weights times theta (what IF replacement absorbs), up to the ridge."""
+    from snnconv.spiking import _WeightFit
+
+    torch.manual_seed(0)
+    ref = copy.deepcopy(layer)
+    theta = torch.rand(6) + 0.5
+    snn_layer = copy.deepcopy(layer)
+    with torch.no_grad():
+        snn_layer.weight.normal_()  # a wrong start
+        if snn_layer.bias is not None:
+            snn_layer.bias.copy_(ref.bias + 0.3)  # and a bias that differs from the reference's
+    u = torch.rand(64, 6, 7, 7) if isinstance(layer, torch.nn.Conv2d) else torch.rand(64, 3, 6)
+    shape = [1, 6, 1, 1] if u.dim() == 4 else [1, 1, 6]
+    fit = _WeightFit(snn_layer)
+    fit.add(u[:40], u[:40] * theta.reshape(shape))
+    fit.add(u[40:], u[40:] * theta.reshape(shape))
+    change = fit.solve(ref, 1e-9)
+    assert change > 0.5
+    expected = ref.weight * (theta.reshape(1, 6, 1, 1)[:, :ref.weight.shape[1]] if u.dim() == 4 else theta)
+    if isinstance(layer, torch.nn.Conv2d) and layer.groups > 1:  # group g reads channels g*per..
+        per = 6 // layer.groups
+        idx = (torch.arange(layer.out_channels) // (layer.out_channels // layer.groups)).unsqueeze(1) * per
+        expected = ref.weight * theta[idx + torch.arange(per)].reshape(layer.out_channels, per, 1, 1)
+    # the bias stays; the weights take up the bias difference where the inputs can (a Linear's
+    # columns span no constant; this one's do not either), so compare the outputs
+    with torch.no_grad():
+        got, want = snn_layer(u), ref(u * theta.reshape(shape))
+    resid_fit = (got - want).pow(2).mean()
+    with torch.no_grad():
+        snn_layer.weight.copy_(expected)
+        resid_exact = (snn_layer(u) - want).pow(2).mean()
+    assert resid_fit <= resid_exact + 1e-6
+
+
+def _pre_activation_error(snn, qcfs, x, T):
+    """Mean squared difference, over every Conv/Linear that reads spikes, between the SNN's
+    output averaged over T steps and the QCFS-ANN's at T levels (same images)."""
+    from snnconv.graph import capture, prepare
+
+    ref = prepare(copy.deepcopy(qcfs), leaf_types=(QCFS,))
+    for m in ref.modules():
+        if isinstance(m, QCFS):
+            m.L = T
+    snn.T = T
+    layers = {str(n.target): n.name for n in snn.net.graph.nodes
+              if n.op == "call_module" and isinstance(snn.net.get_submodule(n.target), (torch.nn.Conv2d,
+                                                                                       torch.nn.Linear))}
+    ref_names = {str(n.target): n.name for n in ref.graph.nodes if str(n.target) in layers}
+    got = capture(snn.net, (x,), layers.values())
+    want = capture(ref, (x,), ref_names.values())
+    total = 0.0
+    for target in list(layers)[1:]:  # the first layer reads the image in both
+        g = got[layers[target]]
+        g = g.reshape(T, -1, *g.shape[1:]).mean(0)
+        total += (g - want[ref_names[target]]).pow(2).mean().item()
+    return total
+
+
+def test_weight_calibration_brings_every_layer_towards_the_reference(qcfs_and_snn):
+    """weights=True: each Conv/Linear that reads spikes is refitted (least squares over the
+    images, at T and 2T) so its output over T steps matches the QCFS-ANN's; the summed error of
+    the layers' outputs falls below the membrane calibration's alone, at both horizons,
+    and the fits are recorded."""
+    qcfs, snn, train = qcfs_and_snn
+    x = torch.cat([b[0] for _, b in zip(range(4), train)])
+    plain = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True)
+    fitted = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=True)
+    record = fitted.meta["bias_calibration"]["weights"]
+    assert record["horizons"] == [4, 8]
+    assert sorted(record["relative_change"]) == ["conv2", "conv3", "fc1", "fc2"]
+    assert fitted.T == snn.T == 4
+    for T in (4, 8):
+        err_plain = _pre_activation_error(plain, qcfs, x, T)
+        err_fitted = _pre_activation_error(fitted, qcfs, x, T)
+        assert err_fitted < 0.9 * err_plain, (T, err_fitted, err_plain)  # 0.67 and 0.81 here
+
+
+def test_weight_calibration_refusals_and_convert(qcfs_and_snn, trained_digits_cnn, digits_loaders):
+    qcfs, snn, train = qcfs_and_snn
+    with pytest.raises(ValueError, match="T >= 4"):
+        calibrate_bias(snn, qcfs, train, T=2, weights=True)
+    calibrated = calibrate_bias(snn, qcfs, train, T=6, weights=True)  # 2T=8 is beyond its 6 steps
+    assert calibrated.meta["bias_calibration"]["weights"]["horizons"] == [4]
+    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, weight_calibration=True, progress=False)
+    assert meta.settings["weight_calibration"] is True
+    assert meta.stage("spiking").changes["bias_calibration"]["weights"]["horizons"] == [4, 8]
+    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
+    assert meta.settings["weight_calibration"] is False
+    assert "weights" not in meta.stage("spiking").changes["bias_calibration"]

@@ -75,13 +75,15 @@ def _calls(snn):
     return counts
 
 
-@pytest.mark.parametrize("net, per_channel, horizons, reset, membrane", [
-    ("cnn", True, None, "subtract", False), ("resnet", False, None, "subtract", False),
-    ("resnet", True, None, "subtract", False), ("cnn", True, (2, 6), "subtract", False),
-    ("resnet", True, (2, 6), "subtract", False), ("resnet", False, None, "zero", False),
-    ("cnn", True, None, "subtract", True), ("resnet", False, None, "subtract", True)])
+@pytest.mark.parametrize("net, per_channel, horizons, reset, membrane, weights", [
+    ("cnn", True, None, "subtract", False, False), ("resnet", False, None, "subtract", False, False),
+    ("resnet", True, None, "subtract", False, False), ("cnn", True, (2, 6), "subtract", False, False),
+    ("resnet", True, (2, 6), "subtract", False, False), ("resnet", False, None, "zero", False, False),
+    ("cnn", True, None, "subtract", True, False), ("resnet", False, None, "subtract", True, False),
+    ("cnn", True, None, "subtract", True, True), ("resnet", True, None, "subtract", True, True),
+    ("resnet", False, None, "zero", False, True)])
 def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
-        net, per_channel, horizons, reset, membrane, small_digits_ann, digits_data):
+        net, per_channel, horizons, reset, membrane, weights, small_digits_ann, digits_data):
     """The one pass counts spikes from the membrane (subtractive reset) or by a running count
     (reset to zero) and fires with the shift folded into the threshold: the same network as
     re-running every corrected layer from the input, up to float rounding."""
@@ -94,22 +96,30 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     snn = snnconv.to_spiking(qcfs, T=4, reset=reset)
     fast_snn, slow_snn = copy.deepcopy(snn), copy.deepcopy(snn)
     fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
-    fast = calibrate_bias(fast_snn, qcfs, loader, T=6, horizons=horizons, membrane=membrane)
-    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=6, horizons=horizons, membrane=membrane)
+    Tc = 8 if weights else 6  # the weights are fitted at T and 2T
+    fast = calibrate_bias(fast_snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane, weights=weights)
+    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane,
+                                    weights=weights)
     assert fast.meta["bias_calibration"]["method"] == "one-pass"
     assert slow.meta["bias_calibration"]["method"] == "rerun"
     # one pass: every layer runs once per chunk (chunk_size // T images, inside each batch; these
     # activations are far under the 16 MiB cap), plus once on one image to size the chunks
-    chunks = 4 * -(-50 // (fast_snn.chunk_size // 6))
+    chunks = 4 * -(-50 // (fast_snn.chunk_size // Tc))
     assert set(fast_calls.values()) == {chunks + 1}, f"one pass over the batches in chunks: {fast_calls}"
     assert max(slow_calls.values()) > 4
     a, b = fast.meta["bias_calibration"]["mean_abs_shift"], slow.meta["bias_calibration"]["mean_abs_shift"]
     assert a.keys() == b.keys() and all(isinstance(v, float) for v in a.values())
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
+    if weights:  # every layer that reads spikes was fitted (the first reads the image)
+        wa, wb = fast.meta["bias_calibration"]["weights"], slow.meta["bias_calibration"]["weights"]
+        layers = [n for n, m in fast.net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+        assert sorted(wa["relative_change"]) == sorted(layers[1:]) == sorted(wb["relative_change"])
+        assert all(0 < v < 1 for v in wa["relative_change"].values()), wa
     sa, sb = fast.state_dict(), slow.state_dict()
-    for k in sa:
-        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5, msg=k)
+    for k in sa:  # with weight fits (normal equations), relative to the tensor's largest value
+        atol = 2e-3 * max(1.0, float(sa[k].abs().max())) if weights else 1e-5
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 class _LateUse(torch.nn.Module):
