@@ -595,13 +595,7 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     else:
         target_mean = tuple(_reference_means(ref, ref_nodes, batches, h) for h in horizons)
     out = copy.deepcopy(snn)
-    fit = None
-    if weights:
-        wanted = tuple(k * snn.T for k in _WEIGHT_HORIZONS if k * snn.T <= T)
-        if not wanted:
-            raise ValueError(f"weight calibration fits the rates over the network's T={snn.T} steps, "
-                             f"and the calibration runs only T={T}: calibrate at T >= {snn.T}")
-        fit = _Weights(out.net, ref, batches, wanted)
+    fit = _Weights(out.net, ref, batches, T) if weights else None
     return T, batches, target_mean, out, horizons, fit
 
 
@@ -768,7 +762,7 @@ def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list,
     if membrane:
         out.meta["bias_calibration"]["membrane"] = True
     if wfit is not None:
-        out.meta["bias_calibration"]["weights"] = {"horizons": list(wfit.horizons), "ridge": _RIDGE,
+        out.meta["bias_calibration"]["weights"] = {"T": wfit.T, "ridge": _RIDGE,
                                                    "relative_change": wfit.changes}
     if horizons is not None or membrane:
         out.meta["bias_calibration"]["v_init"] = {
@@ -863,38 +857,32 @@ class _WeightFit:
 
 # Ridge of the weight fit, relative to the mean of U^T U's diagonal (per group).
 _RIDGE = 1e-2
-# The horizons of the weight fit, in multiples of the network's T.
-_WEIGHT_HORIZONS = (1, 2)
 
 
 class _Weights:
-    """Weight calibration of the layers of :func:`_weight_plan`: the reference's input of each
-    layer at ``L = t`` levels for each ``t`` of ``horizons``, and the fits done so far (layer ->
-    relative weight change)."""
+    """Weight calibration of the layers of :func:`_weight_plan` at ``T`` steps: the reference's
+    input of each layer at ``L = T`` levels, and the fits done so far (layer -> relative weight
+    change)."""
 
-    def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, horizons: tuple[int, ...]):
-        self.plan, self.horizons = _weight_plan(gm, ref), tuple(horizons)
+    def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, T: int):
+        self.plan, self.T = _weight_plan(gm, ref), T
         names = sorted({ref_name for _, ref_name, _ in self.plan.values()})
-        self.inputs = {t: _reference_inputs(ref, names, batches, t) for t in self.horizons}
+        self.inputs = _reference_inputs(ref, names, batches, T)
         self.left = collections.Counter(ref_name for _, ref_name, _ in self.plan.values())
         self.changes: dict[str, float] = {}
 
-    def fit(self, node: fx.Node, values: list, spans: list, T: int) -> None:
-        """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each; ``T``: the
-        steps they hold) of the images ``spans`` (batch, first, end) of the calibration: least
-        squares over the images and the horizons, the rates over ``t`` steps against the
-        reference at ``L = t``."""
+    def fit(self, node: fx.Node, values: list, spans: list) -> None:
+        """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
+        ``spans`` (batch, first, end) of the calibration: least squares over the images, the
+        rates over ``T`` steps against the reference at ``L = T``."""
         layer, ref_name, ref_layer = self.plan[node.name]
         acc = _WeightFit(layer)
         for x, (k, lo, hi) in zip(values, spans):
-            seq = x.reshape(T, len(x) // T, *x.shape[1:])
-            for t in self.horizons:
-                acc.add(seq[:t].mean(0), self.inputs[t][ref_name][k][lo:hi])
+            acc.add(x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0), self.inputs[ref_name][k][lo:hi])
         self.changes[str(node.target)] = acc.solve(ref_layer, _RIDGE)
         self.left[ref_name] -= 1
         if not self.left[ref_name]:  # every layer reading it is fitted
-            for t in self.horizons:
-                del self.inputs[t][ref_name]
+            del self.inputs[ref_name]
 
 
 # Largest value of one calibration chunk. Lockstep keeps every chunk's values alive at once;
@@ -937,16 +925,18 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     fitted as ``a + b / t`` at (8, 16), ResNet-20 fell from 75 to 61% at T=64, where the
     membrane alone converges to the ANN (benchmarks/README.md "Membrane-only calibration").
 
-    ``weights=True`` also refits the weights of every Conv2d/Linear that reads spikes, in the
-    same pass, before its neuron is calibrated (the advanced calibration of Li et al., ICML
-    2021, solved in closed form): per layer, ridge least squares over the calibration images
-    and over the horizons ``snn.T`` and ``2 * snn.T`` (those within ``T``) of the layer's
-    output on the SNN's input rates over ``t`` steps against the QCFS-ANN's output at
-    ``L = t`` levels, pulled towards the present weights (ridge ``1e-2`` of the mean diagonal
-    of the normal matrix). It corrects how the spike rates of a few steps differ from the
-    ANN's values image by image, which no per-channel shift can; fitted at ``snn.T`` alone it
-    is right at that T only (ResNet-20: +18 points at T=8, -35 at T=16). Memory: the
-    reference's input of the fitted layers on all calibration images, per horizon.
+    ``weights=True`` (:func:`snnconv.convert`'s default with the membrane calibration) also
+    refits the weights of every Conv2d/Linear that reads spikes, in the same pass, before its
+    neuron is calibrated (the advanced calibration of Li et al., ICML 2021, solved in closed
+    form): per layer, ridge least squares over the calibration images of the layer's output
+    on the SNN's input rates over ``T`` steps (the last horizon) against the QCFS-ANN's output
+    at ``L = T`` levels, pulled towards the present weights (ridge ``1e-2`` of the mean
+    diagonal of the normal matrix). It corrects how the spike rates of a few steps differ
+    from the ANN's values image by image, which no per-channel shift can. Fitted at the
+    network's own T (where its bias or membrane is not) it is right at that T only
+    (ResNet-20: +18 points at T=8, -35 at T=16); at ``2 * T`` with the membrane, better at
+    T >= 8 on the robustness matrix (benchmarks/README.md "Weight calibration"). Memory: the
+    reference's input of the fitted layers on all calibration images.
     ``meta["bias_calibration"]["weights"]`` records each layer's relative weight change.
 
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
@@ -1031,7 +1021,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
               for node_name, mod, name, source, layer in plan}
     if wfit is not None:
         def fit_weights(xs, node):
-            wfit.fit(node, xs, spans, T)
+            wfit.fit(node, xs, spans)
             return xs
 
         before.update({node.name: (lambda xs, n=node: fit_weights(xs, n))
@@ -1091,7 +1081,7 @@ def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_m
     for node in gm.graph.nodes:
         if wfit is not None and node.name in wfit.plan:
             values = [_value_at(gm, x, node.args[0].name) for x in batches]
-            wfit.fit(node, values, [(k, 0, len(x)) for k, x in enumerate(batches)], T)
+            wfit.fit(node, values, [(k, 0, len(x)) for k, x in enumerate(batches)])
         neuron_mod = module_of(gm, node)
         if not isinstance(neuron_mod, IFNeuron):
             continue

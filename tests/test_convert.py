@@ -100,7 +100,7 @@ def test_convert_is_fold_calibrate_replace(trained_digits_cnn, digits_data):
     x0 = next(iter(loader))[0]
     qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn, x0), loader, L=8,
                                   num_batches=4, per_channel=True, progress=False)  # convert()'s default
-    manual = calibrate_bias(snnconv.to_spiking(qann, T=8), qann, loader, T=16, membrane=True)
+    manual = calibrate_bias(snnconv.to_spiking(qann, T=8), qann, loader, T=16, membrane=True, weights=True)
     assert isinstance(snn, SpikingNetwork) and snn.T == 8
     assert snn.thresholds().keys() == manual.thresholds().keys()
     assert all(torch.equal(a, b) for a, b in zip(snn.thresholds().values(), manual.thresholds().values()))
