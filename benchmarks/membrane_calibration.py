@@ -14,7 +14,9 @@ percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
 - ``h4-16/2b``: (4, 16) on 2 calibration batches instead of 4 (half the cost),
 - ``m8``, ``m16``: ``calibrate_bias(T=8 / 16, membrane=True)``: the initial membrane alone
   absorbs the error at that T, the bias only what the membrane's [0, 1] range cannot
-  (``m16`` is convert()'s default since session 11),
+  (``m16`` was convert()'s default in session 11),
+- ``m8w``, ``m16w``: the same with ``weights=True``, each Conv/Linear that reads spikes refitted
+  at that T in the same pass (``m16w`` is convert()'s default since session 12),
 
 and the SNN is run once for 64 steps on the first ``--test-limit`` test images; the accuracy
 at T is that of the first T steps (nothing in the network depends on T). Writes
@@ -46,7 +48,8 @@ TS = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = {"bias@8": dict(T=8), "h4-16": dict(horizons=(4, 16)), "h4-32": dict(horizons=(4, 32)),
             "h8-16": dict(horizons=(8, 16)), "h8-32": dict(horizons=(8, 32)),
             "h4-16/2b": dict(horizons=(4, 16), num_batches=2),
-            "m8": dict(T=8, membrane=True), "m16": dict(T=16, membrane=True)}
+            "m8": dict(T=8, membrane=True), "m16": dict(T=16, membrane=True),
+            "m8w": dict(T=8, membrane=True, weights=True), "m16w": dict(T=16, membrane=True, weights=True)}
 
 
 def main() -> None:

@@ -277,7 +277,8 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     parts.append(f"<h1>{html.escape(title)}</h1><p class='meta'>generated {stamp} from "
                  f"{html.escape(os.path.abspath(run_dir))}{'; ' + html.escape(info) if info else ''}</p>")
     if settings:
-        keys = [k for k in ("T", "L", "per_channel", "qcfs_epochs", "bias_calibration", "device")
+        keys = [k for k in ("T", "L", "per_channel", "qcfs_epochs", "bias_calibration", "membrane_calibration",
+                            "weight_calibration", "device")
                 if k in settings]
         parts.append(_table(["setting", "value"], [[k, settings[k]] for k in keys]))
 

@@ -878,7 +878,8 @@ class _Weights:
         layer, ref_name, ref_layer = self.plan[node.name]
         acc = _WeightFit(layer)
         for x, (k, lo, hi) in zip(values, spans):
-            acc.add(x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0), self.inputs[ref_name][k][lo:hi])
+            rates = x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0)
+            acc.add(rates, self.inputs[ref_name][k][lo:hi])
         self.changes[str(node.target)] = acc.solve(ref_layer, _RIDGE)
         self.left[ref_name] -= 1
         if not self.left[ref_name]:  # every layer reading it is fitted
