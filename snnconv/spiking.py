@@ -815,8 +815,9 @@ class _WeightFit:
     ``U^T U``, ``U^T A`` and ``U^T 1`` per group, ``U`` the SNN's input rates and ``A`` the
     reference's input, both unfolded into the layer's columns (float64)."""
 
-    def __init__(self, layer: nn.Module):
-        self.layer, self.G, self.C, self.s = layer, 0.0, 0.0, 0.0
+    def __init__(self, layer: nn.Module, ref_layer: nn.Module):
+        self.layer, self.ref_layer = layer, ref_layer
+        self.G, self.C, self.s = 0.0, 0.0, 0.0
 
     def add(self, rates: torch.Tensor, ref_in: torch.Tensor) -> None:
         per = max(1, _UNFOLD_BYTES // max(1, rates[:1].numel() * rates.element_size() * self._spread()))
@@ -832,10 +833,10 @@ class _WeightFit:
         k = getattr(self.layer, "kernel_size", (1,))
         return int(torch.tensor(k).prod())
 
-    def solve(self, ref_layer: nn.Module, ridge: float) -> float:
+    def solve(self, ridge: float) -> float:
         """Set the layer's weight to the ridge solution towards its present weight; return the
         relative change of the weight (Frobenius norms)."""
-        layer = self.layer
+        layer, ref_layer = self.layer, self.ref_layer
         w = layer.weight.detach().clone()
         g = self.G.shape[0]
         wg = w.double().reshape(g, w.shape[0] // g, -1)
@@ -876,11 +877,11 @@ class _Weights:
         ``spans`` (batch, first, end) of the calibration: least squares over the images, the
         rates over ``T`` steps against the reference at ``L = T``."""
         layer, ref_name, ref_layer = self.plan[node.name]
-        acc = _WeightFit(layer)
+        acc = _WeightFit(layer, ref_layer)
         for x, (k, lo, hi) in zip(values, spans):
             rates = x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0)
             acc.add(rates, self.inputs[ref_name][k][lo:hi])
-        self.changes[str(node.target)] = acc.solve(ref_layer, _RIDGE)
+        self.changes[str(node.target)] = acc.solve(_RIDGE)
         self.left[ref_name] -= 1
         if not self.left[ref_name]:  # every layer reading it is fitted
             del self.inputs[ref_name]
