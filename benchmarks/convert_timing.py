@@ -8,8 +8,8 @@ training-mode passes, Gaussian data: time does not depend on accuracy): ``conver
 QCFS training (10 calibration batches of 128, T=8, bias calibration on its default 4 batches)
 with its per-stage times; then the references: 10 ANN forwards of the calibration batches, and
 one T-step SNN pass over the bias calibration batches (the cost floor of bias calibration),
-bias calibration alone at T, membrane calibration (horizons (T, 2T), convert()'s default for
-subtractive reset) against a 2T-step pass, and bias calibration by re-running the network up to each layer
+bias calibration alone at T, membrane calibration at 2T without and with the weight fit
+(convert()'s default for subtractive reset since session 12) against a 2T-step pass, and bias calibration by re-running the network up to each layer
 (before; ``--skip-rerun`` leaves it out: it grows with the square of the depth). Best of
 ``--repeat``; ``--T`` another T. Also convert()'s peak memory (CUDA's allocator peak, or the
 process's maximum resident set on a CPU). Writes ``results/convert_timing.json`` (or ``--out``).
@@ -119,12 +119,20 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     result["bias_calibration_seconds"] = _best(lambda: calibrate_bias(snn, qcfs, loader, T=T), repeat, device)
     result["bias_calibration_over_snn_pass"] = result["bias_calibration_seconds"] / result["snn_pass_seconds"]
     print("bias calibration", result["bias_calibration_seconds"], flush=True)
-    # convert()'s default for reset="subtract": membrane calibration, one 2T-step pass
+    # convert()'s default for reset="subtract": membrane calibration, one 2T-step pass, with
+    # the weight fit (since session 12) and without
     snn.T = 2 * T
     result["snn_pass_2T_seconds"] = _best(snn_pass, repeat, device)
     snn.T = T
     result["membrane_calibration_seconds"] = _best(
-        lambda: calibrate_bias(snn, qcfs, loader, horizons=(T, 2 * T)), repeat, device)
+        lambda: calibrate_bias(snn, qcfs, loader, T=2 * T, membrane=True), repeat, device)
+    weighted = inspect.signature(calibrate_bias).parameters.get("weights") is not None
+    if weighted:
+        result["membrane_weight_calibration_seconds"] = _best(
+            lambda: calibrate_bias(snn, qcfs, loader, T=2 * T, membrane=True, weights=True), repeat, device)
+        result["membrane_weight_calibration_over_snn_pass_2T"] = (
+            result["membrane_weight_calibration_seconds"] / result["snn_pass_2T_seconds"])
+        print("membrane and weight calibration", result["membrane_weight_calibration_seconds"], flush=True)
     result["membrane_calibration_over_snn_pass"] = result["membrane_calibration_seconds"] / result["snn_pass_seconds"]
     result["membrane_calibration_over_snn_pass_2T"] = (result["membrane_calibration_seconds"]
                                                        / result["snn_pass_2T_seconds"])

@@ -812,8 +812,10 @@ def _unfolded(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class _WeightFit:
     """The normal equations of one layer's weight fit, accumulated over calibration pieces:
-    ``U^T U``, ``U^T A`` and ``U^T 1`` per group, ``U`` the SNN's input rates and ``A`` the
-    reference's input, both unfolded into the layer's columns (float64)."""
+    ``U^T U``, ``U^T Y`` and ``U^T 1`` per group, ``U`` the SNN's input rates unfolded into the
+    layer's columns and ``Y`` the reference layer's output without its bias (float64; ``Y``
+    rather than the reference's unfolded input ``A``, ``Y = A W^T``: a ninth of the work for a
+    3x3 convolution)."""
 
     def __init__(self, layer: nn.Module, ref_layer: nn.Module):
         self.layer, self.ref_layer = layer, ref_layer
@@ -823,11 +825,21 @@ class _WeightFit:
         per = max(1, _UNFOLD_BYTES // max(1, rates[:1].numel() * rates.element_size() * self._spread()))
         for r, a in zip(rates.split(per), ref_in.split(per)):
             u = _unfolded(self.layer, r).transpose(0, 1)  # [g, N, f]
-            v = _unfolded(self.layer, a.to(u.dtype)).transpose(0, 1)
             ut = u.transpose(1, 2)
             self.G = self.G + torch.bmm(ut, u).double()
-            self.C = self.C + torch.bmm(ut, v).double()
+            self.C = self.C + torch.bmm(ut, self._reference_output(a.to(u.dtype))).double()
             self.s = self.s + u.sum(1).double()
+
+    def _reference_output(self, a: torch.Tensor) -> torch.Tensor:
+        """The reference layer on ``a`` without its bias, ``[groups, positions, outputs per group]``
+        (positions in the order of :func:`_unfolded`)."""
+        ref = self.ref_layer
+        w = ref.weight.to(a.dtype)
+        if isinstance(ref, nn.Linear):
+            y = a @ w.t()
+            return y.reshape(1, -1, y.shape[-1])
+        y = F.conv2d(a, w, None, ref.stride, ref.padding, ref.dilation, ref.groups)  # [b, O, H, W]
+        return y.permute(0, 2, 3, 1).reshape(-1, ref.groups, y.shape[1] // ref.groups).transpose(0, 1)
 
     def _spread(self) -> int:
         k = getattr(self.layer, "kernel_size", (1,))
@@ -840,10 +852,9 @@ class _WeightFit:
         w = layer.weight.detach().clone()
         g = self.G.shape[0]
         wg = w.double().reshape(g, w.shape[0] // g, -1)
-        wa = ref_layer.weight.detach().double().reshape(g, w.shape[0] // g, -1).to(wg.device)
         lam = ridge * self.G.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # [g]
         eye = torch.eye(self.G.shape[1], dtype=torch.float64, device=wg.device)
-        rhs = self.C @ wa.transpose(1, 2) + lam[:, None, None] * wg.transpose(1, 2)
+        rhs = self.C + lam[:, None, None] * wg.transpose(1, 2)
         b, ba = layer.bias, ref_layer.bias
         if b is not None or ba is not None:
             zero = torch.zeros(w.shape[0], dtype=torch.float64, device=wg.device)
