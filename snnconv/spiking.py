@@ -948,7 +948,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     from the ANN's values image by image, which no per-channel shift can. Fitted at the
     network's own T (where its bias or membrane is not) it is right at that T only
     (ResNet-20: +18 points at T=8, -35 at T=16); at ``2 * T`` with the membrane, better at
-    T >= 8 on the robustness matrix (benchmarks/README.md "Weight calibration"). Memory: the
+    T = 4-16 on the robustness matrix and about even at T=32 (benchmarks/README.md "Weight
+    calibration"). Memory: the
     reference's input of the fitted layers on all calibration images.
     ``meta["bias_calibration"]["weights"]`` records each layer's relative weight change.
 
