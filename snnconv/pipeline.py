@@ -315,6 +315,10 @@ def convert(
     membrane = bias_calibration_T is None and reset == "subtract"
     if weight_calibration is None:
         weight_calibration = membrane
+    elif weight_calibration and not bias_calibration:
+        raise ValueError("weight_calibration=True refits the weights inside bias calibration, which "
+                         "bias_calibration=False turns off; pass bias_calibration=True or "
+                         "weight_calibration=False")
     if bias_calibration_T is None:
         bias_calibration_T = 2 * T if reset == "subtract" else T
     if isinstance(bias_calibration_T, (tuple, list)):

@@ -24,6 +24,7 @@ import collections
 import contextlib
 import copy
 import io
+import math
 import numbers
 import operator
 import os
@@ -773,7 +774,7 @@ def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list,
 
 # --- weight calibration ---------------------------------------------------------------------
 
-# Images per piece when a Conv2d input is unfolded for the weight fit (bounds the unfolded copy).
+# Largest unfolded copy of a layer's input in the weight fit (the images are taken in pieces).
 _UNFOLD_BYTES = 64 * 2**20
 
 
@@ -822,7 +823,8 @@ class _WeightFit:
         self.G, self.C, self.s = 0.0, 0.0, 0.0
 
     def add(self, rates: torch.Tensor, ref_in: torch.Tensor) -> None:
-        per = max(1, _UNFOLD_BYTES // max(1, rates[:1].numel() * rates.element_size() * self._spread()))
+        spread = math.prod(getattr(self.layer, "kernel_size", (1,)))  # columns per input value
+        per = max(1, _UNFOLD_BYTES // max(1, rates[:1].numel() * rates.element_size() * spread))
         for r, a in zip(rates.split(per), ref_in.split(per)):
             u = _unfolded(self.layer, r).transpose(0, 1)  # [g, N, f]
             ut = u.transpose(1, 2)
@@ -840,10 +842,6 @@ class _WeightFit:
             return y.reshape(1, -1, y.shape[-1])
         y = F.conv2d(a, w, None, ref.stride, ref.padding, ref.dilation, ref.groups)  # [b, O, H, W]
         return y.permute(0, 2, 3, 1).reshape(-1, ref.groups, y.shape[1] // ref.groups).transpose(0, 1)
-
-    def _spread(self) -> int:
-        k = getattr(self.layer, "kernel_size", (1,))
-        return int(torch.tensor(k).prod())
 
     def solve(self, ridge: float) -> float:
         """Set the layer's weight to the ridge solution towards its present weight; return the

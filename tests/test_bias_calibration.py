@@ -301,7 +301,7 @@ def test_weight_calibration_brings_every_layer_towards_the_reference(qcfs_and_sn
     assert fitted.T == snn.T == 4
     err_plain = _pre_activation_error(plain, qcfs, x, 8)
     err_fitted = _pre_activation_error(fitted, qcfs, x, 8)
-    assert err_fitted < 0.9 * err_plain, (err_fitted, err_plain)
+    assert err_fitted < 0.9 * err_plain, (err_fitted, err_plain)  # 0.57 here
 
 
 def test_convert_calibrates_the_weights_with_the_membrane(trained_digits_cnn, digits_loaders):
@@ -314,3 +314,37 @@ def test_convert_calibrates_the_weights_with_the_membrane(trained_digits_cnn, di
         assert meta.settings["weight_calibration"] is False
         assert "weights" not in meta.stage("spiking").changes["bias_calibration"]
 
+
+
+class _Unfittable(torch.nn.Module):
+    """A Conv2d called twice and one with circular padding: the weight fit leaves both alone."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.c1, self.shared = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.circ = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
+        self.c4, self.fc = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.shared(torch.relu(self.shared(x))))
+        x = torch.relu(self.c4(torch.relu(self.circ(x))))
+        return self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+def test_weight_fit_skips_shared_and_non_zero_padded_layers_and_refusals(trained_digits_cnn, digits_loaders):
+    torch.manual_seed(0)
+    x = [torch.randn(32, 1, 8, 8)]
+    qcfs = snnconv.calibrate_qcfs(_Unfittable().eval(), x, L=4, progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4)
+    before = {k: v.clone() for k, v in snn.state_dict().items()}
+    out = calibrate_bias(snn, qcfs, x, T=8, membrane=True, weights=True)
+    assert sorted(out.meta["bias_calibration"]["weights"]["relative_change"]) == ["c4", "fc"]
+    after = out.state_dict()
+    for name in ("shared", "circ"):
+        assert torch.equal(after[f"net.{name}.weight"], before[f"net.{name}.weight"]), name
+    assert all(torch.equal(v, before[k]) for k, v in snn.state_dict().items())  # on a copy
+    with pytest.raises(ValueError, match="bias_calibration=True or weight_calibration=False"):
+        snnconv.convert(trained_digits_cnn, digits_loaders[0], T=4, bias_calibration=False,
+                        weight_calibration=True, progress=False)
