@@ -6,7 +6,7 @@ import copy
 import operator
 import os
 import traceback
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -314,7 +314,8 @@ class _Lockstep(fx.Interpreter):
 
 
 def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
-                 before: dict[str, Callable[[list[Any]], list[Any]]]) -> list[Any]:
+                 before: dict[str, Callable[[list[Any]], list[Any]]],
+                 observe: dict[str, Callable[[Iterator[Any]], None]] | None = None) -> list[Any]:
     """Run ``gm`` on each of ``chunks``, every chunk up to a hooked node before any goes past
     it; returns the outputs per chunk.
 
@@ -329,18 +330,24 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
     every batch is alive at once at a hook, so a hook's spikes (``NodeOutputs(...,
     spikes=True)``) that are still needed after the next hook (a shortcut) are kept
     :class:`Packed`, a quarter of the memory (packing costs an operation per use: only there).
+
+    ``observe[node_name](firsts)`` is a hook that only reads: it gets an iterator over that
+    node's first argument, chunk by chunk (a packed value unpacked as it is reached, never all
+    at once), when every chunk has reached the node, which then runs unchanged (a change the
+    observer makes to the node's module, such as refitted weights, applies to every chunk).
     """
+    observe = observe or {}
     its = [_Lockstep(gm, garbage_collect_values=True) for _ in chunks]
     for it, c in zip(its, chunks):
         it.env = {}
         it.args_iter = iter([c])
-    order = _late_order(gm, set(before))
+    order = _late_order(gm, set(before) | set(observe))
     last_user = {a: n for n in order for a in n.all_input_nodes}
     last: dict[fx.Node, list[fx.Node]] = {}
     for value, user in last_user.items():
         last.setdefault(user, []).append(value)
     at = {n: i for i, n in enumerate(order)}
-    hooks_at = [i for i, n in enumerate(order) if n.name in before] + [len(order)]
+    hooks_at = [i for i, n in enumerate(order) if n.name in before or n.name in observe] + [len(order)]
     # the hooked nodes whose value is still needed after the next hook
     outlive = {n for n, i in at.items() if n.name in before and n in last_user
                and at[last_user[n]] > next(h for h in hooks_at if h > i)}
@@ -360,7 +367,7 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
     firsts: list[Any] = [None] * len(its)
     for node in order:
         hook = before.get(node.name)
-        if hook is None and node.op != "output":
+        if hook is None and node.op != "output" and node.name not in observe:
             segment.append(node)
             continue
         for k, it in enumerate(its):
@@ -368,6 +375,10 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
                 run(it, n, firsts[k] if i == 0 else None)
         if node.op == "output":
             return [it.run_node(node) for it in its]
+        if hook is None:
+            observe[node.name](it.fetch_args_kwargs_from_env(node)[0][0] for it in its)
+            firsts, segment = [None] * len(its), [node]
+            continue
         got = hook([it.fetch_args_kwargs_from_env(node)[0][0] for it in its])
         if isinstance(got, NodeOutputs):
             pack = got.spikes and node in outlive

@@ -29,7 +29,7 @@ import numbers
 import operator
 import os
 import warnings
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -545,18 +545,6 @@ def _reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels
     return means
 
 
-def _reference_inputs(ref: fx.GraphModule, names: list[str], batches: list, levels: int) -> dict:
-    """The values of the nodes ``names`` of ``ref`` on each of ``batches`` (a list per name),
-    with every QCFS at ``levels`` quantisation steps."""
-    out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    with _levels(ref, levels):
-        for x in batches:
-            values = capture(ref, (x,), names)
-            for n in names:
-                out[n].append(values[n])
-    return out
-
-
 def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int | None,
                 num_batches: int, horizons: tuple[int, int] | None = None, membrane: bool = False,
                 weights: bool = False):
@@ -774,8 +762,15 @@ def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list,
 
 # --- weight calibration ---------------------------------------------------------------------
 
-# Largest unfolded copy of a layer's input in the weight fit (the images are taken in pieces).
+# Largest block of gathered input columns in the weight fit (the positions are taken in pieces).
 _UNFOLD_BYTES = 64 * 2**20
+
+# Positions (output pixels over the calibration images) each weight fit uses: all of them up
+# to this many per feature of a group (the columns of the least squares), a seeded sample
+# beyond. The normal equations cost positions x features^2: sampling keeps that at most a
+# fixed multiple of features^3 (the solve's own cost) instead of growing with the image size.
+_SAMPLES_PER_FEATURE = 16
+_MIN_SAMPLES = 4096
 
 
 def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[nn.Module, str, nn.Module]]:
@@ -803,55 +798,99 @@ def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[nn.
     return plan
 
 
-def _unfolded(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The input columns of ``layer`` on ``x``, ``[positions, groups, features per group]``."""
+def _columns(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The input columns of ``layer`` on ``x`` at the output positions ``pos`` (flat indices
+    over images and output pixels, in the order of :func:`_layer_output`), ``[groups,
+    positions, features per group]``, features in ``F.unfold``'s order (channel, then kernel
+    row and column)."""
     if isinstance(layer, nn.Linear):
-        return x.reshape(-1, 1, x.shape[-1])
-    u = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)  # [b, F, L]
-    return u.transpose(1, 2).reshape(-1, layer.groups, u.shape[1] // layer.groups)
+        return x.reshape(-1, x.shape[-1])[pos].unsqueeze(0)
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = (layer.kernel_size, layer.stride, layer.dilation,
+                                              layer.padding)
+    ho, wo = _output_size(layer, x)
+    n, rest = pos // (ho * wo), pos % (ho * wo)
+    i, j = rest // wo * sh, rest % wo * sw
+    xp = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    taps = [xp[n, :, i + a * dh, j + b * dw] for a in range(kh) for b in range(kw)]  # [P, C] each
+    u = torch.stack(taps, dim=-1).reshape(len(pos), -1)
+    return u.reshape(len(pos), layer.groups, -1).transpose(0, 1)
+
+
+def _layer_output(layer: nn.Module, a: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """``layer`` on ``a`` without its bias, ``[positions, outputs]`` (positions: images, then
+    output rows and columns; a Linear's leading dimensions); with ``pos``, at those positions
+    only (from their columns: cheaper than the whole convolution for a small sample)."""
+    w = layer.weight.detach().to(a.dtype)
+    if pos is not None:
+        u = _columns(layer, a, pos)  # [groups, P, f]
+        y = torch.bmm(u, w.reshape(u.shape[0], -1, u.shape[2]).transpose(1, 2))  # [groups, P, O/g]
+        return y.transpose(0, 1).reshape(len(pos), -1)
+    if isinstance(layer, nn.Linear):
+        return (a @ w.t()).reshape(-1, w.shape[0])
+    y = F.conv2d(a, w, None, layer.stride, layer.padding, layer.dilation, layer.groups)
+    return y.permute(0, 2, 3, 1).reshape(-1, y.shape[1])
+
+
+def _gram(u: torch.Tensor) -> torch.Tensor:
+    """``u^T u`` per group (``u``: ``[groups, positions, features]``), only its upper triangle
+    filled beyond the diagonal blocks: panels of 512 features against the features from
+    there on, about half the multiply-adds of the full product for wide layers."""
+    f = u.shape[2]
+    if f <= 1024:
+        return torch.bmm(u.transpose(1, 2), u)
+    g = u.new_zeros(u.shape[0], f, f)
+    for s in range(0, f, 512):
+        g[:, s:s + 512, s:] = torch.bmm(u[:, :, s:s + 512].transpose(1, 2), u[:, :, s:])
+    return g
 
 
 class _WeightFit:
     """The normal equations of one layer's weight fit, accumulated over calibration pieces:
-    ``U^T U``, ``U^T Y`` and ``U^T 1`` per group, ``U`` the SNN's input rates unfolded into the
-    layer's columns and ``Y`` the reference layer's output without its bias (float64; ``Y``
-    rather than the reference's unfolded input ``A``, ``Y = A W^T``: a ninth of the work for a
-    3x3 convolution)."""
+    ``U^T U`` (upper triangle, :func:`_gram`), ``U^T Y`` and ``U^T 1`` per group, ``U`` the
+    SNN's input rates in the layer's columns at the sampled output positions and ``Y`` the
+    reference layer's output there without its bias (float64). The columns of small chunks
+    are gathered up to :data:`_UNFOLD_BYTES` before they are multiplied (a deep layer has a
+    few positions per chunk: one product each would be slow and add a float64 matrix per
+    chunk)."""
 
     def __init__(self, layer: nn.Module, ref_layer: nn.Module):
         self.layer, self.ref_layer = layer, ref_layer
         self.G, self.C, self.s = 0.0, 0.0, 0.0
+        self.groups = getattr(layer, "groups", 1)
+        features = layer.weight[0].numel() * self.groups  # columns of all groups
+        self.rows = max(1, _UNFOLD_BYTES // (features * layer.weight.element_size()))
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def add(self, rates: torch.Tensor, ref_in: torch.Tensor) -> None:
-        spread = math.prod(getattr(self.layer, "kernel_size", (1,)))  # columns per input value
-        per = max(1, _UNFOLD_BYTES // max(1, rates[:1].numel() * rates.element_size() * spread))
-        for r, a in zip(rates.split(per), ref_in.split(per)):
-            u = _unfolded(self.layer, r).transpose(0, 1)  # [g, N, f]
-            ut = u.transpose(1, 2)
-            self.G = self.G + torch.bmm(ut, u).double()
-            self.C = self.C + torch.bmm(ut, self._reference_output(a.to(u.dtype))).double()
-            self.s = self.s + u.sum(1).double()
+    def add(self, rates: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> None:
+        """``rates``: the layer's input (a chunk of images); ``y``: the reference layer's
+        output without bias (:func:`_layer_output`) at the positions ``pos`` of that chunk."""
+        for p, t in zip(pos.split(self.rows), y.split(self.rows)):
+            self.pending.append((_columns(self.layer, rates, p), t))  # [groups, P, f], [P, O]
+            if sum(len(t) for _, t in self.pending) >= self.rows:
+                self._flush()
 
-    def _reference_output(self, a: torch.Tensor) -> torch.Tensor:
-        """The reference layer on ``a`` without its bias, ``[groups, positions, outputs per group]``
-        (positions in the order of :func:`_unfolded`)."""
-        ref = self.ref_layer
-        w = ref.weight.to(a.dtype)
-        if isinstance(ref, nn.Linear):
-            y = a @ w.t()
-            return y.reshape(1, -1, y.shape[-1])
-        y = F.conv2d(a, w, None, ref.stride, ref.padding, ref.dilation, ref.groups)  # [b, O, H, W]
-        return y.permute(0, 2, 3, 1).reshape(-1, ref.groups, y.shape[1] // ref.groups).transpose(0, 1)
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        u = torch.cat([u for u, _ in self.pending], dim=1)
+        t = torch.cat([t for _, t in self.pending]).to(u.dtype)
+        self.pending = []
+        t = t.reshape(len(t), self.groups, -1).transpose(0, 1)
+        self.G = self.G + _gram(u).double()
+        self.C = self.C + torch.bmm(u.transpose(1, 2), t).double()
+        self.s = self.s + u.sum(1).double()
 
     def solve(self, ridge: float) -> float:
         """Set the layer's weight to the ridge solution towards its present weight; return the
         relative change of the weight (Frobenius norms)."""
+        self._flush()
         layer, ref_layer = self.layer, self.ref_layer
         w = layer.weight.detach().clone()
-        g = self.G.shape[0]
+        gram = self.G.triu() + self.G.triu(1).transpose(1, 2)
+        g = gram.shape[0]
         wg = w.double().reshape(g, w.shape[0] // g, -1)
-        lam = ridge * self.G.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # [g]
-        eye = torch.eye(self.G.shape[1], dtype=torch.float64, device=wg.device)
+        lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # [g]
+        eye = torch.eye(gram.shape[1], dtype=torch.float64, device=wg.device)
         rhs = self.C + lam[:, None, None] * wg.transpose(1, 2)
         b, ba = layer.bias, ref_layer.bias
         if b is not None or ba is not None:
@@ -859,7 +898,8 @@ class _WeightFit:
             db = (zero if ba is None else ba.detach().double().to(wg.device)) - (
                 zero if b is None else b.detach().double())
             rhs = rhs + self.s[:, :, None] * db.reshape(g, 1, -1)
-        new = torch.linalg.solve(self.G + lam[:, None, None] * eye, rhs).transpose(1, 2).reshape(w.shape)
+        chol = torch.linalg.cholesky(gram + lam[:, None, None] * eye)  # positive definite: the ridge
+        new = torch.cholesky_solve(rhs, chol).transpose(1, 2).reshape(w.shape)
         with torch.no_grad():
             layer.weight.copy_(new.to(w.dtype))
         return float((new - w.double()).norm() / w.double().norm().clamp_min(1e-12))
@@ -870,30 +910,60 @@ _RIDGE = 1e-2
 
 
 class _Weights:
-    """Weight calibration of the layers of :func:`_weight_plan` at ``T`` steps: the reference's
-    input of each layer at ``L = T`` levels, and the fits done so far (layer -> relative weight
-    change)."""
+    """Weight calibration of the layers of :func:`_weight_plan` at ``T`` steps: per layer and
+    calibration batch, the sampled output positions (sorted flat indices; a generator of its
+    own, so the same positions in every run and the global RNG untouched) and the reference
+    layer's output there at ``L = T`` levels; and the fits done so far (layer -> relative
+    weight change)."""
 
     def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, T: int):
         self.plan, self.T = _weight_plan(gm, ref), T
         names = sorted({ref_name for _, ref_name, _ in self.plan.values()})
-        self.inputs = _reference_inputs(ref, names, batches, T)
-        self.left = collections.Counter(ref_name for _, ref_name, _ in self.plan.values())
+        images = sum(len(x) for x in batches)
+        gen = torch.Generator().manual_seed(0)
+        self.targets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.plan}
+        with _levels(ref, T):
+            for x in batches:
+                values = capture(ref, (x,), names)
+                for name, (layer, ref_name, ref_layer) in self.plan.items():
+                    a = values[ref_name]
+                    n = len(a) * math.prod(_output_size(ref_layer, a))
+                    features = ref_layer.weight[0].numel()  # per group
+                    budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * len(a) / images
+                    if budget < n:
+                        pos = torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values.to(a.device)
+                        self.targets[name].append((pos, _layer_output(ref_layer, a, pos)))
+                    else:
+                        pos = torch.arange(n, device=a.device)
+                        self.targets[name].append((pos, _layer_output(ref_layer, a)))
+                del values
         self.changes: dict[str, float] = {}
 
-    def fit(self, node: fx.Node, values: list, spans: list) -> None:
+    def fit(self, node: fx.Node, values: Iterable, spans: list) -> None:
         """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
-        ``spans`` (batch, first, end) of the calibration: least squares over the images, the
-        rates over ``T`` steps against the reference at ``L = T``."""
-        layer, ref_name, ref_layer = self.plan[node.name]
+        ``spans`` (batch, first, end) of the calibration: least squares over the sampled
+        positions, the rates over ``T`` steps against the reference at ``L = T``."""
+        layer, _, ref_layer = self.plan[node.name]
         acc = _WeightFit(layer, ref_layer)
         for x, (k, lo, hi) in zip(values, spans):
+            pos, y = self.targets[node.name][k]
             rates = x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0)
-            acc.add(rates, self.inputs[ref_name][k][lo:hi])
+            per_image = math.prod(_output_size(layer, rates))
+            a, b = torch.searchsorted(pos, torch.tensor([lo * per_image, hi * per_image], device=pos.device))
+            acc.add(rates, y[a:b], pos[a:b] - lo * per_image)
         self.changes[str(node.target)] = acc.solve(_RIDGE)
-        self.left[ref_name] -= 1
-        if not self.left[ref_name]:  # every layer reading it is fitted
-            del self.inputs[ref_name]
+        del self.targets[node.name]
+
+
+def _output_size(layer: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
+    """Output positions of ``layer`` per image of ``x``: a Conv2d's output rows and columns, a
+    Linear's leading dimensions."""
+    if isinstance(layer, nn.Linear):
+        return (x[:1].numel() // x.shape[-1],)
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = (layer.kernel_size, layer.stride, layer.dilation,
+                                              layer.padding)
+    return ((x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
+            (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
 
 
 # Largest value of one calibration chunk. Lockstep keeps every chunk's values alive at once;
@@ -939,17 +1009,19 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     ``weights=True`` (:func:`snnconv.convert`'s default with the membrane calibration) also
     refits the weights of every Conv2d/Linear that reads spikes, in the same pass, before its
     neuron is calibrated (the advanced calibration of Li et al., ICML 2021, solved in closed
-    form): per layer, ridge least squares over the calibration images of the layer's output
-    on the SNN's input rates over ``T`` steps (the last horizon) against the QCFS-ANN's output
-    at ``L = T`` levels, pulled towards the present weights (ridge ``1e-2`` of the mean
-    diagonal of the normal matrix). It corrects how the spike rates of a few steps differ
-    from the ANN's values image by image, which no per-channel shift can. Fitted at the
-    network's own T (where its bias or membrane is not) it is right at that T only
-    (ResNet-20: +18 points at T=8, -35 at T=16); at ``2 * T`` with the membrane, better at
-    T = 4-16 on the robustness matrix and about even at T=32 (benchmarks/README.md "Weight
-    calibration"). Memory: the
-    reference's input of the fitted layers on all calibration images.
-    ``meta["bias_calibration"]["weights"]`` records each layer's relative weight change.
+    form): per layer, ridge least squares of the layer's output on the SNN's input rates over
+    ``T`` steps (the last horizon) against the QCFS-ANN's output at ``L = T`` levels, over the
+    output positions of the calibration images (all of them up to 16 per weight of an output
+    channel, at least 4096; a seeded sample beyond, the same in every run), pulled towards the
+    present weights (ridge ``1e-2`` of the mean diagonal of the normal matrix). It corrects
+    how the spike rates of a few steps differ from the ANN's values image by image, which no
+    per-channel shift can. Fitted at the network's own T (where its bias or membrane is not)
+    it is right at that T only (ResNet-20: +18 points at T=8, -35 at T=16); at ``2 * T`` with
+    the membrane, better at T = 4-16 on the robustness matrix and about even at T=32
+    (benchmarks/README.md "Weight calibration"). It reads each layer's input without changing
+    it (an observer of :func:`snnconv.graph.run_lockstep`), and keeps the reference's output
+    at the sampled positions only. ``meta["bias_calibration"]["weights"]`` records each
+    layer's relative weight change.
 
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
@@ -1031,15 +1103,12 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
 
     before = {node_name: (lambda xs, m=mod, n=name, s=source, lay=layer: correct(xs, m, n, s, lay))
               for node_name, mod, name, source, layer in plan}
+    observe = {}
     if wfit is not None:
-        def fit_weights(xs, node):
-            wfit.fit(node, xs, spans)
-            return xs
-
-        before.update({node.name: (lambda xs, n=node: fit_weights(xs, n))
-                       for node in gm.graph.nodes if node.name in wfit.plan})
+        observe = {node.name: (lambda xs, n=node: wfit.fit(n, xs, spans))
+                   for node in gm.graph.nodes if node.name in wfit.plan}
     with torch.no_grad():
-        run_lockstep(gm, chunks, before)
+        run_lockstep(gm, chunks, before, observe)
     shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
                                      if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
     return _finish(out, snn, T, batches, shifts, "one-pass", horizons, membrane, wfit)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import snnconv
 from snnconv.errors import DataError, StageOrderError
@@ -225,10 +227,11 @@ def test_bias_calibration_warns_before_it_runs_out_of_memory(qcfs_and_snn, monke
                                    torch.nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False),
                                    torch.nn.Linear(6, 5)])
 def test_weight_fit_recovers_the_reference_map(layer):
-    """The normal equations of one layer (unfolded columns, groups, bias difference): on rates
-    ``U`` whose reference input is ``U * theta`` per input channel, the fit from any start lands
-    on the reference weights times theta (what IF replacement absorbs), up to the ridge."""
-    from snnconv.spiking import _WeightFit
+    """The normal equations of one layer (gathered columns, groups, bias difference) on a
+    sample of its output positions: on rates ``U`` whose reference input is ``U * theta`` per
+    input channel, the fit from any start lands on the reference weights times theta (what IF
+    replacement absorbs), up to the ridge."""
+    from snnconv.spiking import _layer_output, _WeightFit
 
     torch.manual_seed(0)
     ref = copy.deepcopy(layer)
@@ -241,8 +244,11 @@ def test_weight_fit_recovers_the_reference_map(layer):
     u = torch.rand(64, 6, 7, 7) if isinstance(layer, torch.nn.Conv2d) else torch.rand(64, 3, 6)
     shape = [1, 6, 1, 1] if u.dim() == 4 else [1, 1, 6]
     fit = _WeightFit(snn_layer, ref)
-    fit.add(u[:40], u[:40] * theta.reshape(shape))
-    fit.add(u[40:], u[40:] * theta.reshape(shape))
+    for part in (u[:40], u[40:]):
+        with torch.no_grad():
+            y = _layer_output(ref, part * theta.reshape(shape))
+        pos = torch.randperm(len(y))[:len(y) // 2].sort().values  # half of the positions
+        fit.add(part, y[pos], pos)
     change = fit.solve(1e-9)
     assert change > 0.5
     expected = ref.weight * (theta.reshape(1, 6, 1, 1)[:, :ref.weight.shape[1]] if u.dim() == 4 else theta)
@@ -259,6 +265,30 @@ def test_weight_fit_recovers_the_reference_map(layer):
         snn_layer.weight.copy_(expected)
         resid_exact = (snn_layer(u) - want).pow(2).mean()
     assert resid_fit <= resid_exact + 1e-6
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Conv2d(4, 3, (3, 2), stride=(2, 1), padding=(1, 2),
+                                                   dilation=(1, 2)),
+                                   torch.nn.Conv2d(4, 4, 3, padding=1, groups=2),
+                                   torch.nn.Conv2d(130, 2, 3, padding=1)])
+def test_weight_fit_columns_are_the_unfolded_input_and_its_gram_matrix_is_exact(layer):
+    """The columns gathered at sampled positions are F.unfold's rows there (same feature
+    order, groups split), and the half-computed U^T U completes to the full product."""
+    from snnconv.spiking import _columns, _gram, _layer_output
+
+    torch.manual_seed(0)
+    x = torch.rand(3, layer.in_channels, 6, 5)
+    n_pos = len(_layer_output(layer, x))
+    pos = torch.randperm(n_pos)[:n_pos // 3].sort().values
+    unfolded = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+    rows = unfolded.transpose(1, 2).reshape(n_pos, -1)[pos]
+    got = _columns(layer, x, pos)
+    assert torch.equal(got, rows.reshape(len(pos), layer.groups, -1).transpose(0, 1))
+    g = _gram(got.double())
+    assert torch.allclose(g.triu() + g.triu(1).transpose(1, 2), got.double().transpose(1, 2) @ got.double())
+    assert n_pos == x.shape[0] * math.prod(layer(x).shape[2:])
+    with torch.no_grad():
+        assert torch.allclose(_layer_output(layer, x, pos), _layer_output(layer, x)[pos], atol=1e-5)
 
 
 def _pre_activation_error(snn, qcfs, x, T):
@@ -293,7 +323,11 @@ def test_weight_calibration_brings_every_layer_towards_the_reference(qcfs_and_sn
     qcfs, snn, train = qcfs_and_snn
     x = torch.cat([b[0] for _, b in zip(range(4), train)])
     plain = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True)
+    rng = torch.get_rng_state()
     fitted = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=True)
+    assert torch.equal(torch.get_rng_state(), rng)  # the positions' sample has its own generator
+    again = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=True)
+    assert all(torch.equal(a, b) for a, b in zip(fitted.state_dict().values(), again.state_dict().values()))
     record = fitted.meta["bias_calibration"]["weights"]
     assert record["T"] == 8 and sorted(record["relative_change"]) == ["conv2", "conv3", "fc1", "fc2"]
     assert record["relative_change"]["conv2"] < 1e-4  # its input, the first layer's spikes on a

@@ -166,6 +166,35 @@ def test_lockstep_runs_a_node_just_before_its_first_user_unless_a_value_changes_
         assert torch.equal(o, gm(c))
 
 
+def test_lockstep_observers_see_every_chunk_before_the_node_runs_on_any():
+    """An observer gets the node's input chunk by chunk (packed spikes unpacked one at a
+    time) once all chunks have reached the node; what it changes in the module applies to
+    every chunk, and the node's input itself is left as it was."""
+    from snnconv.graph import NodeOutputs, run_lockstep, trace
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), torch.nn.ReLU(), torch.nn.Conv2d(3, 3, 1))
+    gm = trace(net)
+    (relu,) = [n.name for n in gm.graph.nodes if n.op == "call_module" and n.target == "1"]
+    (last,) = [n.name for n in gm.graph.nodes if n.op == "call_module" and n.target == "2"]
+    chunks = [torch.randn(4, 2, 3, 3) for _ in range(3)]
+    seen = []
+
+    def observe(xs):
+        for x in xs:
+            seen.append(x.clone())
+        with torch.no_grad():
+            net[2].weight.mul_(2)
+
+    spikes = lambda xs: NodeOutputs([(x > 0).float() for x in xs], spikes=True)  # noqa: E731
+    outs = run_lockstep(gm, chunks, {relu: spikes}, {last: observe})
+    assert len(seen) == 3
+    assert all(torch.equal(s, (net[0](c) > 0).float()) for s, c in zip(seen, chunks))
+    with torch.no_grad():
+        for o, c in zip(outs, chunks):
+            assert torch.equal(o, net[2]((net[0](c) > 0).float()))  # the doubled weight, for all
+
+
 class _Chain(torch.nn.Module):
     def forward(self, x):
         for _ in range(3000):  # deeper than Python's recursion limit
