@@ -579,12 +579,15 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     device = next(snn.parameters()).device
     ref.to(device)
     batches = [x.to(device) for x in batches]
-    if horizons is None:
-        target_mean: Any = _reference_means(ref, ref_nodes, batches, T if membrane else None)
+    out = copy.deepcopy(snn)
+    # the membrane's reference means come from the weight fit's reference pass (both at L = T)
+    fit = _Weights(out.net, ref, batches, T, ref_nodes if membrane else None) if weights else None
+    if fit is not None and fit.means is not None:
+        target_mean: Any = fit.means
+    elif horizons is None:
+        target_mean = _reference_means(ref, ref_nodes, batches, T if membrane else None)
     else:
         target_mean = tuple(_reference_means(ref, ref_nodes, batches, h) for h in horizons)
-    out = copy.deepcopy(snn)
-    fit = _Weights(out.net, ref, batches, T) if weights else None
     return T, batches, target_mean, out, horizons, fit
 
 
@@ -914,17 +917,23 @@ class _Weights:
     calibration batch, the sampled output positions (sorted flat indices; a generator of its
     own, so the same positions in every run and the global RNG untouched) and the reference
     layer's output there at ``L = T`` levels; and the fits done so far (layer -> relative
-    weight change)."""
+    weight change). With ``sites`` (QCFS module -> node name of ``ref``), the same reference
+    pass also gives :func:`_reference_means` at ``L = T`` (``means``; None without)."""
 
-    def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, T: int):
+    def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, T: int,
+                 sites: dict[str, str] | None = None):
         self.plan, self.T = _weight_plan(gm, ref), T
-        names = sorted({ref_name for _, ref_name, _ in self.plan.values()})
+        names = sorted({ref_name for _, ref_name, _ in self.plan.values()} | set((sites or {}).values()))
         images = sum(len(x) for x in batches)
         gen = torch.Generator().manual_seed(0)
         self.targets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.plan}
+        self.means: dict[str, torch.Tensor] | None = None if sites is None else {}
         with _levels(ref, T):
             for x in batches:
                 values = capture(ref, (x,), names)
+                for target, name in (sites or {}).items():  # as _reference_means
+                    mean = _channel_mean(values[name])
+                    self.means[target] = self.means.get(target, 0) + mean / len(batches)
                 for name, (layer, ref_name, ref_layer) in self.plan.items():
                     a = values[ref_name]
                     n = len(a) * math.prod(_output_size(ref_layer, a))
