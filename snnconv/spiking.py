@@ -755,8 +755,7 @@ def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list,
         out.meta["bias_calibration"]["membrane"] = True
     if wfit is not None:
         out.meta["bias_calibration"]["weights"] = {"T": wfit.T, "ridge": _RIDGE,
-                                                   "relative_change": wfit.changes,
-                                                   "held_out_error_ratio": wfit.held_out}
+                                                   "relative_change": wfit.changes}
     if horizons is not None or membrane:
         out.meta["bias_calibration"]["v_init"] = {
             n: {"min": float(m.v_init.min()), "mean": float(m.v_init.mean()), "max": float(m.v_init.max())}
@@ -849,95 +848,67 @@ def _gram(u: torch.Tensor) -> torch.Tensor:
 
 
 class _WeightFit:
-    """The normal equations of one layer's weight fit, accumulated over calibration pieces in
-    two folds (even and odd images of each batch): per group ``U^T U`` (upper triangle,
-    :func:`_gram`), ``U^T Y``, ``U^T 1``, and per output ``Y^T Y``, ``Y^T 1`` and the count;
-    ``U`` the SNN's input rates in the layer's columns at the sampled output positions and
-    ``Y`` the reference layer's output there without its bias (float64). The columns of small
-    chunks are gathered up to :data:`_UNFOLD_BYTES` before they are multiplied (a deep layer
-    has a few positions per chunk: one product each would be slow and add a float64 matrix
-    per chunk)."""
+    """The normal equations of one layer's weight fit, accumulated over calibration pieces:
+    ``U^T U`` (upper triangle, :func:`_gram`), ``U^T Y`` and ``U^T 1`` per group, ``U`` the
+    SNN's input rates in the layer's columns at the sampled output positions and ``Y`` the
+    reference layer's output there without its bias (float64). The columns of small chunks
+    are gathered up to :data:`_UNFOLD_BYTES` before they are multiplied (a deep layer has a
+    few positions per chunk: one product each would be slow and add a float64 matrix per
+    chunk)."""
 
     def __init__(self, layer: nn.Module, ref_layer: nn.Module):
         self.layer, self.ref_layer = layer, ref_layer
-        self.folds: list[dict[str, Any]] = [dict(G=0.0, C=0.0, s=0.0, yy=0.0, ys=0.0, n=0) for _ in range(2)]
+        self.G, self.C, self.s = 0.0, 0.0, 0.0
         self.groups = getattr(layer, "groups", 1)
         features = layer.weight[0].numel() * self.groups  # columns of all groups
         self.rows = max(1, _UNFOLD_BYTES // (features * layer.weight.element_size()))
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def add(self, rates: torch.Tensor, y: torch.Tensor, pos: torch.Tensor, odd: torch.Tensor) -> None:
+    def add(self, rates: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> None:
         """``rates``: the layer's input (a chunk of images); ``y``: the reference layer's
-        output without bias (:func:`_layer_output`) at the positions ``pos`` of that chunk;
-        ``odd``: per position, whether it belongs to the second fold."""
-        for p, t, o in zip(pos.split(self.rows), y.split(self.rows), odd.split(self.rows)):
-            self.pending.append((_columns(self.layer, rates, p), t, o))  # [groups, P, f], [P, O], [P]
-            if sum(len(t) for _, t, _ in self.pending) >= self.rows:
+        output without bias (:func:`_layer_output`) at the positions ``pos`` of that chunk."""
+        for p, t in zip(pos.split(self.rows), y.split(self.rows)):
+            self.pending.append((_columns(self.layer, rates, p), t))  # [groups, P, f], [P, O]
+            if sum(len(t) for _, t in self.pending) >= self.rows:
                 self._flush()
 
     def _flush(self) -> None:
         if not self.pending:
             return
-        u = torch.cat([u for u, _, _ in self.pending], dim=1)
-        t = torch.cat([t for _, t, _ in self.pending]).to(u.dtype)
-        odd = torch.cat([o for _, _, o in self.pending])
+        u = torch.cat([u for u, _ in self.pending], dim=1)
+        t = torch.cat([t for _, t in self.pending]).to(u.dtype)
         self.pending = []
-        t = t.reshape(len(t), self.groups, -1).transpose(0, 1)  # [groups, P, O/g]
-        for k, fold in enumerate(self.folds):
-            m = odd if k else ~odd
-            uk, tk = u[:, m], t[:, m]
-            fold["G"] = fold["G"] + _gram(uk).double()
-            fold["C"] = fold["C"] + torch.bmm(uk.transpose(1, 2), tk).double()
-            fold["s"] = fold["s"] + uk.sum(1).double()
-            fold["yy"] = fold["yy"] + tk.double().pow(2).sum(1)
-            fold["ys"] = fold["ys"] + tk.double().sum(1)
-            fold["n"] += tk.shape[1]
+        t = t.reshape(len(t), self.groups, -1).transpose(0, 1)
+        self.G = self.G + _gram(u).double()
+        self.C = self.C + torch.bmm(u.transpose(1, 2), t).double()
+        self.s = self.s + u.sum(1).double()
 
-    def solve(self, ridge: float) -> tuple[float, float]:
-        """Set the layer's weight to the ridge solution towards its present weight, output by
-        output where it lowers the error on the other fold's images (fitted on each fold, the
-        error measured on the other; what does not generalise across images is not fitted).
-        Returns the relative change of the weight (Frobenius norms) and the held-out error
-        of the result relative to the present weights' (summed over the folds and outputs)."""
+    def solve(self, ridge: float) -> float:
+        """Set the layer's weight to the ridge solution towards its present weight; return the
+        relative change of the weight (Frobenius norms)."""
         self._flush()
         layer, ref_layer = self.layer, self.ref_layer
         w = layer.weight.detach().clone()
-        g = self.groups
-        w0 = w.double().reshape(g, w.shape[0] // g, -1).transpose(1, 2)  # [g, f, O/g]
-        zero = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
+        gram = self.G.triu() + self.G.triu(1).transpose(1, 2)
+        g = gram.shape[0]
+        wg = w.double().reshape(g, w.shape[0] // g, -1)
+        lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # [g]
+        eye = torch.eye(gram.shape[1], dtype=torch.float64, device=wg.device)
+        rhs = self.C + lam[:, None, None] * wg.transpose(1, 2)
         b, ba = layer.bias, ref_layer.bias
-        db = ((zero if ba is None else ba.detach().double().to(w.device))
-              - (zero if b is None else b.detach().double())).reshape(g, 1, -1)
-        folds = []
-        for fold in self.folds:
-            if not fold["n"]:
-                return 0.0, 1.0  # one image: nothing held out to check a fit on
-            gram = fold["G"].triu() + fold["G"].triu(1).transpose(1, 2)
-            cross = fold["C"] + fold["s"][:, :, None] * db  # the bias difference, taken up where it can
-            yy = fold["yy"] + 2 * db[:, 0] * fold["ys"] + fold["n"] * db[:, 0].pow(2)
-            folds.append((gram, cross, yy))
-
-        def fit(gram, cross):
-            lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)[:, None, None]
-            eye = torch.eye(gram.shape[1], dtype=torch.float64, device=gram.device)
-            a, rhs = gram + lam * eye, cross + lam * w0
-            chol, info = torch.linalg.cholesky_ex(a)  # positive definite with the ridge, unless
-            # float32 rounding of a rank-deficient U^T U outweighs a tiny one
-            return torch.cholesky_solve(rhs, chol) if not info.any() else torch.linalg.solve(a, rhs)
-
-        def error(v, gram, cross, yy):  # per output: |U v - Y|^2 on a fold
-            return (v * torch.bmm(gram, v)).sum(1) - 2 * (v * cross).sum(1) + yy
-
-        (ga, ca, ya), (gb, cb, yb) = folds
-        held = error(fit(ga, ca), gb, cb, yb) + error(fit(gb, cb), ga, ca, ya)
-        present = error(w0, gb, cb, yb) + error(w0, ga, ca, ya)
-        better = held < present  # [g, O/g]
-        new = torch.where(better[:, None, :], fit(ga + gb, ca + cb), w0)
+        if b is not None or ba is not None:
+            zero = torch.zeros(w.shape[0], dtype=torch.float64, device=wg.device)
+            db = (zero if ba is None else ba.detach().double().to(wg.device)) - (
+                zero if b is None else b.detach().double())
+            rhs = rhs + self.s[:, :, None] * db.reshape(g, 1, -1)
+        a = gram + lam[:, None, None] * eye
+        chol, info = torch.linalg.cholesky_ex(a)  # positive definite with the ridge, unless float32
+        # rounding of a rank-deficient U^T U outweighs a tiny one
+        new = torch.cholesky_solve(rhs, chol) if not info.any() else torch.linalg.solve(a, rhs)
         new = new.transpose(1, 2).reshape(w.shape)
         with torch.no_grad():
             layer.weight.copy_(new.to(w.dtype))
-        ratio = float(torch.where(better, held, present).sum() / present.sum().clamp_min(1e-30))
-        return float((new - w.double()).norm() / w.double().norm().clamp_min(1e-12)), ratio
+        return float((new - w.double()).norm() / w.double().norm().clamp_min(1e-12))
 
 
 # Ridge of the weight fit, relative to the mean of U^T U's diagonal (per group).
@@ -979,7 +950,6 @@ class _Weights:
                         self.targets[name].append((pos, _layer_output(ref_layer, a)))
                 del values
         self.changes: dict[str, float] = {}
-        self.held_out: dict[str, float] = {}
 
     def fit(self, node: fx.Node, values: Iterable, spans: list) -> None:
         """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
@@ -992,9 +962,8 @@ class _Weights:
             rates = x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0)
             per_image = math.prod(_output_size(layer, rates))
             a, b = torch.searchsorted(pos, torch.tensor([lo * per_image, hi * per_image], device=pos.device))
-            acc.add(rates, y[a:b], pos[a:b] - lo * per_image, (pos[a:b] // per_image) % 2 == 1)
-        target = str(node.target)
-        self.changes[target], self.held_out[target] = acc.solve(_RIDGE)
+            acc.add(rates, y[a:b], pos[a:b] - lo * per_image)
+        self.changes[str(node.target)] = acc.solve(_RIDGE)
         del self.targets[node.name]
 
 

@@ -248,10 +248,9 @@ def test_weight_fit_recovers_the_reference_map(layer):
         with torch.no_grad():
             y = _layer_output(ref, part * theta.reshape(shape))
         pos = torch.randperm(len(y))[:len(y) // 2].sort().values  # half of the positions
-        fit.add(part, y[pos], pos, pos % 2 == 1)
-    change, held_out = fit.solve(1e-9)
-    assert change > 0.5 and held_out < 0.05  # on the images it was not fitted on (the bias difference
-    # stays where the columns span no constant)
+        fit.add(part, y[pos], pos)
+    change = fit.solve(1e-9)
+    assert change > 0.5
     expected = ref.weight * (theta.reshape(1, 6, 1, 1)[:, :ref.weight.shape[1]] if u.dim() == 4 else theta)
     if isinstance(layer, torch.nn.Conv2d) and layer.groups > 1:  # group g reads channels g*per..
         per = 6 // layer.groups
@@ -266,33 +265,6 @@ def test_weight_fit_recovers_the_reference_map(layer):
         snn_layer.weight.copy_(expected)
         resid_exact = (snn_layer(u) - want).pow(2).mean()
     assert resid_fit <= resid_exact + 1e-6
-
-
-def test_weight_fit_leaves_the_outputs_whose_fit_does_not_hold_on_held_out_images():
-    """Fewer images than columns and a noisy target: a fit on one fold interpolates the noise
-    and is worse on the other, so the present (here: the right) weights stay; with plenty of
-    images and the same noise the fit is made."""
-    from snnconv.spiking import _layer_output, _WeightFit
-
-    torch.manual_seed(0)
-    ref = torch.nn.Linear(32, 4)
-    for n, moved in ((24, False), (4000, True)):
-        snn_layer = copy.deepcopy(ref)
-        if moved:
-            with torch.no_grad():
-                snn_layer.weight.mul_(0.5)
-        u = torch.rand(n, 32)
-        with torch.no_grad():
-            y = _layer_output(ref, u) + 0.05 * torch.randn(n, 4)
-        fit = _WeightFit(snn_layer, ref)
-        pos = torch.arange(n)
-        fit.add(u, y, pos, pos % 2 == 1)
-        change, held_out = fit.solve(1e-9)
-        if moved:
-            assert change > 0.5 and held_out < 0.5
-        else:
-            assert change == 0 and held_out == 1
-            assert torch.equal(snn_layer.weight, ref.weight)
 
 
 @pytest.mark.parametrize("layer", [torch.nn.Conv2d(4, 3, (3, 2), stride=(2, 1), padding=(1, 2),

@@ -115,9 +115,7 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
         wa, wb = fast.meta["bias_calibration"]["weights"], slow.meta["bias_calibration"]["weights"]
         layers = [n for n, m in fast.net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
         assert sorted(wa["relative_change"]) == sorted(layers[1:]) == sorted(wb["relative_change"])
-        assert all(0 <= v < 1 for v in wa["relative_change"].values()), wa
-        assert any(v > 0 for v in wa["relative_change"].values()), wa
-        assert all(0 < v <= 1 for v in wa["held_out_error_ratio"].values()), wa
+        assert all(0 < v < 1 for v in wa["relative_change"].values()), wa
     sa, sb = fast.state_dict(), slow.state_dict()
     for k in sa:  # with weight fits (normal equations), relative to the tensor's largest value
         atol = 2e-3 * max(1.0, float(sa[k].abs().max())) if weights else 1e-5
