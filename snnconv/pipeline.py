@@ -270,7 +270,7 @@ def convert(
             lifted the mean at T=8 from 79.3 to 82.9% and the worst-seed T=16 gap of ResNet-20
             from 5.65 to 1.20 points, and cost up to 2 points at T=32 on briefly trained
             networks (benchmarks/README.md "Weight calibration"); off otherwise (not measured).
-            It about doubles the calibration's time (ResNet-18, T=8, CPU: 36 -> 96 s).
+            It adds 20-40% to the calibration's time (ResNet-18, T=8, 2 CPU threads: 43 -> 61 s).
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
             :data:`CONVERT_FINETUNE` (distillation from ``model``, trained thresholds, ATan

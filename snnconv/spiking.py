@@ -1045,7 +1045,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     horizons; the spike train is not stored) and so the shift, then the neuron fires on the
     same tensor with the shift folded into its threshold, and its spikes go on to the next
     layers; plus one reference forward of the QCFS-ANN per horizon. On a 2-core CPU about
-    1.1-1.6x a T-step pass (benchmarks/README.md). Where a shifted layer's output also reaches
+    1.1-1.6x a T-step pass, with the weight fit 1.7-1.9x (benchmarks/README.md). Where a shifted layer's output also reaches
     other nodes (or its module is called twice), that shortcut is not exact and each layer is
     re-run from the input instead (quadratic in depth; ``meta["bias_calibration"]["method"] ==
     "rerun"``).
