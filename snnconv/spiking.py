@@ -1038,17 +1038,17 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
     ``snn.chunk_size`` time-folded samples and 16 MiB per value; memory is that of a forward
-    at ``num_batches`` times the batch size, with each value made just before its first use and
-    spikes that a shortcut still needs kept as bool; a ``RuntimeWarning`` says so first where
-    that will not fit the free memory): at each neuron the input is divided by theta in
+    at ``num_batches`` times the batch size, with each value made just before its first use
+    and spikes that a shortcut still needs kept as bool; a ``RuntimeWarning`` says so first
+    where that will not fit the free memory): at each neuron the input is divided by theta in
     place, the IF recursion on it gives the spike counts (from the membrane left at the
     horizons; the spike train is not stored) and so the shift, then the neuron fires on the
     same tensor with the shift folded into its threshold, and its spikes go on to the next
     layers; plus one reference forward of the QCFS-ANN per horizon. On a 2-core CPU about
-    1.1-1.6x a T-step pass, with the weight fit 1.7-1.9x (benchmarks/README.md). Where a shifted layer's output also reaches
-    other nodes (or its module is called twice), that shortcut is not exact and each layer is
-    re-run from the input instead (quadratic in depth; ``meta["bias_calibration"]["method"] ==
-    "rerun"``).
+    1.1-1.6x a T-step pass, with the weight fit 1.7-1.9x (benchmarks/README.md). Where a
+    shifted layer's output also reaches other nodes (or its module is called twice), that
+    shortcut is not exact and each layer is re-run from the input instead (quadratic in depth;
+    ``meta["bias_calibration"]["method"] == "rerun"``).
 
     Raises:
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
