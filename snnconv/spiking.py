@@ -20,7 +20,6 @@ expanded over time by :class:`TimeExpand`, so direct encoding costs one pass of 
 from __future__ import annotations
 
 import builtins
-import collections
 import contextlib
 import copy
 import io
@@ -800,6 +799,16 @@ def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[nn.
         plan[node.name] = (layer, r.args[0].name, module_of(ref, r))
     return plan
 
+def _output_size(layer: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
+    """Output positions of ``layer`` per image of ``x``: a Conv2d's output rows and columns, a
+    Linear's leading dimensions."""
+    if isinstance(layer, nn.Linear):
+        return (x[:1].numel() // x.shape[-1],)
+    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = (layer.kernel_size, layer.stride, layer.dilation,
+                                              layer.padding)
+    return ((x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
+            (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+
 
 def _columns(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The input columns of ``layer`` on ``x`` at the output positions ``pos`` (flat indices
@@ -966,16 +975,6 @@ class _Weights:
         self.changes[str(node.target)] = acc.solve(_RIDGE)
         del self.targets[node.name]
 
-
-def _output_size(layer: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
-    """Output positions of ``layer`` per image of ``x``: a Conv2d's output rows and columns, a
-    Linear's leading dimensions."""
-    if isinstance(layer, nn.Linear):
-        return (x[:1].numel() // x.shape[-1],)
-    (kh, kw), (sh, sw), (dh, dw), (ph, pw) = (layer.kernel_size, layer.stride, layer.dilation,
-                                              layer.padding)
-    return ((x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
-            (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
 
 
 # Largest value of one calibration chunk. Lockstep keeps every chunk's values alive at once;

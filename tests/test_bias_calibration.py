@@ -315,6 +315,22 @@ def _pre_activation_error(snn, qcfs, x, T):
     return total
 
 
+def test_weight_fit_reference_pass_gives_the_membrane_its_reference_means(qcfs_and_snn):
+    """One QCFS-ANN pass serves both: the per-channel means the membrane calibration reads are
+    those of its own reference pass, bit for bit."""
+    from snnconv.graph import module_of, prepare
+    from snnconv.spiking import _reference_means, _Weights
+
+    qcfs, snn, train = qcfs_and_snn
+    batches = [b[0] for _, b in zip(range(2), train)]
+    ref = prepare(qcfs, leaf_types=(QCFS,))
+    sites = {str(n.target): n.name for n in ref.graph.nodes
+             if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)}
+    want = _reference_means(ref, sites, batches, 8)
+    got = _Weights(copy.deepcopy(snn).net, ref, batches, 8, sites).means
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_weight_calibration_brings_every_layer_towards_the_reference(qcfs_and_snn):
     """weights=True: each Conv/Linear that reads spikes is refitted (least squares over the
     images) so its output over the calibration's T steps matches the QCFS-ANN's at T levels;
