@@ -546,7 +546,7 @@ def _reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels
 
 def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int | None,
                 num_batches: int, horizons: tuple[int, int] | None = None, membrane: bool = False,
-                weights: bool | tuple[int, ...] = False):
+                weights: bool = False):
     """Calibration batches, the reference's per-channel mean output per QCFS site (a pair of
     them, at ``L = T1`` and ``L = T2``, with ``horizons``; T is then T2), the copy, the
     checked horizons (a pair of ints, or None) and the weight fit (:class:`_Weights`, or None).
@@ -580,8 +580,7 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     batches = [x.to(device) for x in batches]
     out = copy.deepcopy(snn)
     # the membrane's reference means come from the weight fit's reference pass (both at L = T)
-    steps = _check_steps(weights, T)
-    fit = _Weights(out.net, ref, batches, T, ref_nodes if membrane else None, steps) if weights else None
+    fit = _Weights(out.net, ref, batches, T, ref_nodes if membrane else None) if weights else None
     if fit is not None and fit.means is not None:
         target_mean: Any = fit.means
     elif horizons is None:
@@ -589,17 +588,6 @@ def _bias_setup(snn: "SpikingNetwork", reference: nn.Module, loader: Any, T: int
     else:
         target_mean = tuple(_reference_means(ref, ref_nodes, batches, h) for h in horizons)
     return T, batches, target_mean, out, horizons, fit
-
-
-def _check_steps(weights: Any, T: int) -> tuple[int, ...] | None:
-    """The step counts of the weight fit besides ``T`` (``weights``: a bool, or step counts)."""
-    if isinstance(weights, bool):
-        return None
-    if (not isinstance(weights, (tuple, list)) or not weights
-            or any(isinstance(h, bool) or not isinstance(h, numbers.Integral) or not 1 <= h <= T
-                   for h in weights)):
-        raise ValueError(f"weights must be a bool or step counts 1 <= h <= T={T}, got {weights!r}")
-    return tuple(int(h) for h in weights)
 
 
 def _check_horizons(snn: "SpikingNetwork", horizons: Any) -> tuple[int, int]:
@@ -765,7 +753,7 @@ def _finish(out: "SpikingNetwork", snn: "SpikingNetwork", T: int, batches: list,
     if membrane:
         out.meta["bias_calibration"]["membrane"] = True
     if wfit is not None:
-        out.meta["bias_calibration"]["weights"] = {"T": wfit.T, "steps": list(wfit.steps), "ridge": _RIDGE,
+        out.meta["bias_calibration"]["weights"] = {"T": wfit.T, "ridge": _RIDGE,
                                                    "relative_change": wfit.changes}
     if horizons is not None or membrane:
         out.meta["bias_calibration"]["v_init"] = {
@@ -937,59 +925,53 @@ _RIDGE = 1e-2
 
 
 class _Weights:
-    """Weight calibration of the layers of :func:`_weight_plan` at ``T`` steps (and at the
-    other step counts ``steps``, each <= T, in the same least squares): per layer and
+    """Weight calibration of the layers of :func:`_weight_plan` at ``T`` steps: per layer and
     calibration batch, the sampled output positions (sorted flat indices; a generator of its
     own, so the same positions in every run and the global RNG untouched) and the reference
-    layer's output there at ``L = h`` levels for each step count ``h``; and the fits done so
-    far (layer -> relative weight change). With ``sites`` (QCFS module -> node name of
-    ``ref``), the same reference pass also gives :func:`_reference_means` at ``L = T``
-    (``means``; None without)."""
+    layer's output there at ``L = T`` levels; and the fits done so far (layer -> relative
+    weight change). With ``sites`` (QCFS module -> node name of ``ref``), the same reference
+    pass also gives :func:`_reference_means` at ``L = T`` (``means``; None without)."""
 
     def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, T: int,
-                 sites: dict[str, str] | None = None, steps: tuple[int, ...] | None = None):
-        self.plan, self.T, self.steps = _weight_plan(gm, ref), T, tuple(sorted({T, *(steps or ())}))
+                 sites: dict[str, str] | None = None):
+        self.plan, self.T = _weight_plan(gm, ref), T
         names = sorted({ref_name for _, ref_name, _ in self.plan.values()} | set((sites or {}).values()))
         images = sum(len(x) for x in batches)
         gen = torch.Generator().manual_seed(0)
-        # per layer and batch: "pos" -> the positions, and each step count -> the reference there
-        self.targets: dict[str, list[dict[Any, torch.Tensor]]] = {n: [] for n in self.plan}
+        self.targets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.plan}
         self.means: dict[str, torch.Tensor] | None = None if sites is None else {}
-        for h in reversed(self.steps):  # T first: the membrane's means and the positions
-            with _levels(ref, h):
-                for k, x in enumerate(batches):
-                    values = capture(ref, (x,), names)
-                    for target, name in (sites or {}).items() if h == T else ():  # as _reference_means
-                        mean = _channel_mean(values[name])
-                        self.means[target] = self.means.get(target, 0) + mean / len(batches)
-                    for name, (layer, ref_name, ref_layer) in self.plan.items():
-                        a = values[ref_name]
-                        n = len(a) * math.prod(_output_size(ref_layer, a))
-                        if h == T:
-                            features = ref_layer.weight[0].numel()  # per group
-                            budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * len(a) / images
-                            pos = (torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values
-                                   if budget < n else torch.arange(n)).to(a.device)
-                            self.targets[name].append({"pos": pos})
-                        pos = self.targets[name][k]["pos"]
-                        self.targets[name][k][h] = _layer_output(ref_layer, a, pos if len(pos) < n else None)
-                    del values
+        with _levels(ref, T):
+            for x in batches:
+                values = capture(ref, (x,), names)
+                for target, name in (sites or {}).items():  # as _reference_means
+                    mean = _channel_mean(values[name])
+                    self.means[target] = self.means.get(target, 0) + mean / len(batches)
+                for name, (layer, ref_name, ref_layer) in self.plan.items():
+                    a = values[ref_name]
+                    n = len(a) * math.prod(_output_size(ref_layer, a))
+                    features = ref_layer.weight[0].numel()  # per group
+                    budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * len(a) / images
+                    if budget < n:
+                        pos = torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values.to(a.device)
+                        self.targets[name].append((pos, _layer_output(ref_layer, a, pos)))
+                    else:
+                        pos = torch.arange(n, device=a.device)
+                        self.targets[name].append((pos, _layer_output(ref_layer, a)))
+                del values
         self.changes: dict[str, float] = {}
 
     def fit(self, node: fx.Node, values: Iterable, spans: list) -> None:
         """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
         ``spans`` (batch, first, end) of the calibration: least squares over the sampled
-        positions, the rates over the first ``h`` steps against the reference at ``L = h``, for
-        each step count ``h`` of ``steps``."""
+        positions, the rates over ``T`` steps against the reference at ``L = T``."""
         layer, _, ref_layer = self.plan[node.name]
         acc = _WeightFit(layer, ref_layer)
         for x, (k, lo, hi) in zip(values, spans):
-            seq = x.reshape(self.T, len(x) // self.T, *x.shape[1:])
-            per_image = math.prod(_output_size(layer, seq[0]))
-            pos = self.targets[node.name][k]["pos"]
+            pos, y = self.targets[node.name][k]
+            rates = x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0)
+            per_image = math.prod(_output_size(layer, rates))
             a, b = torch.searchsorted(pos, torch.tensor([lo * per_image, hi * per_image], device=pos.device))
-            for h in self.steps:
-                acc.add(seq[:h].mean(0), self.targets[node.name][k][h][a:b], pos[a:b] - lo * per_image)
+            acc.add(rates, y[a:b], pos[a:b] - lo * per_image)
         self.changes[str(node.target)] = acc.solve(_RIDGE)
         del self.targets[node.name]
 
@@ -1005,7 +987,7 @@ _CHUNK_BYTES = 16 * 2**20
 def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
                    T: int | None = None, num_batches: int = 4,
                    horizons: tuple[int, int] | None = None, membrane: bool = False,
-                   weights: bool | tuple[int, ...] = False) -> "SpikingNetwork":
+                   weights: bool = False) -> "SpikingNetwork":
     """Shift biases so each IF layer's mean output over ``T`` steps matches the QCFS-ANN's.
 
     Layer by layer in graph order (each correction sees the corrected layers before it), the
@@ -1050,10 +1032,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     (benchmarks/README.md "Weight calibration"). It reads each layer's input without changing
     it (an observer of :func:`snnconv.graph.run_lockstep`), and keeps the reference's output
     at the sampled positions only. ``meta["bias_calibration"]["weights"]`` records each
-    layer's relative weight change. ``weights=(h, ...)`` (step counts <= ``T``) fits the rates
-    over the first ``h`` steps against the reference at ``L = h`` too, in the same least
-    squares as those over ``T`` (the same run: the first ``h`` of its steps; the fit's cost
-    grows by one product per step count).
+    layer's relative weight change.
 
     Cost: one T-step pass of the SNN over the ``num_batches`` batches, all of them layer by
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
@@ -1215,8 +1194,7 @@ def _calibrate_bias_rerun(snn: "SpikingNetwork", T: int, batches: list, target_m
 def _calibrate_bias_by_rerun(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
                              T: int | None = None, num_batches: int = 4,
                              horizons: tuple[int, int] | None = None,
-                             membrane: bool = False,
-                             weights: bool | tuple[int, ...] = False) -> "SpikingNetwork":
+                             membrane: bool = False, weights: bool = False) -> "SpikingNetwork":
     """:func:`calibrate_bias` by the quadratic re-run algorithm (the reference in the tests)."""
     T, batches, target_mean, out, horizons, wfit = _bias_setup(snn, reference, loader, T, num_batches,
                                                                horizons, membrane, weights)

@@ -354,25 +354,6 @@ def test_weight_calibration_brings_every_layer_towards_the_reference(qcfs_and_sn
     assert err_fitted < 0.9 * err_plain, (err_fitted, err_plain)  # 0.57 here
 
 
-def test_weight_fit_over_two_step_counts_lowers_the_error_at_the_shorter(qcfs_and_snn):
-    """weights=(4,): the least squares also over the rates of the run's first 4 steps against
-    the QCFS-ANN at L=4; the layers' error at 4 steps falls below that of the fit at 8 alone,
-    and is recorded; weights=(8,) is weights=True bit for bit; bad step counts are refused."""
-    qcfs, snn, train = qcfs_and_snn
-    x = torch.cat([b[0] for _, b in zip(range(4), train)])
-    one = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=True)
-    same = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=(8,))
-    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), same.state_dict().values()))
-    two = calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=(4,))
-    assert two.meta["bias_calibration"]["weights"]["steps"] == [4, 8]
-    assert one.meta["bias_calibration"]["weights"]["steps"] == [8]
-    err_one, err_two = (_pre_activation_error(copy.deepcopy(n), qcfs, x, 4) for n in (one, two))
-    assert err_two < 0.9 * err_one, (err_two, err_one)  # 0.73 here
-    for bad in ((0,), (9,), (), (4.0,), (True,), "4"):
-        with pytest.raises(ValueError, match="step counts"):
-            calibrate_bias(snn, qcfs, [(x,)], T=8, num_batches=1, membrane=True, weights=bad)
-
-
 def test_convert_calibrates_the_weights_with_the_membrane(trained_digits_cnn, digits_loaders):
     train, _ = digits_loaders
     _, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
