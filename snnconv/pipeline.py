@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import math
 import numbers
 import random
 import time
@@ -40,7 +41,30 @@ __all__ = ["convert", "seed_everything"]
 #: 6.48 -> 2.97, 6.57 -> 1.12, 17.50 -> 7.05, 9.30 -> 1.82; T=4 within 0.7 either way) for
 #: 1.6-1.9 times the conversion time (benchmarks/README.md, "Fine-tuning defaults on the matrix").
 #: ``FinetuneConfig()`` keeps the conservative defaults: it has no teacher of its own.
+#: ``batch_size`` is the largest: see :func:`_finetune_batch`.
 CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill": 0.5, "batch_size": 64}
+
+#: Fine-tuning steps per epoch that convert() keeps by smaller batches on small data sets, and
+#: the smallest batch it goes down to. One epoch on the matrix's 4,500 training images, mean
+#: T=4 gap to the ANN over four networks and three seeds, batches of 64 / 32 / 16 (70 / 140 /
+#: 281 steps): 7.27 / 6.40 / 5.29, the worst seed better on each network (ResNet-20 9.85 ->
+#: 5.50, MobileNet 16.90 -> 13.75; benchmarks/README.md, "Fine-tuning: steps, not epochs").
+_FINETUNE_STEPS, _FINETUNE_MIN_BATCH = 256, 16
+
+
+def _finetune_batch(loader: Any, batch: int, val_fraction: float) -> int:
+    """convert()'s fine-tuning batch size: ``batch``, halved (down to
+    :data:`_FINETUNE_MIN_BATCH`) while one epoch of the training split would have fewer than
+    :data:`_FINETUNE_STEPS` steps, and never larger than the loader's own batches. A loader
+    without a sized dataset is fine-tuned in its own batches anyway."""
+    try:
+        images = len(loader.dataset) * (1.0 - val_fraction)
+    except (AttributeError, TypeError):
+        images = math.inf
+    while batch > _FINETUNE_MIN_BATCH and images / batch < _FINETUNE_STEPS:
+        batch //= 2
+    own = getattr(loader, "batch_size", None)
+    return own if isinstance(own, int) and own < batch else batch
 
 
 def seed_everything(seed: int) -> None:
@@ -274,9 +298,11 @@ def convert(
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
             :data:`CONVERT_FINETUNE` (distillation from ``model``, trained thresholds, ATan
-            alpha 4, lr 2e-3, batches of 64 or the loader's if smaller), unrolled for ``2 * T``
-            steps with the readouts at ``T`` and ``2 * T`` trained (the network holds when run
-            longer than ``T``); the returned network keeps ``T``.
+            alpha 4, lr 2e-3, batches of 64, smaller on small data sets so that an epoch has at
+            least 256 steps (down to 16; :func:`_finetune_batch`), never larger than the
+            loader's), unrolled for ``2 * T`` steps with the readouts at ``T`` and ``2 * T``
+            trained (the network holds when run longer than ``T``); the returned network keeps
+            ``T``.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
             activity on the first two calibration batches goes into that stage's ``meta``
             record (``changes["activity"]``, see :mod:`snnconv.health`). A QCFS site that
@@ -342,9 +368,7 @@ def convert(
                          f"{finetune_config.epochs}; give one of them")
     if finetune_config is None and finetune_epochs:
         recipe = dict(CONVERT_FINETUNE)
-        own = getattr(loader, "batch_size", None)
-        if isinstance(own, int) and own < recipe["batch_size"]:
-            recipe["batch_size"] = own  # never larger batches than the user's (small data sets)
+        recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
         finetune_config = FinetuneConfig(epochs=finetune_epochs, T=2 * T, horizons=(T, 2 * T), seed=seed,
                                          **recipe)
     if finetune_config is not None:

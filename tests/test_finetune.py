@@ -486,9 +486,26 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
     from snnconv.pipeline import CONVERT_FINETUNE
 
     used = meta.settings["finetune"]
-    assert {k: used[k] for k in CONVERT_FINETUNE} == CONVERT_FINETUNE
+    assert {k: used[k] for k in CONVERT_FINETUNE if k != "batch_size"} == {
+        k: v for k, v in CONVERT_FINETUNE.items() if k != "batch_size"}
+    assert used["batch_size"] == 16  # about 1,300 training images: the smallest batch
     assert used["T"] == 4 and tuple(used["horizons"]) == (2, 4)  # unrolled 2T, readouts at T and 2T
     assert CONVERT_FINETUNE["distill"] > 0 and CONVERT_FINETUNE["train_thresholds"]
+
+
+@pytest.mark.parametrize("images,loader_batch,want", [(40000, 128, 64), (12000, 128, 32), (1000, 128, 16),
+                                                     (12000, 8, 8), (None, 128, 64)])
+def test_convert_fine_tunes_small_data_sets_in_smaller_batches(images, loader_batch, want):
+    """64 images a batch, halved down to 16 while an epoch of the training split (90%) would
+    have fewer than 256 steps; never more than the loader's own; a loader without a sized
+    data set keeps its own batches in finetune() and the recipe's number in the settings."""
+    from snnconv.pipeline import _finetune_batch
+
+    if images is None:
+        loader = [torch.zeros(loader_batch, 1)] * 3
+    else:
+        loader = DataLoader(torch.utils.data.TensorDataset(torch.zeros(images, 1)), batch_size=loader_batch)
+    assert _finetune_batch(loader, 64, 0.1) == want
 
 
 def test_convert_fine_tunes_a_small_data_set_in_the_loaders_batches(small_digits_ann, digits_data):
