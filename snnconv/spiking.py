@@ -799,6 +799,7 @@ def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[nn.
         plan[node.name] = (layer, r.args[0].name, module_of(ref, r))
     return plan
 
+
 def _output_size(layer: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
     """Output positions of ``layer`` per image of ``x``: a Conv2d's output rows and columns, a
     Linear's leading dimensions."""
@@ -974,7 +975,6 @@ class _Weights:
             acc.add(rates, y[a:b], pos[a:b] - lo * per_image)
         self.changes[str(node.target)] = acc.solve(_RIDGE)
         del self.targets[node.name]
-
 
 
 # Largest value of one calibration chunk. Lockstep keeps every chunk's values alive at once;
