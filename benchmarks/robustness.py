@@ -622,10 +622,13 @@ def main(argv=None) -> int:
             records.append(done)
             write()
     summary = _normalize(json.loads(json.dumps(write())))
+    errors = [job_key(r) for r in records if "error" in r]
+    if not summary:  # every job failed: nothing to plot, and the logs say why
+        print(f"no cell finished; errors in: {', '.join(errors)} (see {runs}/*.log)")
+        return 1
     plot(summary, args.out + ".png")
     print(table(summary, None if args.smoke else args.train_subset, args.test_limit))
     print(f"wall {time.perf_counter() - start:.0f}s; {args.out}.json, {args.out}.png")
-    errors = [job_key(r) for r in records if "error" in r]
     if errors:
         print("errors in: " + ", ".join(errors) + f" (see {runs}/*.log)")
     return 1 if errors else 0

@@ -75,14 +75,20 @@ class RecordingDataset(Dataset):
 # --- it trains ------------------------------------------------------------------------------
 
 def test_finetuning_at_T2_raises_test_accuracy_at_T2(small_digits_snn, digits_loaders):
+    """An effect of training, so three seeds and margins well inside what was measured: the
+    gain was +4.7..+13.4 points over 3 ANN seeds x 3 fine-tuning seeds on an AMD EPYC (1
+    thread), about +17 on an Intel Xeon, where the fixture's ANN differs; a single seed with a
+    5-point margin failed on the AMD machine (74.2 -> 78.8)."""
     train, test = digits_loaders
     before = accuracy_by_T(small_digits_snn, test, [2])[2]
-    tuned, history = finetune(small_digits_snn, train, T=2, epochs=2, lr=3e-3, progress=False)
-    after = accuracy_by_T(tuned, test, [2])[2]
-    # measured: about 67% -> 84% (the converted net needs T=4..8; BPTT adapts it to T=2)
-    assert after > before + 5, (before, after)
-    assert history[1]["loss"] < history[0]["loss"]
-    assert tuned.T == small_digits_snn.T == 4, "the result keeps the T it was given at"
+    gains = []
+    for seed in range(3):
+        tuned, history = finetune(small_digits_snn, train, T=2, epochs=2, lr=3e-3, seed=seed,
+                                  progress=False)
+        gains.append(accuracy_by_T(tuned, test, [2])[2] - before)
+        assert history[1]["loss"] < history[0]["loss"], (seed, history)
+        assert tuned.T == small_digits_snn.T == 4, "the result keeps the T it was given at"
+    assert min(gains) > 1 and sum(gains) / 3 > 3, (before, gains)
 
 
 def test_history_has_one_record_per_epoch(small_digits_snn, digits_loaders):
@@ -236,6 +242,45 @@ def test_trained_thresholds_change_and_stay_positive(small_digits_snn, digits_lo
     assert any(not torch.equal(before[n], after[n]) for n in before)
     assert all((t > 0).all() and torch.isfinite(t).all() for t in after.values()), after
     assert math.isfinite(history[0]["loss"])
+
+
+def _v_inits(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: m.v_init.detach().clone() for n, m in neurons(model).items()}
+
+
+def test_the_initial_membrane_is_frozen_by_default(small_digits_snn, digits_loaders):
+    train, _ = digits_loaders
+    tuned, _ = finetune(small_digits_snn, train, T=2, lr=1e-2, **QUICK)
+    _assert_bit_identical(_v_inits(small_digits_snn), _v_inits(tuned))
+
+
+def test_a_trained_initial_membrane_moves_stays_in_0_1_and_is_a_buffer_again(small_digits_snn,
+                                                                            digits_loaders):
+    train, _ = digits_loaders
+    before = _v_inits(small_digits_snn)
+    tuned, history = finetune(small_digits_snn, train, T=2, train_v_init=True, lr=0.3, **QUICK)
+    after = _v_inits(tuned)
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    for n, v in after.items():
+        assert v.shape == before[n].shape and bool(((v >= 0) & (v <= 1)).all()), (n, v)
+    for n, m in neurons(tuned).items():
+        assert n + ".v_init" in dict(tuned.named_buffers()) and not m.v_init.requires_grad
+    assert not any(n.endswith("v_init") for n, _ in tuned.named_parameters())
+    _assert_bit_identical(before, _v_inits(small_digits_snn))  # the caller's network is untouched
+    assert math.isfinite(history[0]["loss"])
+
+
+def test_a_trained_initial_membrane_gets_the_gradient_of_the_first_steps(small_digits_snn):
+    """d(spike count)/d(v_init) through the surrogate: nonzero for a neuron near threshold."""
+    m = next(iter(neurons(copy.deepcopy(small_digits_snn)).values()))
+    v = nn.Parameter(m.v_init.detach().clone())
+    del m.v_init
+    m.v_init = v
+    m.T = 2
+    shape = (2, 3) + ((4,) if v.dim() == 0 else (v.numel(), 4))
+    x = torch.full(shape, 0.3).reshape(6, *shape[2:]) * m.theta.detach().reshape(-1, *([1] * (len(shape) - 3)))
+    m(x).sum().backward()
+    assert v.grad is not None and bool((v.grad != 0).any())
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
