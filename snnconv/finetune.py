@@ -48,9 +48,7 @@ class FinetuneConfig:
     The main ones: ``epochs`` and ``T`` (steps unrolled), ``optimizer`` ("sgd" | "adamw"),
     ``lr`` with ``warmup_steps`` of linear warm-up then cosine decay, ``grad_clip`` (0: off),
     ``alpha`` (ATan surrogate sharpness) and ``detach_reset``, ``train_thresholds`` (with
-    ``threshold_lr``; never weight-decayed, kept positive), ``train_v_init`` (the initial
-    membrane of subtractive-reset neurons, in units of theta, trained at ``lr`` without weight
-    decay and kept in [0, 1], as :func:`calibrate_bias` leaves it), ``val_fraction`` of the training
+    ``threshold_lr``; never weight-decayed, kept positive), ``val_fraction`` of the training
     data held out to pick the best epoch, ``checkpoint_dir``/``checkpoint_every``/``resume``,
     ``activation_checkpointing`` (None | "block" | "neuron"), ``amp`` (CUDA only), and
     ``horizons``: step counts h <= T whose running-average readouts each get a cross-entropy
@@ -74,7 +72,6 @@ class FinetuneConfig:
     label_smoothing: float = 0.0
     grad_clip: float = 1.0
     train_thresholds: bool = False
-    train_v_init: bool = False
     threshold_lr: float | None = None
     val_fraction: float = 0.1
     max_steps_per_epoch: int | None = None
@@ -237,7 +234,7 @@ def read_checkpoint(path: str) -> dict:
 # continue this run (activation checkpointing, checkpoint cadence and paths change nothing).
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
-                "train_v_init", "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
+                "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
                 "distill", "distill_temperature")
 
 
@@ -473,28 +470,6 @@ def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingN
     return out
 
 
-def _v_init_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Turn the ``v_init`` buffer of every subtractive-reset neuron into a trainable parameter
-    (same name, shape and value: state dicts and checkpoints are unchanged)."""
-    out = []
-    for m in neurons(model).values():
-        if m.reset == "subtract":
-            v = m.v_init.detach().clone()
-            delattr(m, "v_init")
-            m.v_init = nn.Parameter(v)
-            out.append(m.v_init)
-    return out
-
-
-def _v_init_buffers(model: nn.Module) -> None:
-    """Undo :func:`_v_init_parameters`: ``v_init`` is a buffer again, as the rest of snnconv expects."""
-    for m in neurons(model).values():
-        if isinstance(m.v_init, nn.Parameter):
-            v = m.v_init.detach().clone()
-            delattr(m, "v_init")
-            m.register_buffer("v_init", v)
-
-
 def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank, world):
     from .plots import plot_history
 
@@ -508,7 +483,6 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         m.set_surrogate(alpha=cfg.alpha, detach_reset=cfg.detach_reset)
         m.theta.requires_grad_(cfg.train_thresholds)
     thresholds = [m.theta for m in neurons(model).values()] if cfg.train_thresholds else []
-    starts = _v_init_parameters(model) if cfg.train_v_init else []
     data = _loaders(loader, cfg, rank, world)
     steps_per_epoch = len(data.train) if hasattr(data.train, "__len__") else None
     if steps_per_epoch == 0:
@@ -616,12 +590,10 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             scaler.step(opt)
             scaler.update()
             sched.step()
-            if thresholds or starts:
+            if thresholds:
                 with torch.no_grad():
                     for m in neurons(model).values():
                         m.theta.clamp_(min=1e-3)
-                    for v in starts:
-                        v.clamp_(0.0, 1.0)
             with torch.no_grad():
                 sums += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
                                      dtype=torch.float64)
@@ -659,8 +631,6 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
     if best_state is not None:
         model.load_state_dict(best_state)
-    if starts:
-        _v_init_buffers(model)
     if cfg.wise:
         model = blend(snn, model, cfg.wise)
     model.eval()

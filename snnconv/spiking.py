@@ -73,9 +73,9 @@ class IFNeuron(nn.Module):
 
     theta may be per layer (shape ``[]``) or per channel (``[C]``, dim 1) and trainable; both
     modes use the ATan surrogate gradient. The state is reset at every call, so a call is a
-    pure function of its input. ``v_init`` (subtractive reset only; a buffer, trained only by
-    ``FinetuneConfig(train_v_init=True)``) is the initial membrane in units of theta, per
-    layer or per channel: 1/2 (QCFS's shift) unless :func:`calibrate_bias` calibrated it.
+    pure function of its input. ``v_init`` (subtractive reset only; a buffer, never trained)
+    is the initial membrane in units of theta, per layer or per channel: 1/2 (QCFS's shift)
+    unless :func:`calibrate_bias` calibrated it.
 
     Shape:
         input ``[T*B, C, ...]`` (time-major), output: same, values in {0, 1}.
@@ -165,7 +165,7 @@ class IFNeuron(nn.Module):
             return self._hard(seq).reshape(x.shape)
         theta = _channel_view(self.theta, seq.dim(), channel_dim=2)
         self.node.reset()
-        if self.v_init.requires_grad or self.v_init.dim() or float(self.v_init) != 0.5:
+        if self.v_init.dim() or float(self.v_init) != 0.5:
             # the initial membrane as a full tensor (spikingjelly uses one of x[0]'s shape)
             v0 = _channel_view(self.v_init.to(seq.dtype), seq.dim() - 1)
             self.node.v = v0.expand(seq.shape[1:]).clone()

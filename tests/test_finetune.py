@@ -244,45 +244,6 @@ def test_trained_thresholds_change_and_stay_positive(small_digits_snn, digits_lo
     assert math.isfinite(history[0]["loss"])
 
 
-def _v_inits(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: m.v_init.detach().clone() for n, m in neurons(model).items()}
-
-
-def test_the_initial_membrane_is_frozen_by_default(small_digits_snn, digits_loaders):
-    train, _ = digits_loaders
-    tuned, _ = finetune(small_digits_snn, train, T=2, lr=1e-2, **QUICK)
-    _assert_bit_identical(_v_inits(small_digits_snn), _v_inits(tuned))
-
-
-def test_a_trained_initial_membrane_moves_stays_in_0_1_and_is_a_buffer_again(small_digits_snn,
-                                                                            digits_loaders):
-    train, _ = digits_loaders
-    before = _v_inits(small_digits_snn)
-    tuned, history = finetune(small_digits_snn, train, T=2, train_v_init=True, lr=0.3, **QUICK)
-    after = _v_inits(tuned)
-    assert any(not torch.equal(before[n], after[n]) for n in before)
-    for n, v in after.items():
-        assert v.shape == before[n].shape and bool(((v >= 0) & (v <= 1)).all()), (n, v)
-    for n, m in neurons(tuned).items():
-        assert n + ".v_init" in dict(tuned.named_buffers()) and not m.v_init.requires_grad
-    assert not any(n.endswith("v_init") for n, _ in tuned.named_parameters())
-    _assert_bit_identical(before, _v_inits(small_digits_snn))  # the caller's network is untouched
-    assert math.isfinite(history[0]["loss"])
-
-
-def test_a_trained_initial_membrane_gets_the_gradient_of_the_first_steps(small_digits_snn):
-    """d(spike count)/d(v_init) through the surrogate: nonzero for a neuron near threshold."""
-    m = next(iter(neurons(copy.deepcopy(small_digits_snn)).values()))
-    v = nn.Parameter(m.v_init.detach().clone())
-    del m.v_init
-    m.v_init = v
-    m.T = 2
-    shape = (2, 3) + ((4,) if v.dim() == 0 else (v.numel(), 4))
-    x = torch.full(shape, 0.3).reshape(6, *shape[2:]) * m.theta.detach().reshape(-1, *([1] * (len(shape) - 3)))
-    m(x).sum().backward()
-    assert v.grad is not None and bool((v.grad != 0).any())
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("train_thresholds", [False, True])
 def test_weight_decay_acts_on_weights_never_on_thresholds(small_digits_snn, digits_loaders, optimizer,
