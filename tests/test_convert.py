@@ -16,6 +16,7 @@ from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelErr
 from snnconv.fold import fold_batchnorm
 from snnconv.meta import ConversionMeta
 from snnconv.metrics import predictions
+from snnconv.pipeline import _MAXPOOL_QCFS_EPOCHS
 from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
 from snnconv.spiking import SpikingNetwork
 
@@ -274,9 +275,8 @@ def test_other_activations_and_max_pooling_through_convert():
     assert meta.stage("qcfs").changes["maxpool_replaced"] == ["pool"]
     assert not any(isinstance(m, nn.MaxPool2d) for m in snn.modules())
     # average pooling is another function: by default some epochs of QCFS training adapt to it
-    from snnconv.pipeline import _MAXPOOL_QCFS_EPOCHS as n
-
-    assert n >= 1 and meta.settings["qcfs_epochs"] == n and len(meta.stage("qcfs").changes["history"]) == n
+    epochs = meta.settings["qcfs_epochs"]
+    assert epochs == _MAXPOOL_QCFS_EPOCHS >= 1 and len(meta.stage("qcfs").changes["history"]) == epochs
     _, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", qcfs_epochs=0, progress=False)
     assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
     with pytest.warns(UserWarning, match="no labels"):
