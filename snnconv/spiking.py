@@ -640,16 +640,18 @@ def _spike_counts(mod: "IFNeuron", seq: torch.Tensor, steps: tuple[int, ...]) ->
     return counts
 
 
-def _charge_counts(mod: "IFNeuron", u: torch.Tensor, steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
+def _charge_counts(mod: "IFNeuron", u: torch.Tensor, steps: tuple[int, ...],
+                   charges: list | None = None) -> dict[int, torch.Tensor]:
     """:func:`_spike_counts` of a subtractive-reset neuron on its input already divided by
     theta (``u``, ``[T, b, ...]``), without a running count: after ``t`` steps a position has
     fired ``v_init + u[0] + ... + u[t-1] - v[t]`` times (its charge in, minus what is left), so
     the channel sums of ``u`` and of the membrane at the wanted steps give the same counts up to
-    float rounding, for three tensor operations per step instead of five."""
+    float rounding, for three tensor operations per step instead of five. ``charges`` (a list)
+    receives each position's charge over all the steps of ``u``, for :func:`_fire`'s rates."""
     step = u[0]
     v0 = _channel_view(mod.v_init.to(step.dtype), step.dim())
     per_channel = step.numel() // step.shape[1]
-    counts, charge, done = {}, 0.0, 0
+    counts, charge, done, total = {}, 0.0, 0, None
     spk = torch.empty_like(step)
     v = step + v0
     for t in range(max(steps)):
@@ -658,28 +660,46 @@ def _charge_counts(mod: "IFNeuron", u: torch.Tensor, steps: tuple[int, ...]) -> 
         torch.ge(v, 1.0, out=spk)
         v.sub_(spk)
         if t + 1 in steps:
-            # positions summed in float32 first (a float64 reduction over these strided
-            # dimensions is 20x slower)
-            charge = charge + _channel_sums(u[done:t + 1].reshape(-1, *step.shape[1:]))
+            if charges is None:
+                # positions summed in float32 first (a float64 reduction over these strided
+                # dimensions is 20x slower)
+                charge = charge + _channel_sums(u[done:t + 1].reshape(-1, *step.shape[1:]))
+            else:
+                part = u[done:t + 1].sum(0)  # each position's charge over these steps
+                total = part if total is None else total + part
+                charge = charge + _channel_sums(part)
             done = t + 1
             start = mod.v_init.double().expand(step.shape[1]) * per_channel
             counts[t + 1] = start + charge - _channel_sums(v)
+    if charges is not None:
+        charges.append(total if done == len(u) else None)
     return counts
 
 
-def _fire(mod: "IFNeuron", u: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+def _fire(mod: "IFNeuron", u: torch.Tensor, shift: torch.Tensor | None = None,
+          charge: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The spikes, in place of ``u`` (``[T, b, ...]``, the input divided by theta), of the
     subtractive-reset IF neuron ``mod``. With ``shift`` (per channel, in units of theta) the
     input is raised by it at every step: the membrane is kept without the shift and compared
-    with ``1 - (t+1) * shift`` instead, which saves adding the shift to the input."""
+    with ``1 - (t+1) * shift`` instead, which saves adding the shift to the input. With
+    ``charge`` (each position's ``u`` summed over the steps, from :func:`_charge_counts`) also
+    the spike rates ``[b, ...]``: the count is ``v_init + charge - v`` at the end (the kept
+    membrane, exactly; rounded to the integer it is up to float rounding), no pass over the
+    spikes."""
     step = u[0]
-    v = step + _channel_view(mod.v_init.to(step.dtype), step.dim())
+    v0 = _channel_view(mod.v_init.to(step.dtype), step.dim())
+    v = step + v0
+    if shift is not None:  # the thresholds of all steps at once
+        steps = torch.arange(1, u.shape[0] + 1, dtype=step.dtype, device=step.device)
+        shift = 1.0 - steps.reshape(-1, *[1] * shift.dim()) * shift.to(step.dtype)
     for t in range(u.shape[0]):
         if t:
             v.add_(u[t])
-        torch.ge(v, 1.0 if shift is None else 1.0 - (t + 1) * shift.to(step.dtype), out=u[t])
+        torch.ge(v, 1.0 if shift is None else shift[t], out=u[t])
         v.sub_(u[t])
-    return u
+    if charge is None:
+        return u
+    return u, v.neg_().add_(charge).add_(v0).round_().div_(u.shape[0])
 
 
 def _rates(mod: "IFNeuron", parts: list[tuple[dict[int, torch.Tensor], int, int]], n_batches: int,
@@ -961,18 +981,33 @@ class _Weights:
                 del values
         self.changes: dict[str, float] = {}
 
-    def fit(self, node: fx.Node, values: Iterable, spans: list) -> None:
+    def fit(self, node: fx.Node, values: Iterable, spans: list, rates: list | None = None) -> None:
         """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
         ``spans`` (batch, first, end) of the calibration: least squares over the sampled
-        positions, the rates over ``T`` steps against the reference at ``L = T``."""
+        positions, the rates over ``T`` steps against the reference at ``L = T``. ``rates``:
+        those means over the steps, where already known (``values`` is then not read)."""
         layer, _, ref_layer = self.plan[node.name]
         acc = _WeightFit(layer, ref_layer)
-        for x, (k, lo, hi) in zip(values, spans):
+
+        def add(group: list, k: int, lo: int, hi: int) -> None:
+            # the chunks of one batch together: a few gathers of many positions (the rates
+            # are a T-th of the spikes' size)
+            part = group[0] if len(group) == 1 else torch.cat(group)
             pos, y = self.targets[node.name][k]
-            rates = x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0)
-            per_image = math.prod(_output_size(layer, rates))
+            per_image = math.prod(_output_size(layer, part))
             a, b = torch.searchsorted(pos, torch.tensor([lo * per_image, hi * per_image], device=pos.device))
-            acc.add(rates, y[a:b], pos[a:b] - lo * per_image)
+            acc.add(part, y[a:b], pos[a:b] - lo * per_image)
+
+        means = (x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0) for x in values)
+        group, span = [], None
+        for r, (k, lo, hi) in zip(means if rates is None else rates, spans):
+            if group and (k != span[0] or lo != span[2]):
+                add(group, *span)
+                group = []
+            span = (k, span[1] if group else lo, hi)
+            group.append(r)
+        if group:
+            add(group, *span)
         self.changes[str(node.target)] = acc.solve(_RIDGE)
         del self.targets[node.name]
 
@@ -1087,8 +1122,19 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             spans.append((k, lo, lo + len(c)))
             lo += len(c)
 
-    def correct(xs, mod, name, source, layer):
+    # the spike rates of the neurons whose spikes a fitted layer reads directly: from each
+    # position's charge and last membrane as the neuron fires (no pass over the spikes), kept
+    # until the last such layer has been fitted
+    readers: dict[str, int] = {}
+    rates: dict[str, list] = {}
+    if wfit is not None:
+        for node in gm.graph.nodes:
+            if node.name in wfit.plan and isinstance(node.args[0], fx.Node):
+                readers[node.args[0].name] = readers.get(node.args[0].name, 0) + 1
+
+    def correct(xs, node_name, mod, name, source, layer):
         along_last = isinstance(layer, nn.Linear) and xs[0].dim() > 2  # bias on the last dim
+        charges = [] if node_name in readers else None
         if mod.reset == "subtract" and not along_last:
             # divide by theta once, in place (every node from the layer to this neuron has this
             # one user); count from it, then fire on it with the shift, spikes in place: no
@@ -1096,7 +1142,7 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
             theta = _channel_view(mod.theta, xs[0].dim())
             us = [(x.div_(theta) if x.is_contiguous() else x / theta).reshape(T, len(x) // T, *x.shape[1:])
                   for x in xs]
-            parts = [(_charge_counts(mod, u, steps), u[0].numel() // u.shape[2], k)
+            parts = [(_charge_counts(mod, u, steps, charges), u[0].numel() // u.shape[2], k)
                      for u, k in zip(us, owner)]
         else:
             us, parts = None, [_counted(mod, x, T, k, steps) for x, k in zip(xs, owner)]
@@ -1106,18 +1152,36 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
         shifts[name] = float(delta.abs().mean())
         if us is not None:
             shift = _channel_view(added, xs[0].dim()) / _channel_view(mod.theta, xs[0].dim())
-            return NodeOutputs((_fire(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs)),
-                               spikes=True)
+            if not charges or charges[0] is None:
+                return NodeOutputs((_fire(mod, u, shift).reshape(x.shape) for u, x in zip(us, xs)),
+                                   spikes=True)
+            spikes, rates[node_name] = [], []
+            for i, (u, x) in enumerate(zip(us, xs)):
+                s, r = _fire(mod, u, shift, charges[i])
+                charges[i] = None
+                spikes.append(s.reshape(x.shape))
+                rates[node_name].append(r)
+            return NodeOutputs(spikes, spikes=True)
         view = added if along_last else _channel_view(added, xs[0].dim())
         # in place: every node from the layer to this neuron has this one user
         return [x.add_(view) if x.is_contiguous() else x + view for x in xs]
 
-    before = {node_name: (lambda xs, m=mod, n=name, s=source, lay=layer: correct(xs, m, n, s, lay))
+    before = {node_name: (lambda xs, nn_=node_name, m=mod, n=name, s=source, lay=layer:
+                          correct(xs, nn_, m, n, s, lay))
               for node_name, mod, name, source, layer in plan}
+
+    def fit(xs, node):
+        source = node.args[0].name
+        known = rates.get(source)
+        if known is not None:
+            readers[source] -= 1
+            if not readers[source]:
+                del rates[source]
+        wfit.fit(node, xs, spans, known)
+
     observe = {}
     if wfit is not None:
-        observe = {node.name: (lambda xs, n=node: wfit.fit(n, xs, spans))
-                   for node in gm.graph.nodes if node.name in wfit.plan}
+        observe = {node.name: (lambda xs, n=node: fit(xs, n)) for node in gm.graph.nodes if node.name in wfit.plan}
     with torch.no_grad():
         run_lockstep(gm, chunks, before, observe)
     shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes

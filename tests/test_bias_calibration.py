@@ -222,6 +222,30 @@ def test_bias_calibration_warns_before_it_runs_out_of_memory(qcfs_and_snn, monke
     assert all(torch.equal(a, b) for a, b in zip(short.state_dict().values(), plenty.state_dict().values()))
 
 
+def test_firing_gives_the_spike_rates_from_charge_and_membrane():
+    """The rates a fitted layer reads come from each position's charge and last membrane, not
+    a pass over the spikes: exactly the spikes' mean over the steps, with a shift folded into
+    the threshold, an initial membrane per channel and inputs of both signs."""
+    from snnconv.spiking import _charge_counts, _fire
+
+    torch.manual_seed(0)
+    mod = IFNeuron(theta=torch.ones(5), T=16)
+    mod.v_init = torch.rand(5)
+    u = torch.randn(16, 3, 5, 4, 4) * 0.8 + 0.3
+    charges = []
+    counts = _charge_counts(mod, u.clone(), (8, 16), charges)
+    assert charges[0].shape == u.shape[1:]
+    shift = (torch.rand(5) - 0.5).reshape(1, 5, 1, 1) * 0.2
+    spikes, rates = _fire(mod, u.clone(), shift, charges[0])
+    assert set(spikes.unique().tolist()) <= {0.0, 1.0}
+    assert torch.equal(rates, spikes.mean(0))
+    assert torch.equal(spikes, _fire(mod, u.clone(), shift))  # the same spikes without the rates
+    # the counts before the shift, from the same charge: the unshifted neuron's spikes
+    plain = _fire(mod, u.clone())
+    torch.testing.assert_close(counts[16], plain.double().sum(dim=(0, 1, 3, 4)))
+    torch.testing.assert_close(counts[8], plain[:8].double().sum(dim=(0, 1, 3, 4)))
+
+
 @pytest.mark.parametrize("layer", [torch.nn.Conv2d(6, 4, 3, stride=2, padding=1),
                                    torch.nn.Conv2d(6, 6, 3, padding=1, groups=3),
                                    torch.nn.Conv2d(6, 6, 3, padding=1, groups=6, bias=False),
