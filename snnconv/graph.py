@@ -219,9 +219,14 @@ class _Largest(fx.Interpreter):
             self.largest = max(self.largest, out.numel() * out.element_size())
         return out
 
+    def call_module(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        # the module's own forward: a measurement is not a call that hooks should see
+        return self.fetch_attr(target).forward(*args, **kwargs)
+
 
 def largest_value(gm: fx.GraphModule, x: torch.Tensor) -> int:
-    """Bytes of the largest tensor that any node of ``gm`` produces on input ``x``."""
+    """Bytes of the largest tensor that any node of ``gm`` produces on input ``x`` (modules
+    run without their hooks)."""
     interp = _Largest(gm)
     with torch.no_grad():
         interp.run(x)

@@ -103,9 +103,9 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     assert fast.meta["bias_calibration"]["method"] == "one-pass"
     assert slow.meta["bias_calibration"]["method"] == "rerun"
     # one pass: every layer runs once per chunk (chunk_size // T images, inside each batch; these
-    # activations are far under the 16 MiB cap), plus once on one image to size the chunks
+    # activations are far under the 16 MiB cap); sizing the chunks on one image runs no hooks
     chunks = 4 * -(-50 // (fast_snn.chunk_size // Tc))
-    assert set(fast_calls.values()) == {chunks + 1}, f"one pass over the batches in chunks: {fast_calls}"
+    assert set(fast_calls.values()) == {chunks}, f"one pass over the batches in chunks: {fast_calls}"
     assert max(slow_calls.values()) > 4
     a, b = fast.meta["bias_calibration"]["mean_abs_shift"], slow.meta["bias_calibration"]["mean_abs_shift"]
     assert a.keys() == b.keys() and all(isinstance(v, float) for v in a.values())
@@ -265,11 +265,35 @@ def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
     per_image = spiking.largest_value(snn.net, digits_data[0].tensors[0][:1])  # at T=4
     monkeypatch.setattr(spiking, "_CHUNK_BYTES", per_image // 4 * 6 * 3)  # 3 images at T=6
     b = spiking.calibrate_bias(narrow, qcfs, loader, horizons=(2, 6))
-    assert set(narrow_calls.values()) == {4 * -(-50 // 3) + 1}, narrow_calls
+    assert set(narrow_calls.values()) == {4 * -(-50 // 3)}, narrow_calls  # sizing runs no hooks
     assert max(narrow_calls.values()) > max(wide_calls.values())
     sa, sb = a.state_dict(), b.state_dict()
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_snn_forward_chunks_shrink_to_the_byte_cap_and_hooks_see_only_the_real_calls(
+        small_digits_ann, digits_data, monkeypatch):
+    """snn(x) on a CPU cuts its batch to chunk_size // T inputs and fewer where the largest
+    value would pass the byte cap (measured once per input shape, with no hooks run): the same
+    readout as one pass, and a layer's hook sees one call per chunk."""
+    from snnconv import spiking
+
+    loader = DataLoader(digits_data[0], batch_size=50)
+    qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(small_digits_ann), loader, L=4,
+                                  per_channel=True, progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4)
+    x = digits_data[0].tensors[0][:50]
+    per_image = spiking.largest_value(snn.net, x[:1])  # all 4 steps of one image
+    monkeypatch.setattr(spiking, "_CHUNK_BYTES", per_image * 7)
+    calls = _calls(snn)
+    with torch.no_grad():
+        chunked = snn(x)
+        assert set(calls.values()) == {-(-50 // 7)}, calls
+        snn.chunk_size = 0
+        whole = snn(x)
+    assert set(calls.values()) == {-(-50 // 7) + 1}
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
 
 
 # --- item 4: no silent collapse -------------------------------------------------------------
