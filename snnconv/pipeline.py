@@ -79,20 +79,36 @@ def _bias_batches(calib_batches: Any) -> int:
     return min(4, calib_batches) if isinstance(calib_batches, int) and calib_batches > 0 else 4
 
 
-#: QCFS training epochs of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
-#: max-pooling. On the robustness matrix's VGG (2 and 10 training epochs, three seeds, AMD EPYC)
-#: the worst-seed gap to the ANN at T=16 / 32 with 1 / 3 / 6 epochs: 7.65 / 7.85, 5.05 / 5.20,
-#: 3.30 / 3.45 (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40 (10 epochs), better at every
-#: T (benchmarks/README.md, "QCFS training where max-pooling became average pooling, again").
-_MAXPOOL_QCFS_EPOCHS = 6
+#: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
+#: max-pooling, as whole epochs of the training split (:func:`_maxpool_qcfs_epochs`). On the
+#: robustness matrix's VGG (2 and 10 training epochs, three seeds, AMD EPYC; 36 steps per epoch)
+#: the worst-seed gap to the ANN at T=16 / 32 after 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85,
+#: 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85 (2 epochs) and 5.80 / 6.20, 2.85 / 2.80,
+#: 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on the full Fashion-MNIST training set
+#: (422 steps per epoch) 2, 4 and 6 epochs gave the same T=16 / 32 accuracy within 0.65 points,
+#: two seeds (benchmarks/README.md, "QCFS training where max-pooling became average pooling:
+#: steps").
+_MAXPOOL_QCFS_STEPS = 576
+
+
+def _maxpool_qcfs_epochs(loader: Any) -> int:
+    """Epochs of :data:`_MAXPOOL_QCFS_STEPS` steps over the training split of ``loader`` (its
+    validation split held out), between 1 and 64 (a tiny loader: each epoch is also a
+    validation pass); 16 (the matrix's) for a loader without a length."""
+    try:
+        steps = len(loader) * (1.0 - QCFSTrainConfig.val_fraction)
+    except TypeError:
+        return 16
+    return min(64, max(1, math.ceil(_MAXPOOL_QCFS_STEPS / max(1.0, steps))))
 
 
 def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, maxpool: str,
-                   gm: nn.Module, health: "_Health", seed: int) -> QCFSTrainConfig | None:
+                   gm: nn.Module, health: "_Health", seed: int, loader: Any) -> QCFSTrainConfig | None:
     """QCFS training settings; ``qcfs_epochs=None`` (default) trains
-    :data:`_MAXPOOL_QCFS_EPOCHS` epochs where ``maxpool="avg"`` replaces max-pooling (a
-    different function: on the robustness matrix the QCFS-ANN of a VGG drops from 82-89% to
-    45-58% without it and recovers to 79-88% with six epochs; benchmarks/README.md), none
+    :data:`_MAXPOOL_QCFS_STEPS` steps (:func:`_maxpool_qcfs_epochs`) where ``maxpool="avg"``
+    replaces max-pooling (a different function: on the robustness matrix the QCFS-ANN of a
+    VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with 16 epochs;
+    benchmarks/README.md), none
     otherwise (on networks without max-pooling one epoch changed little or cost accuracy at
     T >= 16)."""
     import warnings
@@ -102,7 +118,7 @@ def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, 
     if qcfs_epochs is None and maxpool == "avg":
         pools = max_pools(gm)
         if pools and health.y:
-            return QCFSTrainConfig(epochs=_MAXPOOL_QCFS_EPOCHS, seed=seed)
+            return QCFSTrainConfig(epochs=_maxpool_qcfs_epochs(loader), seed=seed)
         if pools:
             warnings.warn(f"max-pooling ({', '.join(pools)}) becomes average pooling, which needs "
                           "QCFS training to adapt the weights, but the loader has no labels: "
@@ -260,9 +276,11 @@ def convert(
         maxpool: ``"error"`` (default) refuses max-pooling, which binary spikes cannot compute;
             ``"avg"`` replaces it by average pooling (a different function: see ``qcfs_epochs``).
         qcfs_epochs: epochs of QCFS-aware training of the ANN (needs labels; ``qcfs_train``
-            sets the rest). ``None`` (default): six epochs where ``maxpool="avg"`` replaced
-            max-pooling (on the robustness matrix they lift the VGG's SNN at T=16 from 37 to 3.3
-            points under the ANN after 2 epochs of training, 30 to 1.6 after 10, worst seed),
+            sets the rest). ``None`` (default): where ``maxpool="avg"`` replaced max-pooling,
+            576 optimiser steps rounded up to whole epochs of the training split (1 to 64: 16
+            on the robustness matrix's 4,500 images, 2 on Fashion-MNIST or CIFAR-10 in batches
+            of 128; on the matrix they lift the VGG's SNN at T=16 from 37 to 1.0 points under the ANN
+            after 2 epochs of training, 30 to 1.45 after 10, worst seed),
             none otherwise (there one epoch changed little, or cost accuracy at T >= 16;
             benchmarks/README.md "QCFS training where max-pooling became average pooling").
         per_channel: one threshold per channel or one per layer. The default (None) is per
@@ -396,7 +414,7 @@ def convert(
         health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
     if eval_loader is not None:
         meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-    qcfs_train = _qcfs_training(qcfs_epochs, qcfs_train, maxpool, gm, health, seed)
+    qcfs_train = _qcfs_training(qcfs_epochs, qcfs_train, maxpool, gm, health, seed, loader)
     settings["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
     if qcfs_train is not None:
         settings["qcfs_train"] = vars(qcfs_train).copy()

@@ -16,7 +16,7 @@ from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelErr
 from snnconv.fold import fold_batchnorm
 from snnconv.meta import ConversionMeta
 from snnconv.metrics import predictions
-from snnconv.pipeline import _MAXPOOL_QCFS_EPOCHS
+from snnconv.pipeline import _MAXPOOL_QCFS_STEPS, _maxpool_qcfs_epochs
 from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
 from snnconv.spiking import SpikingNetwork
 
@@ -276,7 +276,7 @@ def test_other_activations_and_max_pooling_through_convert():
     assert not any(isinstance(m, nn.MaxPool2d) for m in snn.modules())
     # average pooling is another function: by default some epochs of QCFS training adapt to it
     epochs = meta.settings["qcfs_epochs"]
-    assert epochs == _MAXPOOL_QCFS_EPOCHS >= 1 and len(meta.stage("qcfs").changes["history"]) == epochs
+    assert epochs == _maxpool_qcfs_epochs(_pairs()) >= 1 and len(meta.stage("qcfs").changes["history"]) == epochs
     _, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", qcfs_epochs=0, progress=False)
     assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
     with pytest.warns(UserWarning, match="no labels"):
@@ -297,3 +297,22 @@ def test_convert_result_has_no_batchnorm_and_one_if_per_relu_site():
 def test_bad_time_steps_are_refused_before_any_work(kwargs):
     with pytest.raises(ValueError, match="T"):
         snnconv.convert(_tiny(), [], progress=False, **kwargs)  # the empty loader is never read
+
+
+def test_maxpool_qcfs_training_is_a_number_of_steps_in_whole_epochs():
+    """Where max-pooling became average pooling, convert() trains QCFS for about
+    _MAXPOOL_QCFS_STEPS optimiser steps: 16 epochs of the robustness matrix's 5,000 images in
+    batches of 128, 2 of Fashion-MNIST's 60,000, capped for a tiny loader, and 16 for a loader
+    without a length."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def loader(n):
+        return DataLoader(TensorDataset(torch.zeros(n, 1), torch.zeros(n)), batch_size=128)
+
+    assert _maxpool_qcfs_epochs(loader(5000)) == 16
+    assert _maxpool_qcfs_epochs(loader(60000)) == 2
+    assert _maxpool_qcfs_epochs(loader(10**7)) == 1
+    assert _maxpool_qcfs_epochs(loader(128)) == 64
+    assert _maxpool_qcfs_epochs(iter([])) == 16
+    steps = 40 * 0.9 * _maxpool_qcfs_epochs(loader(5000))
+    assert _MAXPOOL_QCFS_STEPS <= steps < _MAXPOOL_QCFS_STEPS + 40
