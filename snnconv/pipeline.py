@@ -108,9 +108,8 @@ def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, 
     :data:`_MAXPOOL_QCFS_STEPS` steps (:func:`_maxpool_qcfs_epochs`) where ``maxpool="avg"``
     replaces max-pooling (a different function: on the robustness matrix the QCFS-ANN of a
     VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with 16 epochs;
-    benchmarks/README.md), none
-    otherwise (on networks without max-pooling one epoch changed little or cost accuracy at
-    T >= 16)."""
+    benchmarks/README.md), none otherwise (on networks without max-pooling one epoch changed
+    little or cost accuracy at T >= 16)."""
     import warnings
 
     if qcfs_train is not None or qcfs_epochs:

@@ -1292,6 +1292,7 @@ class SpikingNetwork(nn.Module):
         self.net = net
         self.meta: dict[str, Any] = {}
         self.chunk_size = 256
+        self._largest: dict[tuple, int] = {}  # largest value per (graph, input shape, dtype, T)
         self.T = T
 
     @property
@@ -1325,8 +1326,8 @@ class SpikingNetwork(nn.Module):
         value (measured once per input shape and T, on one input): a larger value is mapped
         afresh by glibc at each allocation, and its page faults cost more than the arithmetic
         (ResNet-18 at T=16: a 64 MiB value per chunk of 256 samples)."""
-        key = (tuple(x.shape[1:]), x.dtype, T)
-        sizes = self.__dict__.setdefault("_largest", {})
+        key = (id(self.net), tuple(x.shape[1:]), x.dtype, T)
+        sizes = self._largest
         if key not in sizes:
             old = self.T
             self.T = T
