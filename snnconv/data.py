@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 from typing import Any, Iterable, Iterator
@@ -175,6 +176,32 @@ def first_batch(loader: Iterable, *, where: str = "loader") -> tuple[torch.Tenso
     for batch in loader:
         return split_batch(batch, where=where)
     raise DataError(f"{where} is empty: it yielded no batch. Pass a loader with at least one batch.")
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that order ``loader``'s batches (its own, its sampler's,
+    its batch sampler's sampler's), each once."""
+    found: dict[int, torch.Generator] = {}
+    for obj in (loader, getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def generators_kept(*loaders: Any) -> Iterator[None]:
+    """Inside, iterate ``loaders`` freely; on leaving, the generators that shuffle them
+    (``DataLoader(generator=...)``, a sampler's) are put back in the state they had on entry.
+    A loader with its own generator would otherwise give the next call other batches, so that
+    two identical calls differ."""
+    saved = [(g, g.get_state()) for loader in loaders if loader is not None for g in _generators(loader)]
+    try:
+        yield
+    finally:
+        for g, state in saved:
+            g.set_state(state)
 
 
 class _BatchList:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .data import first_batch
+from .data import first_batch, generators_kept
 from .errors import ConversionError, DataError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
@@ -262,6 +262,11 @@ def convert(
     ``qcfs_epochs``) -> IF replacement -> (BPTT fine-tuning for ``finetune_epochs``), with the
     no-BatchNorm guard after every stage. The caller's ``model`` is never changed.
 
+    The returned network is a function of ``model``, the data, the settings and ``seed``:
+    evaluation and progress never draw from the RNG that training uses, and a loader that
+    shuffles with its own ``generator`` is left in the state it had on the call, so the same
+    call again gives the same network.
+
     Args:
         model: a traceable ``nn.Module`` with ReLU activations.
         loader: batches of ``(x, y)``, ``[x, y]`` or bare ``x``; labels are needed only for
@@ -358,119 +363,124 @@ def convert(
                 "list of batches instead.")
     if reset not in ("subtract", "zero"):
         raise ValueError(f"reset must be 'subtract' or 'zero', got {reset!r}")
-    seed_everything(seed)
-    device = torch.device(device)
-    if threshold_calibration is None:
-        threshold_calibration = reset == "zero"
-    if per_channel is None:
-        per_channel = reset == "subtract"
-    membrane = bias_calibration_T is None and reset == "subtract"
-    if weight_calibration is None:
-        weight_calibration = membrane
-    elif weight_calibration and not bias_calibration:
-        raise ValueError("weight_calibration=True refits the weights inside bias calibration, which "
-                         "bias_calibration=False turns off; pass bias_calibration=True or "
-                         "weight_calibration=False")
-    if bias_calibration_T is None:
-        bias_calibration_T = 2 * T if reset == "subtract" else T
-    if isinstance(bias_calibration_T, (tuple, list)):
-        bias_calibration_T = tuple(bias_calibration_T)
-        if reset != "subtract":
-            raise ValueError("two calibration horizons move the initial membrane, which "
-                             "reset='zero' neurons do not have; give one T")
-    horizons = bias_calibration_T if isinstance(bias_calibration_T, tuple) else None
-    settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
-                    bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
-                    membrane_calibration=membrane and bool(bias_calibration),
-                    threshold_calibration=bool(threshold_calibration),
-                    weight_calibration=bool(weight_calibration and bias_calibration),
-                    calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
-                    finetune_epochs=finetune_epochs, device=str(device))
-    if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
-        raise ValueError(f"qcfs_epochs={qcfs_epochs} disagrees with qcfs_train.epochs="
-                         f"{qcfs_train.epochs}; give one of them")
-    if finetune_config is not None and finetune_epochs and finetune_epochs != finetune_config.epochs:
-        raise ValueError(f"finetune_epochs={finetune_epochs} disagrees with finetune_config.epochs="
-                         f"{finetune_config.epochs}; give one of them")
-    if finetune_config is None and finetune_epochs:
-        recipe = dict(CONVERT_FINETUNE)
-        recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
-        finetune_config = FinetuneConfig(epochs=finetune_epochs, T=2 * T, horizons=(T, 2 * T), seed=seed,
-                                         **recipe)
-    if finetune_config is not None:
-        settings["finetune"] = vars(finetune_config).copy()
-    meta = ConversionMeta(settings=settings, seed=seed)
+    # a loader with its own generator is left as found: the same call gives the same network
+    with generators_kept(loader, eval_loader):
+        seed_everything(seed)
+        device = torch.device(device)
+        if threshold_calibration is None:
+            threshold_calibration = reset == "zero"
+        if per_channel is None:
+            per_channel = reset == "subtract"
+        membrane = bias_calibration_T is None and reset == "subtract"
+        if weight_calibration is None:
+            weight_calibration = membrane
+        elif weight_calibration and not bias_calibration:
+            raise ValueError("weight_calibration=True refits the weights inside bias calibration, which "
+                             "bias_calibration=False turns off; pass bias_calibration=True or "
+                             "weight_calibration=False")
+        if bias_calibration_T is None:
+            bias_calibration_T = 2 * T if reset == "subtract" else T
+        if isinstance(bias_calibration_T, (tuple, list)):
+            bias_calibration_T = tuple(bias_calibration_T)
+            if reset != "subtract":
+                raise ValueError("two calibration horizons move the initial membrane, which "
+                                 "reset='zero' neurons do not have; give one T")
+        horizons = bias_calibration_T if isinstance(bias_calibration_T, tuple) else None
+        settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
+                        bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
+                        membrane_calibration=membrane and bool(bias_calibration),
+                        threshold_calibration=bool(threshold_calibration),
+                        weight_calibration=bool(weight_calibration and bias_calibration),
+                        calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
+                        finetune_epochs=finetune_epochs, device=str(device))
+        if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
+            raise ValueError(f"qcfs_epochs={qcfs_epochs} disagrees with qcfs_train.epochs="
+                             f"{qcfs_train.epochs}; give one of them")
+        if finetune_config is not None and finetune_epochs and finetune_epochs != finetune_config.epochs:
+            raise ValueError(f"finetune_epochs={finetune_epochs} disagrees with finetune_config.epochs="
+                             f"{finetune_config.epochs}; give one of them")
+        if finetune_config is None and finetune_epochs:
+            recipe = dict(CONVERT_FINETUNE)
+            recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
+            finetune_config = FinetuneConfig(epochs=finetune_epochs, T=2 * T, horizons=(T, 2 * T), seed=seed,
+                                             **recipe)
+        if finetune_config is not None:
+            settings["finetune"] = vars(finetune_config).copy()
+        meta = ConversionMeta(settings=settings, seed=seed)
 
-    with _stage(meta, "prepare") as rec:
-        gm = prepare(model)
-        _check_weights(gm)
-        gm.to(device)
-        x0, _ = first_batch(loader, where="the conversion loader")
-        _check_batch(gm, x0, device)
-        rec.changes = {"input_shape": list(x0.shape), "parameters": sum(p.numel() for p in gm.parameters())}
-        health = _Health(loader, min(2, calib_batches) if isinstance(calib_batches, int) else 2,
-                         device, on_collapse)
-        health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
-    if eval_loader is not None:
-        meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-    qcfs_train = _qcfs_training(qcfs_epochs, qcfs_train, maxpool, gm, health, seed, loader)
-    settings["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
-    if qcfs_train is not None:
-        settings["qcfs_train"] = vars(qcfs_train).copy()
+        with _stage(meta, "prepare") as rec:
+            gm = prepare(model)
+            _check_weights(gm)
+            gm.to(device)
+            x0, _ = first_batch(loader, where="the conversion loader")
+            _check_batch(gm, x0, device)
+            rec.changes = {"input_shape": list(x0.shape),
+                           "parameters": sum(p.numel() for p in gm.parameters())}
+            health = _Health(loader, min(2, calib_batches) if isinstance(calib_batches, int) else 2,
+                             device, on_collapse)
+            health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
+        if eval_loader is not None:
+            meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
+        qcfs_train = _qcfs_training(qcfs_epochs, qcfs_train, maxpool, gm, health, seed, loader)
+        settings["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
+        if qcfs_train is not None:
+            settings["qcfs_train"] = vars(qcfs_train).copy()
 
-    with _stage(meta, "fold") as rec:
-        pairs = fold_graph(gm, (x0.to(device),))
-        assert_no_batchnorm(gm, stage="fold")
-        rec.changes = {"folded": [p.to_dict() for p in pairs],
-                       "max_abs_diff": max((p.max_abs_diff or 0.0 for p in pairs), default=0.0)}
-        health.check(rec, gm, "fold", what="the (folded) ANN")
-    if eval_loader is not None:
-        meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
+        with _stage(meta, "fold") as rec:
+            pairs = fold_graph(gm, (x0.to(device),))
+            assert_no_batchnorm(gm, stage="fold")
+            rec.changes = {"folded": [p.to_dict() for p in pairs],
+                           "max_abs_diff": max((p.max_abs_diff or 0.0 for p in pairs), default=0.0)}
+            health.check(rec, gm, "fold", what="the (folded) ANN")
+        if eval_loader is not None:
+            meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
 
-    with _stage(meta, "qcfs") as rec:
-        qgm = calibrate_qcfs(gm, loader, L=L, percentile=percentile, per_channel=per_channel,
-                             num_batches=calib_batches, maxpool=maxpool, train=qcfs_train,
-                             device=device, progress=progress)
-        assert_no_batchnorm(qgm, stage="qcfs")
-        rec.changes = dict(qgm.meta["qcfs"])
-        qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
-                       if name.startswith("qcfs_")}
-        pooled = qgm.meta["qcfs"].get("maxpool_replaced")
-        hint = (f"max-pooling ({', '.join(pooled)}) was replaced by average pooling, a different "
-                "function: retrain with it, or pass qcfs_epochs >= 1 to adapt the weights; ") if pooled else ""
-        health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source, hint=hint)
-    if eval_loader is not None:
-        meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
+        with _stage(meta, "qcfs") as rec:
+            qgm = calibrate_qcfs(gm, loader, L=L, percentile=percentile, per_channel=per_channel,
+                                 num_batches=calib_batches, maxpool=maxpool, train=qcfs_train,
+                                 device=device, progress=progress)
+            assert_no_batchnorm(qgm, stage="qcfs")
+            rec.changes = dict(qgm.meta["qcfs"])
+            qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
+                           if name.startswith("qcfs_")}
+            pooled = qgm.meta["qcfs"].get("maxpool_replaced")
+            hint = (f"max-pooling ({', '.join(pooled)}) was replaced by average pooling, a different "
+                    "function: retrain with it, or pass qcfs_epochs >= 1 to adapt the weights; "
+                    ) if pooled else ""
+            health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source, hint=hint)
+        if eval_loader is not None:
+            meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
 
-    with _stage(meta, "spiking") as rec:
-        snn = to_spiking(qgm, T=T, reset=reset)
-        if threshold_calibration:
-            snn = calibrate_thresholds(snn, qgm, loader, T=T if horizons or membrane else bias_calibration_T,
-                                       num_batches=_bias_batches(calib_batches))
-        if bias_calibration:
-            snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
-                                 horizons=horizons, membrane=membrane, weights=bool(weight_calibration),
-                                 num_batches=_bias_batches(calib_batches))
-        snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
-        snn.to(device)
-        assert_no_batchnorm(snn, stage="spiking")
-        rec.changes = dict(snn.meta)
-        if_source = {n: qcfs_source.get(r.get("source"), r.get("source"))
-                     for n, r in snn.meta["neurons"].items()}
-        health.check(rec, snn, "spiking", what=f"the SNN at T={T}", source=if_source)
+        with _stage(meta, "spiking") as rec:
+            snn = to_spiking(qgm, T=T, reset=reset)
+            if threshold_calibration:
+                snn = calibrate_thresholds(snn, qgm, loader,
+                                           T=T if horizons or membrane else bias_calibration_T,
+                                           num_batches=_bias_batches(calib_batches))
+            if bias_calibration:
+                snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
+                                     horizons=horizons, membrane=membrane, weights=bool(weight_calibration),
+                                     num_batches=_bias_batches(calib_batches))
+            snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
+            snn.to(device)
+            assert_no_batchnorm(snn, stage="spiking")
+            rec.changes = dict(snn.meta)
+            if_source = {n: qcfs_source.get(r.get("source"), r.get("source"))
+                         for n, r in snn.meta["neurons"].items()}
+            health.check(rec, snn, "spiking", what=f"the SNN at T={T}", source=if_source)
 
-    if finetune_config is not None and finetune_config.epochs > 0:
-        with _stage(meta, "finetune") as rec:
-            # distillation learns from the caller's ANN (finetune() works on its own copy)
-            teacher = model if finetune_config.distill > 0 else None
-            snn, history = finetune(snn, loader, config=finetune_config, teacher=teacher,
-                                    device=device, progress=progress)
-            assert_no_batchnorm(snn, stage="finetune")
-            rec.changes = {"history": history}
-            health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}", source=if_source)
+        if finetune_config is not None and finetune_config.epochs > 0:
+            with _stage(meta, "finetune") as rec:
+                # distillation learns from the caller's ANN (finetune() works on its own copy)
+                teacher = model if finetune_config.distill > 0 else None
+                snn, history = finetune(snn, loader, config=finetune_config, teacher=teacher,
+                                        device=device, progress=progress)
+                assert_no_batchnorm(snn, stage="finetune")
+                rec.changes = {"history": history}
+                health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}", source=if_source)
 
-    if eval_loader is not None:
-        Ts = sorted(set(eval_T) | {T})
-        meta.accuracy["snn"] = {str(t): a for t, a in
-                                accuracy_by_T(snn, eval_loader, Ts, device).items()}
-    return snn, meta
+        if eval_loader is not None:
+            Ts = sorted(set(eval_T) | {T})
+            meta.accuracy["snn"] = {str(t): a for t, a in
+                                    accuracy_by_T(snn, eval_loader, Ts, device).items()}
+        return snn, meta

@@ -33,6 +33,22 @@ def test_eval_loader_leaves_the_converted_network_bit_identical(small_digits_ann
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def test_a_loader_with_its_own_generator_gives_the_same_network_twice(small_digits_ann, digits_data):
+    """DataLoader(generator=g) shuffles with g, which convert() leaves as it found it."""
+    train_set, _ = digits_data
+    g = torch.Generator().manual_seed(11)
+    loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=g)
+    options = dict(T=4, L=4, calib_batches=2, qcfs_epochs=1, progress=False, seed=3)
+    before = g.get_state()
+    first, _ = snnconv.convert(small_digits_ann, loader, **options)
+    assert torch.equal(g.get_state(), before)
+    second, _ = snnconv.convert(small_digits_ann, loader, **options)
+    a, b = _state(first), _state(second)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    next(iter(loader))  # the loader itself still shuffles on: its generator moves when used
+    assert not torch.equal(g.get_state(), before)
+
+
 # --- item 7: bias calibration in one pass ---------------------------------------------------
 
 class _TinyResNet(torch.nn.Module):
