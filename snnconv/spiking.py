@@ -877,17 +877,38 @@ def _gram(u: torch.Tensor) -> torch.Tensor:
     return g
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _count_gram(u: torch.Tensor, steps: int) -> torch.Tensor | None:
+    """``u^T u`` (float64, full) of spike rates ``u`` (``[1, positions, features]``, each a
+    count over ``steps`` steps divided by ``steps``) from the counts in int8 with int32 sums:
+    exact, and on a CPU 7-9x faster than the float32 product (oneDNN's int8 GEMM; ResNet-18's
+    layers of 2,304-4,608 columns). None where it does not apply: not a CPU, grouped, more
+    than 127 steps, or no int8 product in this build."""
+    if u.device.type != "cpu" or u.shape[0] != 1 or not 1 <= steps <= 127:
+        return None
+    c = (u[0] * steps).round_().to(torch.int8)
+    rows = _INT32_MAX // steps**2  # no int32 sum can overflow within one product
+    try:
+        g = sum(torch._int_mm(p.T, p).double() for p in c.split(rows))
+    except (RuntimeError, AttributeError):
+        return None
+    return (g / steps**2).unsqueeze(0)
+
+
 class _WeightFit:
     """The normal equations of one layer's weight fit, accumulated over calibration pieces:
-    ``U^T U`` (upper triangle, :func:`_gram`), ``U^T Y`` and ``U^T 1`` per group, ``U`` the
-    SNN's input rates in the layer's columns at the sampled output positions and ``Y`` the
+    ``U^T U`` (upper triangle, :func:`_gram`; exact from the spike counts where ``U`` holds
+    counts over ``steps`` steps, :func:`_count_gram`), ``U^T Y`` and ``U^T 1`` per group, ``U``
+    the SNN's input rates in the layer's columns at the sampled output positions and ``Y`` the
     reference layer's output there without its bias (float64). The columns of small chunks
     are gathered up to :data:`_UNFOLD_BYTES` before they are multiplied (a deep layer has a
     few positions per chunk: one product each would be slow and add a float64 matrix per
     chunk)."""
 
-    def __init__(self, layer: nn.Module, ref_layer: nn.Module):
-        self.layer, self.ref_layer = layer, ref_layer
+    def __init__(self, layer: nn.Module, ref_layer: nn.Module, steps: int | None = None):
+        self.layer, self.ref_layer, self.steps = layer, ref_layer, steps  # steps: U holds counts / steps
         self.G, self.C, self.s = 0.0, 0.0, 0.0
         self.groups = getattr(layer, "groups", 1)
         features = layer.weight[0].numel() * self.groups  # columns of all groups
@@ -909,7 +930,8 @@ class _WeightFit:
         t = torch.cat([t for _, t in self.pending]).to(u.dtype)
         self.pending = []
         t = t.reshape(len(t), self.groups, -1).transpose(0, 1)
-        self.G = self.G + _gram(u).double()
+        gram = _count_gram(u, self.steps) if self.steps else None
+        self.G = self.G + (_gram(u).double() if gram is None else gram)
         self.C = self.C + torch.bmm(u.transpose(1, 2), t).double()
         self.s = self.s + u.sum(1).double()
 
@@ -919,11 +941,12 @@ class _WeightFit:
         self._flush()
         layer, ref_layer = self.layer, self.ref_layer
         w = layer.weight.detach().clone()
-        gram = self.G.triu() + self.G.triu(1).transpose(1, 2)
+        gram = self.G.triu_()  # the upper triangle is complete; mirrored in place
+        gram += gram.triu(1).transpose(1, 2)
+        self.G = None
         g = gram.shape[0]
         wg = w.double().reshape(g, w.shape[0] // g, -1)
         lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # [g]
-        eye = torch.eye(gram.shape[1], dtype=torch.float64, device=wg.device)
         rhs = self.C + lam[:, None, None] * wg.transpose(1, 2)
         b, ba = layer.bias, ref_layer.bias
         if b is not None or ba is not None:
@@ -931,7 +954,8 @@ class _WeightFit:
             db = (zero if ba is None else ba.detach().double().to(wg.device)) - (
                 zero if b is None else b.detach().double())
             rhs = rhs + self.s[:, :, None] * db.reshape(g, 1, -1)
-        a = gram + lam[:, None, None] * eye
+        a = gram
+        a.diagonal(dim1=1, dim2=2).add_(lam[:, None])
         chol, info = torch.linalg.cholesky_ex(a)  # positive definite with the ridge, unless float32
         # rounding of a rank-deficient U^T U outweighs a tiny one
         new = torch.cholesky_solve(rhs, chol) if not info.any() else torch.linalg.solve(a, rhs)
@@ -987,7 +1011,7 @@ class _Weights:
         positions, the rates over ``T`` steps against the reference at ``L = T``. ``rates``:
         those means over the steps, where already known (``values`` is then not read)."""
         layer, _, ref_layer = self.plan[node.name]
-        acc = _WeightFit(layer, ref_layer)
+        acc = _WeightFit(layer, ref_layer, steps=self.T if rates is not None else None)
 
         def add(group: list, k: int, lo: int, hi: int) -> None:
             # the chunks of one batch together: a few gathers of many positions (the rates

@@ -315,6 +315,28 @@ def test_weight_fit_columns_are_the_unfolded_input_and_its_gram_matrix_is_exact(
         assert torch.allclose(_layer_output(layer, x, pos), _layer_output(layer, x)[pos], atol=1e-5)
 
 
+@pytest.mark.parametrize("steps", [1, 16, 127])
+def test_weight_fit_gram_of_spike_counts_is_exact(steps, monkeypatch):
+    """Rates that are counts over ``steps`` steps: their U^T U from int8 counts equals the
+    float64 product, also where the int32 sums are split so that none can overflow; more than
+    127 steps and grouped columns are left to the float path."""
+    from snnconv import spiking
+
+    torch.manual_seed(0)
+    counts = torch.randint(0, steps + 1, (1, 301, 70)) * (torch.rand(1, 301, 70) < 0.4)
+    u = counts.float() / steps  # what _fire's rates hold
+    exact = counts.double().transpose(1, 2) @ counts.double() / steps**2
+    g = spiking._count_gram(u, steps)
+    assert g is not None and g.dtype == torch.float64 and torch.equal(g, exact)
+    real, rows = torch._int_mm, []
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(len(b)) or real(a, b))
+    monkeypatch.setattr(spiking, "_INT32_MAX", 7 * steps**2)  # products of 7 rows at most
+    assert torch.equal(spiking._count_gram(u, steps), exact)
+    assert sum(rows) == 301 and max(rows) == 7
+    assert spiking._count_gram(u, 128) is None
+    assert spiking._count_gram(u.expand(2, -1, -1), steps) is None
+
+
 def _pre_activation_error(snn, qcfs, x, T):
     """Mean squared difference, over every Conv/Linear that reads spikes, between the SNN's
     output averaged over T steps and the QCFS-ANN's at T levels (same images)."""
