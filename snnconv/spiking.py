@@ -1104,8 +1104,8 @@ def calibrate_bias(snn: "SpikingNetwork", reference: nn.Module, loader: Any, *,
     same tensor with the shift folded into its threshold, and its spikes go on to the next
     layers (and where a fitted layer reads them, their rates over the steps, from each
     position's charge and last membrane); plus one reference forward of the QCFS-ANN per
-    horizon. On a 2-core CPU about 1.2-1.5x a T-step pass, with the weight fit 1.6x (ResNet-20)
-    to 2.0x (ResNet-18, whose wide layers' normal equations dominate; benchmarks/README.md). Where a
+    horizon. On a 2-core CPU about 1.2-1.4x a T-step pass, with the weight fit 1.5x (ResNet-20)
+    to 1.65x (ResNet-18, whose wide layers' normal equations dominate; benchmarks/README.md). Where a
     shifted layer's output also reaches other nodes (or its module is called twice), that
     shortcut is not exact and each layer is re-run from the input instead (quadratic in depth;
     ``meta["bias_calibration"]["method"] == "rerun"``).
