@@ -220,7 +220,6 @@ def _cmd_convert(args) -> int:
     from .demo import train_ann
     from .pipeline import convert
     from .plots import plot_accuracy_vs_T
-    from .qcfs import QCFSTrainConfig
 
     if not args.weights and not args.train_epochs:
         raise UsageError("give --weights FILE (a trained state dict of --model) or --train-epochs N "
@@ -249,10 +248,10 @@ def _cmd_convert(args) -> int:
     else:
         raise UsageError("give --weights FILE (a trained state dict of --model) or --train-epochs N "
                          "(train --model on --data here first)")
-    _say(args, f"[2/3] converting (L={args.L}, T={max(Ts)}, QCFS epochs {args.qcfs_epochs}) ...")
-    qcfs_train = QCFSTrainConfig(epochs=args.qcfs_epochs, seed=args.seed) if args.qcfs_epochs else None
+    epochs = "default" if args.qcfs_epochs is None else args.qcfs_epochs
+    _say(args, f"[2/3] converting (L={args.L}, T={max(Ts)}, QCFS epochs {epochs}) ...")
     snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
-                        qcfs_train=qcfs_train, eval_loader=test, eval_T=Ts, seed=args.seed,
+                        qcfs_epochs=args.qcfs_epochs, eval_loader=test, eval_T=Ts, seed=args.seed,
                         device=args.device, progress=not args.quiet)
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
@@ -665,8 +664,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="a trained state dict of --model (torch.load weights_only)")
     p.add_argument("--train-epochs", type=int, default=0, help="train --model here for N epochs first")
     p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
-    p.add_argument("--qcfs-epochs", type=int, default=0, help="QCFS-aware training epochs (default 0)")
-    p.add_argument("--per-channel", action="store_true", help="per-channel thresholds")
+    p.add_argument("--qcfs-epochs", type=int, default=None,
+                   help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
+                        "became average pooling)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
+                   help="one threshold per channel (the default)")
+    g.add_argument("--per-layer", dest="per_channel", action="store_const", const=False,
+                   help="one threshold per layer")
 
     p = _add(sub, "finetune", "fine-tune a converted SNN with BPTT (atan surrogate)",
              "snnconv finetune runs/d --data digits --T 2 4 8 --train-T 4 --epochs 2",

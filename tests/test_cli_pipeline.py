@@ -69,6 +69,16 @@ def test_usage_and_input_errors_exit_2_with_one_line_and_no_traceback(tmp_path, 
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def test_convert_flags_default_to_what_convert_chooses():
+    parse = build_parser().parse_args
+    base = ["convert", "--model", "small_cnn", "--data", "digits", "--train-epochs", "1"]
+    args = parse(base)
+    assert args.per_channel is None and args.qcfs_epochs is None  # convert() decides
+    assert parse(base + ["--per-layer"]).per_channel is False
+    assert parse(base + ["--per-channel"]).per_channel is True
+    assert parse(base + ["--qcfs-epochs", "0"]).qcfs_epochs == 0
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run folder made by the CLI on scikit-learn digits: convert, then fine-tune."""
@@ -87,6 +97,7 @@ def test_convert_and_finetune_write_the_run_folder(run_dir):
     meta = json.load(open(os.path.join(run_dir, "meta.json")))
     assert set(meta["accuracy"]["snn"]) == {"1", "2", "4"}
     assert meta["accuracy"]["ann"] > 50  # digits are learnt in 8 epochs (about 97%)
+    assert meta["settings"]["per_channel"] is True  # convert()'s default, not a CLI default of its own
     ft = json.load(open(os.path.join(run_dir, "finetune.json")))
     assert len(ft["history"]) == 1 and set(ft["accuracy"]["snn"]) == {"2", "4"}
     assert main(["evaluate", run_dir, "--data", "digits", "--T", "4", "--limit", "64", "--quiet"]) == 0
