@@ -273,9 +273,11 @@ def convert(
             QCFS training and fine-tuning. Validation data is split from it.
         T: time steps of the returned network (settable later with ``snn.T``).
         L: QCFS quantisation levels: those the QCFS-ANN is trained at (``qcfs_epochs``) and
-            reported at (``meta.accuracy["qcfs"]``). Without QCFS training the SNN does not
-            depend on it: thresholds come from the percentile, and the calibration targets
-            the QCFS-ANN at ``2 * T`` levels.
+            reported at (``meta.accuracy["qcfs"]``). With the default calibration and no QCFS
+            training the SNN does not depend on it (thresholds come from the percentile, and
+            the membrane and weight calibration target the QCFS-ANN at ``2 * T`` levels); the
+            bias-only calibration (``bias_calibration_T`` an int) and ``reset="zero"``
+            calibrate against the QCFS-ANN at L.
         calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
             use the first ``min(4, calib_batches)`` of them, all at once for up to ``2 * T`` steps
             (their memory: a forward of that many batches at ``2 * T``; lower it here, or the

@@ -147,12 +147,17 @@ def test_meta_records_every_stage_and_round_trips_through_json(trained_digits_cn
         assert again.accuracy == acc
 
 
-def test_without_qcfs_training_the_snn_does_not_depend_on_L():
+def test_without_qcfs_training_the_default_snn_does_not_depend_on_L():
     """L is the QCFS-ANN's (trained and reported at L); thresholds come from the percentile
-    and the calibration targets the QCFS-ANN at 2T levels, so the SNN is the same for any L."""
-    nets = [snnconv.convert(_tiny(), _pairs(), T=4, L=L, progress=False)[0] for L in (2, 8)]
-    a, b = (n.state_dict() for n in nets)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    and the default calibration targets the QCFS-ANN at 2T levels, so the SNN is the same for
+    any L. The bias-only calibration targets the QCFS-ANN at L, and there L tells."""
+    def same(**kw):
+        a, b = (snnconv.convert(_tiny(), _pairs(), T=4, L=L, progress=False, **kw)[0].state_dict()
+                for L in (2, 8))
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert same()
+    assert not same(bias_calibration_T=4)
 
 
 def test_meta_records_qcfs_training_history():
