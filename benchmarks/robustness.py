@@ -281,7 +281,8 @@ def _convert_cell(ann, loader, test, device, Ts, **options) -> dict:
     acc = meta.accuracy
     record.update(ann=acc.get("ann"), folded=acc.get("folded"), qcfs=acc.get("qcfs"),
                   snn={int(t): a for t, a in acc.get("snn", {}).items()},
-                  stage_seconds={s.name: s.seconds for s in meta.stages})
+                  stage_seconds={s.name: s.seconds for s in meta.stages},
+                  budget=meta.settings.get("budget"))
     for s in meta.stages:
         if s.name == "finetune":
             record["finetune_history"] = s.changes.get("history")
@@ -314,6 +315,11 @@ def run_job(job: dict) -> dict:
         from snnconv import QCFSTrainConfig
 
         extra["qcfs_train"] = QCFSTrainConfig(**{"seed": job["seed"], **extra["qcfs_train"]})
+    if not cached:
+        out["ann_epoch_seconds"] = out["ann_seconds"] / job["epochs"]
+    if job.get("low_t"):
+        out["cells"] = low_t_cells(job, ann, loader, test, device, extra)
+        return out
     if not job.get("finetune_only"):
         out["cells"]["default"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], **extra)
     if job["finetune"]:
@@ -343,6 +349,88 @@ def run_job(job: dict) -> dict:
     return out
 
 
+#: The few-step cells (``--low-t``): name -> (convert() arguments, T values evaluated, floors).
+#: A floor is (kind, T, points): "gap" = worst-seed ANN - SNN at T; "qcfs_gap" = QCFS-ANN - SNN
+#: at T; "not_below" = SNN at T minus SNN at 4 (worst seed) must be >= -points.
+LOW_T_CELLS = {
+    "T4": (dict(T=4), (1, 2, 4, 8), (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
+    "free_T8": (dict(T=8, unlabelled=True), (4, 8, 16), (("gap", 8, 2.0),)),
+    "qcfs_L4": (dict(T=4, L=4, qcfs_epochs=3, finetune_epochs=0), (4, 8), (("qcfs_gap", 4, 3.0),)),
+    "hard_T8": (dict(T=8, reset="zero"), (4, 8, 16), (("gap", 8, 2.0),)),
+}
+
+
+def _unlabelled(loader: DataLoader) -> DataLoader:
+    """The same images in the same order, without labels."""
+    return DataLoader(TensorDataset(loader.dataset.tensors[0]), batch_size=loader.batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(loader.generator.initial_seed()),
+                      collate_fn=lambda b: torch.stack([t[0] for t in b]))
+
+
+def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
+    """The cells of :data:`LOW_T_CELLS` for one ANN (vgg_max: no training-free cell, its
+    QCFS training at convert()'s default)."""
+    cells = {}
+    for name, (options, Ts, _) in LOW_T_CELLS.items():
+        options = dict(options)
+        if job["arch"] == "vgg_max":
+            if options.pop("unlabelled", False):
+                continue
+            if "qcfs_epochs" in options:
+                options["qcfs_epochs"] = None
+        data = _unlabelled(loader) if options.pop("unlabelled", False) else loader
+        if job["smoke"] and options.get("qcfs_epochs"):
+            options["qcfs_epochs"] = 1
+        cells[name] = _convert_cell(ann, data, test, device, Ts, seed=job["seed"], **extra, **options)
+    return cells
+
+
+def low_t_summary(records: list[dict]) -> list[dict]:
+    """One row per (arch, epochs, cell) of the few-step cells: worst seed, floors."""
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for r in records:
+        for cell, c in r.get("cells", {}).items():
+            groups.setdefault((r["dataset"], r["arch"], r["epochs"], cell), []).append((r, c))
+    rows = []
+    for (dataset, arch, epochs, cell), rcs in sorted(groups.items()):
+        cs = [dict(c, snn={int(t): v for t, v in c["snn"].items()}) for _, c in rcs]
+        row = {"dataset": dataset, "arch": arch, "epochs": epochs, "cell": cell, "seeds": len(cs),
+               "ann": [c["ann"] for c in cs], "qcfs": [c["qcfs"] for c in cs],
+               "snn": {t: [c["snn"][t] for c in cs] for t in sorted(cs[0]["snn"])}, "floors": []}
+        for kind, t, points in LOW_T_CELLS[cell][2]:
+            if kind == "gap":
+                worst = max(c["ann"] - c["snn"][t] for c in cs)
+            elif kind == "qcfs_gap":
+                worst = max(c["qcfs"] - c["snn"][t] for c in cs)
+            else:
+                worst = max(c["snn"][4] - c["snn"][t] for c in cs)
+            row["floors"].append({"kind": kind, "T": t, "points": points, "worst": worst, "met": worst <= points})
+        ratios = [c["seconds"] / r["ann_epoch_seconds"] for r, c in rcs if r.get("ann_epoch_seconds")]
+        row["cost_ann_epochs"] = statistics.fmean(ratios) if ratios else None
+        row["seconds"] = statistics.fmean(c["seconds"] for c in cs)
+        rows.append(row)
+    return rows
+
+
+def low_t_table(rows: list[dict]) -> str:
+    """The markdown table of the few-step cells: mean (worst) accuracy, each floor's worst value."""
+    head = ["network", "cell", "ANN", "QCFS-ANN", "SNN by T: mean (worst)", "floors: worst seed", "cost (ANN epochs)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def mw(v):
+        return f"{statistics.fmean(v):.2f} ({min(v):.2f})"
+
+    names = {"gap": "ANN - T={}", "qcfs_gap": "QCFS-ANN - T={}", "not_below": "T=4 - T={}"}
+    for r in rows:
+        snn = ", ".join(f"T={t}: {mw(v)}" for t, v in r["snn"].items())
+        floors = "; ".join(f"{names[f['kind']].format(f['T'])} {f['worst']:.2f} "
+                           f"{'<=' if f['met'] else '**>**'} {f['points']:.1f}" for f in r["floors"])
+        cost = "-" if r["cost_ann_epochs"] is None else f"{r['cost_ann_epochs']:.1f}"
+        lines.append("| " + " | ".join([f"{r['arch']} ({r['epochs']} ep)", r["cell"], mw(r["ann"]),
+                                        mw(r["qcfs"]), snn, floors, cost]) + " |")
+    return "\n".join(lines)
+
+
 # --- the sweep --------------------------------------------------------------------------------
 
 def plan(args) -> list[dict]:
@@ -368,12 +456,18 @@ def plan(args) -> list[dict]:
                              finetune_overrides=overrides(args.finetune_set),
                              finetune_only=args.finetune_only,
                              fashion_root=args.fashion_root, test_limit=args.test_limit,
-                             variants=not args.no_variants and long and (dataset == "fmnist" or args.smoke)))
+                             variants=not args.no_variants and long and (dataset == "fmnist" or args.smoke),
+                             low_t=args.low_t))
+    if args.low_t:  # the few-step cells: the long-trained Fashion-MNIST networks (smoke: digits)
+        jobs = [j for j in jobs if j["epochs"] == max(e for d, a, e in grid if d == j["dataset"] and a == j["arch"])
+                and (j["dataset"] == "fmnist" or args.smoke)]
     if args.finetune_only:
         jobs = [j for j in jobs if j["finetune"]]
     cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1}
     jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (3 if j["dataset"] == "fmnist" else 1)
                               + 20 * j["finetune"]))
+    if args.low_t:  # seed by seed: an interrupted sweep has whole seeds
+        jobs.sort(key=lambda j: (j["seed"], -cost[j["arch"]]))
     return jobs
 
 
@@ -543,6 +637,9 @@ def main(argv=None) -> int:
                    help="convert() settings for every cell (Python literals), to compare a default")
     p.add_argument("--finetune-set", nargs="*", metavar="KEY=VALUE",
                    help="FinetuneConfig settings for the fine-tuning cells (epochs 1, T=4 unless set)")
+    p.add_argument("--low-t", action="store_true",
+                   help="the few-step cells instead (LOW_T_CELLS): T=4 defaults, training-free T=8, "
+                        "QCFS at L=T=4, hard reset at T=8, on the long-trained networks")
     p.add_argument("--finetune-only", action="store_true",
                    help="only the fine-tuning cells (no default cell; to compare a fine-tuning setting)")
     p.add_argument("--cache", help="ANN checkpoint folder (default <out>_cache; share it between runs)")
@@ -558,6 +655,9 @@ def main(argv=None) -> int:
     if args.table:
         with open(args.table) as fh:
             data = json.load(fh)
+        if data.get("settings", {}).get("low_t"):
+            print(low_t_table(low_t_summary(data["records"])))
+            return 0
         # recomputed from the per-job records (a summary written by an older version may be stale)
         summary = summarize(data["records"]) if data.get("records") else _normalize(data["summary"])
         print(table(summary, data.get("train_subset"), data.get("settings", {}).get("test_limit")))
@@ -609,7 +709,7 @@ def main(argv=None) -> int:
 
     def write():
         ok = [r for r in records if "error" not in r]
-        summary = summarize(ok)
+        summary = low_t_summary(ok) if args.low_t else summarize(ok)
         atomic_write_text(args.out + ".json", json.dumps(
             {"settings": {k: v for k, v in vars(args).items() if k not in ("job", "table")},
              "train_subset": None if args.smoke else args.train_subset,
@@ -626,6 +726,10 @@ def main(argv=None) -> int:
     if not summary:  # every job failed: nothing to plot, and the logs say why
         print(f"no cell finished; errors in: {', '.join(errors)} (see {runs}/*.log)")
         return 1
+    if args.low_t:
+        print(low_t_table(summary))
+        print(f"wall {time.perf_counter() - start:.0f}s; {args.out}.json")
+        return 1 if errors else 0
     plot(summary, args.out + ".png")
     print(table(summary, None if args.smoke else args.train_subset, args.test_limit))
     print(f"wall {time.perf_counter() - start:.0f}s; {args.out}.json, {args.out}.png")

@@ -614,7 +614,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                 f"the fine-tuning loader yielded no batch in epoch {epoch + 1}; a one-shot iterator "
                 "(a generator) can be read only once: pass a DataLoader or a list of batches")
         record = {"epoch": epoch + 1, "loss": float(sums[0] / sums[2]),
-                  "train_acc": float(100 * sums[1] / sums[2]),
+                  "train_acc": float(100 * sums[1] / sums[2]), "steps": seen,
                   "seconds": time.perf_counter() - t0}
         if data.val is not None:
             if cfg.horizons:  # the mean over the readouts that are trained, from one run

@@ -31,25 +31,49 @@ from .spiking import SpikingNetwork, calibrate_bias, to_spiking
 
 __all__ = ["convert", "seed_everything"]
 
-#: The fine-tuning recipe of ``convert(..., finetune_epochs=N)`` (the rest as in
-#: :class:`FinetuneConfig`), unrolled for ``2 * T`` steps with readouts trained at ``T`` and
-#: ``2 * T`` (``horizons``). Chosen on the Fashion-MNIST ResNet-14 sweeps (run L) and confirmed
-#: on the robustness matrix, 1 epoch at T=4 on four networks, three seeds: mean T=4 gap to the
-#: ANN 15.27 -> 8.98 (ResNet-20), 5.92 -> 3.73 (tv_resnet), 36.18 -> 19.87 (MobileNet), 2.92 ->
-#: 1.93 (small CNN) against alpha 2 / lr 1e-3 / frozen thresholds / no distillation / the
-#: loader's batches; the second readout at 2T keeps the network at longer T (mean T=16 gap
-#: 6.48 -> 2.97, 6.57 -> 1.12, 17.50 -> 7.05, 9.30 -> 1.82; T=4 within 0.7 either way) for
-#: 1.6-1.9 times the conversion time (benchmarks/README.md, "Fine-tuning defaults on the matrix").
+#: The fine-tuning recipe of ``convert()`` (the rest as in :class:`FinetuneConfig`): unrolled
+#: for ``2 * T`` steps with readouts trained at ``T // 2``, ``T`` and ``2 * T``
+#: (:func:`finetune_recipe`). Distillation from the ANN, trained thresholds, ATan alpha 4, lr
+#: 2e-3: on the robustness matrix, one epoch at T=4 on four networks, three seeds, mean T=4 gap
+#: to the ANN 15.27 -> 8.98 (ResNet-20), 5.92 -> 3.73 (tv_resnet), 36.18 -> 19.87 (MobileNet),
+#: 2.92 -> 1.93 (small CNN) against alpha 2 / lr 1e-3 / frozen thresholds / no distillation; the
+#: readout at 2T keeps the network at longer T (benchmarks/README.md, "Defaults").
 #: ``FinetuneConfig()`` keeps the conservative defaults: it has no teacher of its own.
 #: ``batch_size`` is the largest: see :func:`_finetune_batch`.
 CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill": 0.5, "batch_size": 64}
 
 #: Fine-tuning steps per epoch that convert() keeps by smaller batches on small data sets, and
-#: the smallest batch it goes down to. One epoch on the matrix's 4,500 training images, mean
-#: T=4 gap to the ANN over four networks and three seeds, batches of 64 / 32 / 16 (70 / 140 /
-#: 281 steps): 7.27 / 6.40 / 5.29, the worst seed better on each network (ResNet-20 9.85 ->
-#: 5.50, MobileNet 16.90 -> 13.75; benchmarks/README.md, "Fine-tuning: steps, not epochs").
+#: the smallest batch it goes down to (benchmarks/README.md, "Defaults").
 _FINETUNE_STEPS, _FINETUNE_MIN_BATCH = 256, 16
+
+#: The default budget of the BPTT stage: one epoch of the loader's training split, at most this
+#: many optimiser steps (a large data set is sampled, never run whole by default).
+FINETUNE_MAX_STEPS = 2000
+
+#: Target T up to which convert() fine-tunes by default (with a labelled loader). At T >= 16
+#: the training-free calibration is within 3 points of the ANN at T=16 and 1 at T=32 on the
+#: robustness matrix, and BPTT through 2T steps would cost 4-8x what it costs at T=4.
+FINETUNE_UP_TO_T = 8
+
+
+def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 0,
+                    max_steps: int | None = FINETUNE_MAX_STEPS, **changes: Any):
+    """The :class:`FinetuneConfig` that ``convert(..., T=T)`` fine-tunes with.
+
+    BPTT through ``2 * T`` steps, readouts trained at ``T // 2``, ``T`` and ``2 * T`` (the
+    network answers well from half its steps to twice them), :data:`CONVERT_FINETUNE`, a batch
+    from :func:`_finetune_batch` and at most ``max_steps`` optimiser steps per epoch.
+    ``changes`` override single fields.
+    """
+    from .finetune import FinetuneConfig
+
+    recipe = dict(CONVERT_FINETUNE)
+    if loader is not None:
+        recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
+    horizons = tuple(sorted({max(1, T // 2), T, 2 * T}))
+    recipe.update(epochs=epochs, T=2 * T, horizons=horizons, seed=seed, max_steps_per_epoch=max_steps)
+    recipe.update(changes)
+    return FinetuneConfig(**recipe)
 
 
 def _finetune_batch(loader: Any, batch: int, val_fraction: float) -> int:
@@ -65,6 +89,38 @@ def _finetune_batch(loader: Any, batch: int, val_fraction: float) -> int:
         batch //= 2
     own = getattr(loader, "batch_size", None)
     return own if isinstance(own, int) and own < batch else batch
+
+
+def _epoch_steps(loader: Any, val_fraction: float, batch: int | None = None) -> int | None:
+    """Optimiser steps in one epoch of ``loader``'s training split (in batches of ``batch``,
+    else the loader's own); None for a loader without a length."""
+    try:
+        if batch is not None:
+            return max(1, int(len(loader.dataset) * (1.0 - val_fraction)) // batch)
+        return max(1, int(len(loader) * (1.0 - val_fraction)))
+    except (AttributeError, TypeError):
+        return None
+
+
+def _budget(loader: Any, qcfs_train: QCFSTrainConfig | None, finetune_config: Any) -> dict[str, Any]:
+    """The planned work of the training stages in optimiser steps (None: as long as the loader
+    runs), and one ANN training epoch over ``loader`` (its length) as the unit to compare with."""
+    try:
+        ann_epoch = len(loader)
+    except TypeError:
+        ann_epoch = None
+    out: dict[str, Any] = {"ann_epoch_steps": ann_epoch, "qcfs_steps": 0, "finetune_steps": 0}
+    if qcfs_train is not None and qcfs_train.epochs:
+        per = _epoch_steps(loader, qcfs_train.val_fraction)
+        out["qcfs_steps"] = None if per is None else qcfs_train.epochs * per
+    if finetune_config is not None and finetune_config.epochs:
+        cfg = finetune_config
+        per = _epoch_steps(loader, cfg.val_fraction, cfg.batch_size if hasattr(loader, "dataset") else None)
+        if cfg.max_steps_per_epoch:
+            per = cfg.max_steps_per_epoch if per is None else min(per, cfg.max_steps_per_epoch)
+        out["finetune_steps"] = None if per is None else cfg.epochs * per
+        out["finetune_T"] = cfg.T
+    return out
 
 
 def seed_everything(seed: int) -> None:
@@ -235,7 +291,7 @@ def convert(
     loader: Iterable,
     *,
     T: int = 8,
-    L: int = 8,
+    L: int | None = None,
     percentile: float = 99.9,
     per_channel: bool | None = None,
     calib_batches: int = 10,
@@ -247,7 +303,7 @@ def convert(
     weight_calibration: bool | None = None,
     qcfs_epochs: int | None = None,
     qcfs_train: QCFSTrainConfig | None = None,
-    finetune_epochs: int = 0,
+    finetune_epochs: int | None = None,
     finetune_config: Any = None,
     eval_loader: Iterable | None = None,
     eval_T: Iterable[int] = (),
@@ -259,8 +315,13 @@ def convert(
     """Convert a trained ReLU network into a spiking network of IF neurons.
 
     Runs prepare -> fold BatchNorm -> QCFS calibration (optionally QCFS training for
-    ``qcfs_epochs``) -> IF replacement -> (BPTT fine-tuning for ``finetune_epochs``), with the
-    no-BatchNorm guard after every stage. The caller's ``model`` is never changed.
+    ``qcfs_epochs``) -> IF replacement -> BPTT fine-tuning, with the no-BatchNorm guard after
+    every stage. The caller's ``model`` is never changed. By default a labelled loader and a
+    target ``T <= 8`` get one epoch of fine-tuning (at most :data:`FINETUNE_MAX_STEPS` optimiser
+    steps, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
+    also what an unlabelled loader or ``T >= 16`` gets. ``meta.settings["budget"]`` states the
+    planned optimiser steps of each training stage, the steps that ran and their seconds, and
+    the loader's length (one ANN training epoch) to compare them with.
 
     The returned network is a function of ``model``, the data, the settings and ``seed``:
     evaluation and progress never draw from the RNG that training uses, and a loader that
@@ -272,12 +333,15 @@ def convert(
         loader: batches of ``(x, y)``, ``[x, y]`` or bare ``x``; labels are needed only for
             QCFS training and fine-tuning. Validation data is split from it.
         T: time steps of the returned network (settable later with ``snn.T``).
-        L: QCFS quantisation levels: those the QCFS-ANN is trained at (``qcfs_epochs``) and
-            reported at (``meta.accuracy["qcfs"]``). With the default calibration and no QCFS
-            training the SNN does not depend on it (thresholds come from the percentile, and
-            the membrane and weight calibration target the QCFS-ANN at ``2 * T`` levels); the
-            bias-only calibration (``bias_calibration_T`` an int) and ``reset="zero"``
-            calibrate against the QCFS-ANN at L.
+        L: QCFS quantisation levels (default ``T``): those the QCFS-ANN is trained at
+            (``qcfs_epochs``) and reported at (``meta.accuracy["qcfs"]``). After QCFS training
+            every calibration targets the QCFS-ANN at these L levels over L steps (the function
+            the network was trained for: an SNN at ``T = L`` then comes within a few points of
+            its QCFS-ANN). With the default calibration and no QCFS training the SNN does not
+            depend on it (thresholds come from the percentile, and the membrane and weight
+            calibration target the QCFS-ANN at ``2 * T`` levels); the bias-only calibration
+            (``bias_calibration_T`` an int) and ``reset="zero"`` calibrate against the
+            QCFS-ANN at L.
         calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
             use the first ``min(4, calib_batches)`` of them, all at once for up to ``2 * T`` steps
             (their memory: a forward of that many batches at ``2 * T``; lower it here, or the
@@ -331,14 +395,18 @@ def convert(
             from 5.65 to 1.20 points, and cost up to 2 points at T=32 on briefly trained
             networks (benchmarks/README.md "Weight calibration"); off otherwise (not measured).
             It adds 20-40% to the calibration's time (ResNet-18, T=8, 2 CPU threads: 43 -> 61 s).
+        finetune_epochs: epochs of BPTT fine-tuning (labels needed), each at most
+            :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): 1 where the loader
+            is labelled and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`), 0 otherwise; 0 converts
+            without training.
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
-            :data:`CONVERT_FINETUNE` (distillation from ``model``, trained thresholds, ATan
+            :func:`finetune_recipe` (distillation from ``model``, trained thresholds, ATan
             alpha 4, lr 2e-3, batches of 64, smaller on small data sets so that an epoch has at
             least 256 steps (down to 16; :func:`_finetune_batch`), never larger than the
-            loader's), unrolled for ``2 * T`` steps with the readouts at ``T`` and ``2 * T``
-            trained (the network holds when run longer than ``T``); the returned network keeps
-            ``T``.
+            loader's), unrolled for ``2 * T`` steps with the readouts at ``T // 2``, ``T`` and
+            ``2 * T`` trained (the network holds from half its steps to twice them); the
+            returned network keeps ``T``.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
             activity on the first two calibration batches goes into that stage's ``meta``
             record (``changes["activity"]``, see :mod:`snnconv.health`). A QCFS site that
@@ -368,6 +436,12 @@ def convert(
                 "list of batches instead.")
     if reset not in ("subtract", "zero"):
         raise ValueError(f"reset must be 'subtract' or 'zero', got {reset!r}")
+    if L is None:
+        L = T
+    for name, value in (("finetune_epochs", finetune_epochs), ("qcfs_epochs", qcfs_epochs)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or value < 0):
+            raise ValueError(f"{name} must be an integer >= 0 (or None for the default), got {value!r}")
     # a loader with its own generator is left as found: the same call gives the same network
     with generators_kept(loader, eval_loader):
         seed_everything(seed)
@@ -404,11 +478,15 @@ def convert(
         if finetune_config is not None and finetune_epochs and finetune_epochs != finetune_config.epochs:
             raise ValueError(f"finetune_epochs={finetune_epochs} disagrees with finetune_config.epochs="
                              f"{finetune_config.epochs}; give one of them")
+        x0, y0 = first_batch(loader, where="the conversion loader")
+        if finetune_epochs is None and finetune_config is None:
+            finetune_epochs = 1 if y0 is not None and T <= FINETUNE_UP_TO_T else 0
+            settings["finetune_epochs"] = finetune_epochs
+            settings["finetune_default"] = ("one epoch at T <= 8 with labels" if finetune_epochs else
+                                            "none: " + ("the loader has no labels" if y0 is None
+                                                        else f"T={T} > {FINETUNE_UP_TO_T}"))
         if finetune_config is None and finetune_epochs:
-            recipe = dict(CONVERT_FINETUNE)
-            recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
-            finetune_config = FinetuneConfig(epochs=finetune_epochs, T=2 * T, horizons=(T, 2 * T), seed=seed,
-                                             **recipe)
+            finetune_config = finetune_recipe(T, loader, epochs=finetune_epochs, seed=seed)
         if finetune_config is not None:
             settings["finetune"] = vars(finetune_config).copy()
         meta = ConversionMeta(settings=settings, seed=seed)
@@ -417,7 +495,6 @@ def convert(
             gm = prepare(model)
             _check_weights(gm)
             gm.to(device)
-            x0, _ = first_batch(loader, where="the conversion loader")
             _check_batch(gm, x0, device)
             rec.changes = {"input_shape": list(x0.shape),
                            "parameters": sum(p.numel() for p in gm.parameters())}
@@ -430,6 +507,11 @@ def convert(
         settings["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
         if qcfs_train is not None:
             settings["qcfs_train"] = vars(qcfs_train).copy()
+        settings["budget"] = _budget(loader, qcfs_train, finetune_config)
+        if qcfs_train is not None and qcfs_train.epochs and membrane:
+            # trained at L levels: calibrate against that function, over L steps
+            bias_calibration_T = L
+            settings["bias_calibration_T"] = L
 
         with _stage(meta, "fold") as rec:
             pairs = fold_graph(gm, (x0.to(device),))
@@ -481,11 +563,25 @@ def convert(
                 snn, history = finetune(snn, loader, config=finetune_config, teacher=teacher,
                                         device=device, progress=progress)
                 assert_no_batchnorm(snn, stage="finetune")
-                rec.changes = {"history": history}
+                rec.changes = {"history": history, "steps": sum(h.get("steps", 0) for h in history)}
                 health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}", source=if_source)
 
         if eval_loader is not None:
             Ts = sorted(set(eval_T) | {T})
             meta.accuracy["snn"] = {str(t): a for t, a in
                                     accuracy_by_T(snn, eval_loader, Ts, device).items()}
+        _record_budget(meta)
         return snn, meta
+
+
+def _record_budget(meta: ConversionMeta) -> None:
+    """What the training stages ran: optimiser steps and seconds, beside the plan."""
+    budget = meta.settings.get("budget", {})
+    for record in meta.stages:
+        if record.name == "qcfs" and record.changes.get("history"):
+            budget["qcfs_steps_run"] = sum(h.get("steps", 0) for h in record.changes["history"])
+            budget["qcfs_seconds"] = record.seconds
+        if record.name == "finetune":
+            budget["finetune_steps_run"] = record.changes.get("steps", 0)
+            budget["finetune_seconds"] = record.seconds
+    budget["total_seconds"] = sum(r.seconds for r in meta.stages)

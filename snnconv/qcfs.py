@@ -463,7 +463,9 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         gm.train()
         loss_sum = n = correct = 0
         bar = progress_bar(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
+        steps_done = 0
         for batch in bar:
+            steps_done += 1
             x, y = split_batch(batch, where="training loader")
             if y is None:
                 raise DataError("QCFS training needs labels, but the loader yields inputs only. "
@@ -483,7 +485,8 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             n += len(y)
             bar.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{100 * correct / n:.1f}")
         gm.eval()
-        record = {"epoch": epoch + 1, "loss": loss_sum / max(n, 1), "train_acc": 100.0 * correct / max(n, 1)}
+        record = {"epoch": epoch + 1, "loss": loss_sum / max(n, 1), "train_acc": 100.0 * correct / max(n, 1),
+                  "steps": steps_done}
         if val is not None:
             record["val_acc"] = evaluate(gm, val, device)
             if record["val_acc"] > best[0]:
