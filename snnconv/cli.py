@@ -249,9 +249,11 @@ def _cmd_convert(args) -> int:
         raise UsageError("give --weights FILE (a trained state dict of --model) or --train-epochs N "
                          "(train --model on --data here first)")
     epochs = "default" if args.qcfs_epochs is None else args.qcfs_epochs
-    _say(args, f"[2/3] converting (L={args.L}, T={max(Ts)}, QCFS epochs {epochs}) ...")
+    _say(args, f"[2/3] converting (T={max(Ts)}, QCFS epochs {epochs}, fine-tuning "
+               f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
     snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
-                        qcfs_epochs=args.qcfs_epochs, eval_loader=test, eval_T=Ts, seed=args.seed,
+                        qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
+                        eval_loader=test, eval_T=Ts, seed=args.seed,
                         device=args.device, progress=not args.quiet)
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
@@ -265,16 +267,35 @@ def _cmd_convert(args) -> int:
     ev["accuracy"] = acc["snn"]
     _write_json(os.path.join(out, "evaluation.json"), ev)
     _print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
-                           (f"QCFS-ANN (L={args.L})", acc["qcfs"])]
+                           (f"QCFS-ANN (L={meta.settings['L']})", acc["qcfs"])]
                     + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts])
     _say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
     return 0
+
+
+def _teacher(args, src: str, train):
+    """The ANN to distil from: ``--teacher FILE``, else the run folder's ``ann.pt``, as a state
+    dict of ``--model``; None where there is neither."""
+    import os
+
+    path = args.teacher or os.path.join(os.path.dirname(src), "ann.pt")
+    if not os.path.exists(path):
+        if args.teacher:
+            raise UsageError(f"--teacher {args.teacher}: no such file")
+        return None
+    if not args.model:
+        if args.teacher:
+            raise UsageError("--teacher needs --model NAME (the teacher is read as a state dict of it)")
+        return None
+    in_channels = args.in_channels or train.dataset[0][0].shape[0]
+    return _load_model(path, args.model, args.num_classes, in_channels, False).eval()
 
 
 def _cmd_finetune(args) -> int:
     import os
 
     from .finetune import finetune
+    from .pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, finetune_recipe
     from .spiking import SpikingNetwork
 
     src = _snn_path(args.snn, "snn.pt")
@@ -285,11 +306,17 @@ def _cmd_finetune(args) -> int:
     train, test = _loaders(args)
     snn = SpikingNetwork.load(src)
     T_train = args.train_T
-    _say(args, f"fine-tuning {src} with BPTT at T={T_train} for {args.epochs} epoch(s) ...")
-    tuned, history = finetune(snn, train, T=T_train, epochs=args.epochs, lr=args.lr, alpha=args.alpha,
-                              train_thresholds=args.train_thresholds,
-                              max_steps_per_epoch=args.max_steps, checkpoint_dir=os.path.join(out, "finetune"),
-                              resume=args.resume, seed=args.seed, device=args.device,
+    teacher = _teacher(args, src, train)
+    # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T, distillation
+    config = finetune_recipe(T_train, train, epochs=args.epochs, seed=args.seed,
+                             max_steps=args.max_steps or FINETUNE_MAX_STEPS, lr=args.lr, alpha=args.alpha,
+                             train_thresholds=not args.freeze_thresholds,
+                             distill=CONVERT_FINETUNE["distill"] if teacher is not None else 0.0,
+                             checkpoint_dir=os.path.join(out, "finetune"), resume=args.resume)
+    _say(args, f"fine-tuning {src} with BPTT for T={T_train} ({config.T} steps unrolled, readouts at "
+               f"{', '.join(map(str, config.horizons))}) for {args.epochs} epoch(s), "
+               + ("distilling from the ANN ..." if teacher is not None else "labels only (no ANN given) ..."))
+    tuned, history = finetune(snn, train, config=config, teacher=teacher, device=args.device,
                               progress=not args.quiet)
     tuned.to("cpu").save(os.path.join(out, "snn_finetuned.pt"))
     ev = _evaluation(tuned.to(args.device), test, Ts, args, "snn_finetuned.pt")
@@ -632,7 +659,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
                    help="time steps; several values evaluate at each (default 1 2 4 8)")
     levels = argparse.ArgumentParser(add_help=False)
     levels.add_argument_group("conversion").add_argument(
-        "--L", type=int, default=8, help="QCFS quantisation levels (default 8)")
+        "--L", type=int, default=None, help="QCFS quantisation levels (default: T)")
     return {"common": common, "data": data, "model": model, "time": time, "levels": levels}
 
 
@@ -664,6 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="a trained state dict of --model (torch.load weights_only)")
     p.add_argument("--train-epochs", type=int, default=0, help="train --model here for N epochs first")
     p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
+    p.add_argument("--finetune-epochs", type=int, default=None,
+                   help="BPTT epochs, at most 2000 steps each (default: convert()'s, one at T <= 8; "
+                        "0 converts without training)")
     p.add_argument("--qcfs-epochs", type=int, default=None,
                    help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
                         "became average pooling)")
@@ -675,14 +705,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(sub, "finetune", "fine-tune a converted SNN with BPTT (atan surrogate)",
              "snnconv finetune runs/d --data digits --T 2 4 8 --train-T 4 --epochs 2",
-             [common, data, time], _cmd_finetune)
+             [common, data, model, time], _cmd_finetune)
     p.add_argument("snn", help="a saved SNN (snn.pt) or the run folder holding it")
-    p.add_argument("--train-T", type=int, default=4, help="steps unrolled in training (default 4)")
+    p.add_argument("--train-T", type=int, default=4,
+                   help="the T to fine-tune for (default 4): convert()'s recipe unrolls 2T steps "
+                        "and trains the readouts at T/2, T and 2T")
+    p.add_argument("--teacher", help="the ANN to distil from, a state dict of --model (default: the "
+                                     "run folder's ann.pt where --model is given)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
-    p.add_argument("--alpha", type=float, default=4.0, help="ATan surrogate sharpness (default 4)")
-    p.add_argument("--train-thresholds", action="store_true")
-    p.add_argument("--max-steps", type=int, help="at most N steps per epoch")
+    p.add_argument("--alpha", type=float, default=4.0,
+                   help="ATan surrogate sharpness (default 4)")
+    p.add_argument("--freeze-thresholds", action="store_true", help="keep the thresholds fixed")
+    p.add_argument("--max-steps", type=int, help="at most N steps per epoch (default 2000)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/finetune/finetune.ckpt")
 
     p = _add(sub, "evaluate", "accuracy by T, firing rates, synaptic operations and energy of an SNN",

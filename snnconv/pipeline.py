@@ -91,6 +91,15 @@ def _finetune_batch(loader: Any, batch: int, val_fraction: float) -> int:
     return own if isinstance(own, int) and own < batch else batch
 
 
+def _batches_below(loader: Any, n: int) -> bool:
+    """Whether ``loader`` yields fewer than ``n`` batches (its length, else reading at most n)."""
+    try:
+        return len(loader) < n
+    except TypeError:
+        with torch.random.fork_rng(devices=[]):
+            return sum(1 for _ in zip(range(n), loader)) < n
+
+
 def _epoch_steps(loader: Any, val_fraction: float, batch: int | None = None) -> int | None:
     """Optimiser steps in one epoch of ``loader``'s training split (in batches of ``batch``,
     else the loader's own); None for a loader without a length."""
@@ -319,7 +328,7 @@ def convert(
     every stage. The caller's ``model`` is never changed. By default a labelled loader and a
     target ``T <= 8`` get one epoch of fine-tuning (at most :data:`FINETUNE_MAX_STEPS` optimiser
     steps, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
-    also what an unlabelled loader or ``T >= 16`` gets. ``meta.settings["budget"]`` states the
+    also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets. ``meta.settings["budget"]`` states the
     planned optimiser steps of each training stage, the steps that ran and their seconds, and
     the loader's length (one ANN training epoch) to compare them with.
 
@@ -397,8 +406,8 @@ def convert(
             It adds 20-40% to the calibration's time (ResNet-18, T=8, 2 CPU threads: 43 -> 61 s).
         finetune_epochs: epochs of BPTT fine-tuning (labels needed), each at most
             :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): 1 where the loader
-            is labelled and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`), 0 otherwise; 0 converts
-            without training.
+            is labelled, has two batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`), 0
+            otherwise; 0 converts without training.
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
             :func:`finetune_recipe` (distillation from ``model``, trained thresholds, ATan
@@ -480,13 +489,15 @@ def convert(
                              f"{finetune_config.epochs}; give one of them")
         x0, y0 = first_batch(loader, where="the conversion loader")
         if finetune_epochs is None and finetune_config is None:
-            finetune_epochs = 1 if y0 is not None and T <= FINETUNE_UP_TO_T else 0
+            why = ("the loader has no labels" if y0 is None else f"T={T} > {FINETUNE_UP_TO_T}"
+                   if T > FINETUNE_UP_TO_T else "the loader has one batch (none to validate on)"
+                   if _batches_below(loader, 2) else None)
+            finetune_epochs = 0 if why else 1
             settings["finetune_epochs"] = finetune_epochs
-            settings["finetune_default"] = ("one epoch at T <= 8 with labels" if finetune_epochs else
-                                            "none: " + ("the loader has no labels" if y0 is None
-                                                        else f"T={T} > {FINETUNE_UP_TO_T}"))
+            settings["finetune_default"] = f"none: {why}" if why else "one epoch (T <= 8, labelled)"
         if finetune_config is None and finetune_epochs:
-            finetune_config = finetune_recipe(T, loader, epochs=finetune_epochs, seed=seed)
+            finetune_config = finetune_recipe(T, loader, epochs=finetune_epochs, seed=seed,
+                                              max_steps=FINETUNE_MAX_STEPS)
         if finetune_config is not None:
             settings["finetune"] = vars(finetune_config).copy()
         meta = ConversionMeta(settings=settings, seed=seed)

@@ -83,7 +83,7 @@ def _small_digits_snn(_small_digits_ann, digits_data):
     loader = DataLoader(train_set, batch_size=64, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
     snn, _ = snnconv.convert(copy.deepcopy(_small_digits_ann), loader, T=4, L=4, qcfs_epochs=1,
-                             per_channel=False, progress=False)
+                             per_channel=False, finetune_epochs=0, progress=False)
     return snn
 
 

@@ -85,7 +85,7 @@ def test_convert_without_bias_calibration_is_fold_calibrate_replace(trained_digi
     loader = DataLoader(train_set, batch_size=64)
     x = test_set.tensors[0][:64]
     snn, _ = snnconv.convert(trained_digits_cnn, loader, T=8, L=8, calib_batches=4,
-                             bias_calibration=False, progress=False)
+                             bias_calibration=False, finetune_epochs=0, progress=False)
     qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn), loader, L=8, num_batches=4,
                                   per_channel=True, progress=False)  # convert()'s default
     with torch.no_grad():
@@ -93,11 +93,13 @@ def test_convert_without_bias_calibration_is_fold_calibrate_replace(trained_digi
 
 
 def test_convert_is_fold_calibrate_replace(trained_digits_cnn, digits_data):
-    """convert() gives the network the three public stages give, on the same data."""
+    """convert() without fine-tuning gives the network the three public stages give, on the
+    same data."""
     train_set, test_set = digits_data
     loader = DataLoader(train_set, batch_size=64)  # not shuffled: both runs see the same batches
     x = test_set.tensors[0][:64]
-    snn, _ = snnconv.convert(trained_digits_cnn, loader, T=8, L=8, calib_batches=4, progress=False)
+    snn, _ = snnconv.convert(trained_digits_cnn, loader, T=8, L=8, calib_batches=4, finetune_epochs=0,
+                             progress=False)
     x0 = next(iter(loader))[0]
     qann = snnconv.calibrate_qcfs(fold_batchnorm(trained_digits_cnn, x0), loader, L=8,
                                   num_batches=4, per_channel=True, progress=False)  # convert()'s default
@@ -223,7 +225,7 @@ def test_loaders_of_pairs_lists_or_bare_inputs_all_convert():
     }
     outputs = {}
     for name, loader in forms.items():
-        snn, _ = snnconv.convert(_tiny(), loader, T=4, progress=False)
+        snn, _ = snnconv.convert(_tiny(), loader, T=4, finetune_epochs=0, progress=False)
         with torch.no_grad():
             outputs[name] = snn(x[:16])
     ref = outputs.pop("tuples")

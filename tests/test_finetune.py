@@ -96,7 +96,8 @@ def test_history_has_one_record_per_epoch(small_digits_snn, digits_loaders):
     _, history = finetune(small_digits_snn, train, T=2, epochs=2, max_steps_per_epoch=2, progress=False)
     assert [h["epoch"] for h in history] == [1, 2]
     for h in history:
-        assert set(h) == {"epoch", "loss", "train_acc", "val_acc", "seconds"}
+        assert set(h) == {"epoch", "loss", "train_acc", "val_acc", "steps", "seconds"}
+        assert h["steps"] == 2
         assert math.isfinite(h["loss"]) and h["loss"] > 0
         assert 0 <= h["train_acc"] <= 100 and 0 <= h["val_acc"] <= 100
         assert h["seconds"] > 0
@@ -495,7 +496,8 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
     assert {k: used[k] for k in CONVERT_FINETUNE if k != "batch_size"} == {
         k: v for k, v in CONVERT_FINETUNE.items() if k != "batch_size"}
     assert used["batch_size"] == 16  # about 1,300 training images: the smallest batch
-    assert used["T"] == 4 and tuple(used["horizons"]) == (2, 4)  # unrolled 2T, readouts at T and 2T
+    assert used["T"] == 4 and tuple(used["horizons"]) == (1, 2, 4)  # unrolled 2T, readouts at T/2, T, 2T
+    assert used["max_steps_per_epoch"] == snnconv.pipeline.FINETUNE_MAX_STEPS
     assert CONVERT_FINETUNE["distill"] > 0 and CONVERT_FINETUNE["train_thresholds"]
 
 
@@ -524,9 +526,10 @@ def test_convert_fine_tunes_a_small_data_set_in_the_loaders_batches(small_digits
     assert meta.stages[-1].name == "finetune" and len(meta.stages[-1].changes["history"]) == 1
 
 
-def test_convert_without_finetune_epochs_has_no_stage_4(small_digits_ann, digits_loaders):
-    _, meta = snnconv.convert(small_digits_ann, digits_loaders[0], T=2, L=4, progress=False)
+def test_convert_with_finetune_epochs_0_has_no_stage_4(small_digits_ann, digits_loaders):
+    _, meta = snnconv.convert(small_digits_ann, digits_loaders[0], T=2, L=4, finetune_epochs=0, progress=False)
     assert "finetune" not in [s.name for s in meta.stages]
+    assert meta.settings["budget"]["finetune_steps"] == 0
 
 
 def test_horizons_of_T_alone_equal_the_plain_loss(small_digits_snn, digits_loaders):

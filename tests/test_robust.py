@@ -379,7 +379,7 @@ def test_the_stage_checks_accuracy_is_that_of_the_network_on_its_two_batches(sma
     """Activity and accuracy come from one pass (the SNN's own chunked forward): the recorded
     accuracy is the network's on the first two calibration batches, ANN and SNN alike."""
     loader = DataLoader(digits_data[0], batch_size=64)  # no shuffle: the first two batches are known
-    snn, meta = snnconv.convert(small_digits_ann, loader, T=4, L=4, progress=False)
+    snn, meta = snnconv.convert(small_digits_ann, loader, T=4, L=4, finetune_epochs=0, progress=False)
     (x1, y1), (x2, y2) = list(loader)[:2]
     x, y = torch.cat([x1, x2]), torch.cat([y1, y2])
     with torch.no_grad():

@@ -1,0 +1,100 @@
+"""The few-step pipeline: the QCFS path at T = L, the default fine-tuning and its budget."""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import snnconv
+from snnconv import pipeline
+
+
+def _digits_cnn(train_set, seed: int, epochs: int = 6):
+    from snnconv.demo import train_ann
+    from snnconv.models import small_cnn
+
+    torch.manual_seed(seed)
+    loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    return train_ann(small_cnn(num_classes=10, in_channels=1, width=8), loader, epochs=epochs, progress=False)
+
+
+def test_qcfs_path_at_T_equal_L_comes_within_three_points_of_its_qcfs_ann(digits_data):
+    """QCFS-trained at L = 4 and run at T = 4 without BPTT, the SNN of a small CNN trained on
+    real digits is within 3 points of its own QCFS-ANN, on the mean over three seeds (each ANN
+    trained afresh): the calibration targets the function the network was trained for."""
+    train_set, test_set = digits_data
+    test = DataLoader(test_set, batch_size=256)
+    gaps = []
+    for seed in range(3):
+        ann = _digits_cnn(train_set, seed)
+        loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            snn, meta = snnconv.convert(ann, loader, T=4, L=4, qcfs_epochs=2, finetune_epochs=0, seed=seed,
+                                        eval_loader=test, progress=False, on_collapse="warn")
+        assert meta.settings["bias_calibration_T"] == 4  # calibrated at the trained L, not 2T
+        assert "finetune" not in [s.name for s in meta.stages]
+        gaps.append(meta.accuracy["qcfs"] - meta.accuracy["snn"]["4"])
+    assert statistics.fmean(gaps) <= 3.0, gaps
+
+
+def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, digits_data):
+    """convert(model, loader) fine-tunes (readouts at T/2, T, 2T) where labels exist and T <= 8;
+    an unlabelled loader or T = 16 gets the training-free conversion; L follows T."""
+    train_set, _ = digits_data
+    loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    _, meta = snnconv.convert(small_digits_ann, loader, T=4, progress=False, on_collapse="warn")
+    assert [s.name for s in meta.stages][-1] == "finetune"
+    assert meta.settings["finetune"]["horizons"] == (2, 4, 8) and meta.settings["finetune"]["T"] == 8
+    assert meta.settings["L"] == 4
+    budget = meta.settings["budget"]
+    assert budget["finetune_steps_run"] == budget["finetune_steps"] > 0
+    assert budget["finetune_seconds"] > 0 and budget["ann_epoch_steps"] == len(loader)
+
+    images = DataLoader(train_set.tensors[0], batch_size=64)
+    _, meta = snnconv.convert(small_digits_ann, images, T=4, progress=False, on_collapse="warn")
+    assert "finetune" not in [s.name for s in meta.stages]
+    assert "no labels" in meta.settings["finetune_default"]
+    _, meta = snnconv.convert(small_digits_ann, loader, T=16, progress=False, on_collapse="warn")
+    assert "finetune" not in [s.name for s in meta.stages] and meta.settings["budget"]["finetune_steps"] == 0
+
+
+class _Counting(TensorDataset):
+    """A TensorDataset that counts the samples read."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        type(self).reads += 1
+        return super().__getitem__(i)
+
+
+def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
+    """With the step cap at 3, a loader of 125 batches is fine-tuned for 3 optimiser steps,
+    counted in meta and in the samples the loader gave (the planned steps are the ones run)."""
+    monkeypatch.setattr(pipeline, "FINETUNE_MAX_STEPS", 3)
+    g = torch.Generator().manual_seed(0)
+    data = _Counting(torch.rand(2000, 1, 8, 8, generator=g), torch.randint(0, 10, (2000,), generator=g))
+    loader = DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    _Counting.reads = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, meta = snnconv.convert(small_digits_ann, loader, T=2, calib_batches=2, progress=False,
+                                  on_collapse="warn")
+    budget = meta.settings["budget"]
+    assert budget["finetune_steps"] == budget["finetune_steps_run"] == 3
+    assert meta.stage("finetune").changes["steps"] == 3
+    # 3 steps, a few calibration batches and the 10% validation split: far from the 2,000
+    # samples that one uncapped epoch would read
+    assert _Counting.reads < 1000, _Counting.reads
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_finetune_epochs_must_be_a_count(small_digits_ann, bad):
+    loader = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,)))]
+    with pytest.raises(ValueError, match="finetune_epochs"):
+        snnconv.convert(small_digits_ann, loader, finetune_epochs=bad, progress=False)
