@@ -17,7 +17,6 @@ from .guards import find_batchnorm
 from .models import small_cnn
 from .pipeline import convert, seed_everything
 from .plots import plot_accuracy_vs_T
-from .qcfs import QCFSTrainConfig
 
 __all__ = ["train_ann", "run_demo", "DEMO_T"]
 
@@ -55,13 +54,13 @@ def run_demo(out: str = "runs/demo", *, seed: int = 0, progress: bool = True) ->
     print(f"BatchNorm folding: {len(diffs)} pairs folded, max abs difference per pair "
           f"{max(diffs):.2e}; BatchNorm left: {len(find_batchnorm(folded))}")
 
-    snn, meta = convert(ann, train, T=8, L=4, qcfs_train=QCFSTrainConfig(epochs=20, lr=0.01, seed=seed),
-                        eval_loader=test, eval_T=DEMO_T, seed=seed, progress=progress)
+    # convert()'s defaults: T=8, one epoch of BPTT fine-tuning (the loader is labelled)
+    snn, meta = convert(ann, train, eval_loader=test, eval_T=DEMO_T, seed=seed, progress=progress)
     acc = meta.accuracy
     print(f"\n{'':24}accuracy (%)")
     print(f"{'ANN (BatchNorm)':24}{acc['ann']:6.2f}")
     print(f"{'ANN folded':24}{acc['folded']:6.2f}")
-    print(f"{'QCFS-ANN (L=4)':24}{acc['qcfs']:6.2f}")
+    print(f"{'QCFS-ANN (L=' + str(meta.settings['L']) + ')':24}{acc['qcfs']:6.2f}")
     for t in DEMO_T:
         print(f"{f'SNN T={t}':24}{acc['snn'][str(t)]:6.2f}")
     os.makedirs(out, exist_ok=True)

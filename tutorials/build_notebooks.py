@@ -303,13 +303,15 @@ with torch.no_grad():
 
 `convert` repeats fold (on its own copy), calibrates one QCFS threshold per ReLU call site from
 the training data, replaces each by an IF neuron with reset by subtraction, and evaluates on the
-test set at every T in `eval_T` (the test set is never used to choose anything).
+test set at every T in `eval_T` (the test set is never used to choose anything). By default it
+also fine-tunes for one epoch where T <= 8; `finetune_epochs=0` here keeps this notebook to the
+training-free stages, and notebook 03 fine-tunes step by step.
 '''),
     code('''
 t0 = time.perf_counter()
 snn, meta = snnconv.convert(model, train_loader, T=T, L=L, per_channel=per_channel,
-                            qcfs_epochs=qcfs_epochs, eval_loader=test_loader, eval_T=eval_T,
-                            seed=seed, device=device, progress=False)
+                            qcfs_epochs=qcfs_epochs, finetune_epochs=0, eval_loader=test_loader,
+                            eval_T=eval_T, seed=seed, device=device, progress=False)
 acc = meta.accuracy
 print(f"converted in {time.perf_counter() - t0:.0f} s")
 print(f"ANN {acc['ann']:.2f}%, folded {acc['folded']:.2f}%, QCFS-ANN (L={L}) {acc['qcfs']:.2f}%")
