@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import snnconv  # noqa: E402
 from snnconv.nir_io import export_nir  # noqa: E402
-from snnconv_backends.loihi2 import Loihi2Program, _OPTIONS, quantize  # noqa: E402
+from snnconv_backends.loihi2 import Loihi2Program, quantize  # noqa: E402
+from snnconv_backends.loihi2.backend import OPTIONS  # noqa: E402
 
 
 def data(name: str, limit: int | None):
@@ -151,7 +152,7 @@ def main() -> None:
         p_ref, acc_ref = evaluate(lambda x: ref_prog.run(x, args.T).outputs, test, args.batch)
         t_ref = time.perf_counter() - t0
         q = quantize(graph)
-        prog = Loihi2Program(q, dict(_OPTIONS, device=args.device))
+        prog = Loihi2Program(q, dict(OPTIONS, device=args.device))
         t0 = time.perf_counter()
         p_sim, acc_sim = evaluate(lambda x: prog.run(x, args.T).outputs, test, args.batch)
         t_sim = time.perf_counter() - t0
@@ -167,7 +168,7 @@ def main() -> None:
             for dmax in args.two_groups or [q.depth]:
                 groups = {c.name: 2 for p in q.populations for c in p.conns if p.depth <= dmax}
                 q2 = quantize(graph, weight_groups=groups)
-                prog2 = Loihi2Program(q2, dict(_OPTIONS, device=args.device))
+                prog2 = Loihi2Program(q2, dict(OPTIONS, device=args.device))
                 t0 = time.perf_counter()
                 p2, acc2 = evaluate(lambda x: prog2.run(x, args.T).outputs, test, args.batch)
                 key = "all" if dmax >= q.depth else f"depth<={dmax}"
@@ -179,11 +180,11 @@ def main() -> None:
         if args.per_layer:
             names = [c.name for p in q.populations for c in p.conns]
             rec["all_16_bits"] = evaluate(lambda x: Loihi2Program(quantize(graph, weight_bits=16), dict(
-                _OPTIONS, device=args.device)).run(x, args.T).outputs, test, args.batch)[1]
+                OPTIONS, device=args.device)).run(x, args.T).outputs, test, args.batch)[1]
             rec["one_at_8_bits"] = {}
             for n in names:
                 prog_n = Loihi2Program(quantize(graph, weight_bits={"*": 16, n: 8}),
-                                       dict(_OPTIONS, device=args.device))
+                                       dict(OPTIONS, device=args.device))
                 rec["one_at_8_bits"][n] = evaluate(lambda x: prog_n.run(x, args.T).outputs, test,
                                                    args.batch)[1]
         out[reset] = rec

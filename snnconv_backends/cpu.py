@@ -2,7 +2,7 @@
 
 Outputs and spikes are bit-identical to the torch ``SpikingNetwork`` the graph was exported
 from (float32; float64 with ``dtype="float64"``, against ``snn.double()``), because it performs
-the same floating-point operations on the same batch compositions (see ``_engine``). It is
+the same floating-point operations on the same batch compositions (see ``engine``). It is
 faster than the torch network because the neuron update runs in place with no per-step
 allocation, copy or stack, static layers run once, and intermediate values are freed (or
 reused) as soon as their last reader has run.
@@ -22,7 +22,7 @@ import torch
 
 from snnconv.errors import BackendError, NIRError
 
-from ._engine import Plan, Stats, check_options, check_T, compiled_loop
+from .engine import Plan, Stats, check_options, check_T, compiled_loop
 from .registry import Backend, Program, RunResult
 
 __all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed"]

@@ -1,7 +1,7 @@
 """``gpu``: snnconv NIR graphs on CUDA, float32 or bfloat16, with a fused multi-step neuron.
 
 The graph runs like on ``cpu`` (static layers once, time folded into the batch, the same op
-order; see ``_engine``) on a CUDA device. The neuron update of a whole layer over all T steps
+order; see ``engine``) on a CUDA device. The neuron update of a whole layer over all T steps
 is one kernel: ``torch.compile`` (Triton) fuses the unrolled loop so that the input is read
 once, the spikes are written once and the membrane stays in registers, together with the batch
 sums the statistics need. Without Triton it falls back to the in-place loop (3 kernels a step).
@@ -28,8 +28,8 @@ import torch
 
 from snnconv.errors import BackendError
 
-from ._engine import Plan, Stats, check_options, compiled_loop
 from .cpu import PlanProgram, _dtype, _parse
+from .engine import Plan, Stats, check_options, compiled_loop
 from .registry import Backend, RunResult
 
 __all__ = ["GPUBackend", "GPUProgram", "DTYPES"]

@@ -28,6 +28,7 @@ import torch
 from snnconv.errors import BackendError
 
 from . import loihi2
+from .loihi2.simulate import connection_synops, static_eval
 from .registry import Backend, Program, RunResult
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
@@ -94,7 +95,7 @@ class LavaProgram(Program):
         """The worker's job for a static batch ``x``: (spec, arrays, first-layer bias clips)."""
         q = self.q
         B = x.shape[0]
-        vals = loihi2._static_eval(q, x.float())
+        vals = static_eval(q, x.float())
         shapes = {p.name: p.shape for p in q.populations}
         shapes[loihi2.CLOCK] = (1,)
         arrays: dict[str, np.ndarray] = {}
@@ -190,7 +191,7 @@ class LavaProgram(Program):
                     synops[c.name] = synops.get(c.name, 0.0) + float(T * B) * float(c.fanout.sum())
                 else:
                     per_neuron = s_win[c.source].reshape(T * B, -1).float().sum(0)
-                    synops[c.name] = synops.get(c.name, 0.0) + loihi2._synops(c, per_neuron)
+                    synops[c.name] = synops.get(c.name, 0.0) + connection_synops(c, per_neuron)
         r = q.readout
         out = v_win[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64)
         out = out.float().reshape(T, B, *q.graph.output_shape)
