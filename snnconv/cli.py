@@ -309,6 +309,7 @@ def _cmd_finetune(args) -> int:
     teacher = _teacher(args, src, train)
     # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T, distillation
     config = finetune_recipe(T_train, train, epochs=args.epochs, seed=args.seed,
+                             reset=snn.meta.get("reset", "subtract"),
                              max_steps=args.max_steps or FINETUNE_MAX_STEPS, lr=args.lr, alpha=args.alpha,
                              train_thresholds=not args.freeze_thresholds,
                              distill=CONVERT_FINETUNE["distill"] if teacher is not None else 0.0,

@@ -56,7 +56,9 @@ class FinetuneConfig:
     best epoch is then the one with the best mean validation accuracy over them.
     ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
     that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
-    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau).
+    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau). ``keep_start``: the
+    network as given competes as epoch 0 in the best-epoch choice (one validation pass more),
+    so that fine-tuning never returns a network worse on validation than it was given.
     """
 
     epochs: int = 1
@@ -85,6 +87,7 @@ class FinetuneConfig:
     distill: float = 0.0
     distill_temperature: float = 2.0
     wise: float = 0.0
+    keep_start: bool = False
 
     def __post_init__(self):
         def bad(msg):
@@ -446,6 +449,13 @@ def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | No
     return (1 - cfg.distill) * ce + cfg.distill * kd
 
 
+def _val_accuracy(model: SpikingNetwork, val: Iterable, cfg: FinetuneConfig, device) -> float:
+    """Validation accuracy: the mean over the trained readouts (one run), else at ``model.T``."""
+    if cfg.horizons:
+        return sum(accuracy_by_T(model, val, cfg.horizons, device).values()) / len(cfg.horizons)
+    return evaluate(model, val, device)
+
+
 def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingNetwork:
     """A copy of ``tuned`` with weights ``(1 - wise) * tuned + wise * start`` (WiSE-FT).
 
@@ -542,6 +552,12 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             "rng": _rng_state(device), "history": history, "best_val": best_val,
             "best_state": best_state})
 
+    start_val = None
+    if cfg.keep_start and data.val is not None and start_epoch == 0 and start_step == 0:
+        # the converted network is epoch 0: fine-tuning never returns worse on validation
+        model.eval()
+        start_val = _val_accuracy(model, data.val, cfg, device)
+        best_val, best_state = start_val, copy.deepcopy(model.state_dict())
     for epoch in range(start_epoch, cfg.epochs):
         data.start_epoch(epoch, cfg.seed)
         skip = start_step if epoch == start_epoch else 0
@@ -617,11 +633,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                   "train_acc": float(100 * sums[1] / sums[2]), "steps": seen,
                   "seconds": time.perf_counter() - t0}
         if data.val is not None:
-            if cfg.horizons:  # the mean over the readouts that are trained, from one run
-                record["val_acc"] = sum(accuracy_by_T(model, data.val, cfg.horizons, device).values()
-                                        ) / len(cfg.horizons)
-            else:
-                record["val_acc"] = evaluate(model, data.val, device)
+            record["val_acc"] = _val_accuracy(model, data.val, cfg, device)
             if record["val_acc"] > best_val:
                 best_val = record["val_acc"]
                 best_state = copy.deepcopy(model.state_dict())
@@ -629,6 +641,10 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         save(epoch + 1, 0)
         if ckpt_path and rank == 0:
             plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
+    if start_val is not None and history:
+        history[-1]["start_val_acc"] = start_val
+        history[-1]["kept_start"] = bool(best_val == start_val and all(
+            h.get("val_acc", -1.0) <= start_val for h in history))
     if best_state is not None:
         model.load_state_dict(best_state)
     if cfg.wise:
