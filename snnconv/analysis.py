@@ -4,6 +4,7 @@
     stats.firing_rate            # {neuron layer: spikes / (neurons * T * B)}
     stats.synops, stats.macs     # {weight layer: synaptic events over the run / MACs of the ANN}
     stats.energy()               # a 45 nm estimate (pJ per inference), SNN against the ANN
+    record = snnconv.analysis.evaluation_record(snn, test_loader, [1, 2, 4, 8])  # evaluation.json
 
 Counting convention (the usual one in the conversion literature):
 
@@ -15,27 +16,33 @@ Counting convention (the usual one in the conversion literature):
   multiply-accumulates (MACs), once per image;
 - ``macs`` is what the ANN does in the same layer for the same batch (per image x B, once).
 
-Energy per operation: 4.6 pJ per 32-bit float MAC and 0.9 pJ per AC (45 nm CMOS, Horowitz,
-ISSCC 2014). It is an estimate of arithmetic only (no memory traffic, no routing); a backend
-that models a chip reports its own numbers in ``RunResult.extra``.
+Energy per operation: :data:`~snnconv.energy.E_MAC_PJ` per 32-bit float MAC and
+:data:`~snnconv.energy.E_AC_PJ` per AC (45 nm CMOS, Horowitz, ISSCC 2014). It is an estimate of
+arithmetic only (no memory traffic, no routing); a backend that models a chip reports its own
+numbers in ``RunResult.extra``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .data import first_batch
+from .energy import E_AC_PJ, E_MAC_PJ
+from .metrics import accuracy_by_T
+from .progress import progress_bar
 from .spiking import IFNeuron, SpikingNetwork, TimeExpand, _check_T, neurons
 
-__all__ = ["SpikeAnalysis", "analyse", "backend_record", "E_MAC_PJ", "E_AC_PJ", "RASTER_NEURONS"]
+__all__ = ["SpikeAnalysis", "analyse", "evaluation_record", "backend_record", "E_MAC_PJ", "E_AC_PJ",
+           "RASTER_NEURONS", "ANALYSIS_IMAGES"]
 
-E_MAC_PJ = 4.6
-E_AC_PJ = 0.9
 RASTER_NEURONS = 64
+#: Images of the first test batch that :func:`evaluation_record` analyses.
+ANALYSIS_IMAGES = 64
 
 _WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
@@ -182,6 +189,37 @@ def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
                          spikes_per_step={n: [float(v) for v in c] for n, c in counts.items()},
                          firing_rate=firing, synops=synops, static_macs=static, macs=macs,
                          raster=raster)
+
+
+def evaluation_record(snn: SpikingNetwork, loader: Iterable, Ts: Sequence[int], *,
+                      device: torch.device | str = "cpu", label: str = "snn",
+                      progress: bool = True) -> dict[str, Any]:
+    """Accuracy at every T over ``loader`` and the spike statistics of its first batch.
+
+    This is what ``evaluation.json`` of a run folder holds (``snnconv evaluate``).
+
+    Args:
+        snn: a converted network, already on ``device``.
+        loader: a labelled loader (the test split).
+        Ts: the time steps to measure accuracy at; the analysis runs at the largest.
+        device: where the batches go.
+        label: the network's name in the record (a file name, say).
+        progress: show a progress bar over the batches.
+
+    Returns:
+        ``{"network": label, "accuracy": {str(T): percent}, "analysis": SpikeAnalysis as data}``,
+        the analysis of the first :data:`ANALYSIS_IMAGES` images of the first batch.
+
+    Raises:
+        DataError: ``loader`` yields nothing, or batches without labels.
+    """
+    batches = progress_bar(loader, desc=f"evaluate T<={max(Ts)}", disable=not progress, leave=False)
+    acc = accuracy_by_T(snn, batches, Ts, device)
+    x, _ = first_batch(loader, where="the test loader")
+    with torch.no_grad():
+        stats = analyse(snn, x[:ANALYSIS_IMAGES].to(device), T=max(Ts))
+    return {"network": label, "accuracy": {str(t): a for t, a in acc.items()},
+            "analysis": stats.to_dict()}
 
 
 def _plain(obj: Any) -> Any:

@@ -9,7 +9,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["StageRecord", "ConversionMeta", "environment", "atomic_write_text", "atomic_write_bytes"]
+__all__ = ["StageRecord", "ConversionMeta", "environment", "atomic_write_text", "atomic_write_bytes",
+           "jsonable"]
 
 
 def environment() -> dict[str, str]:
@@ -94,7 +95,7 @@ class ConversionMeta:
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int = 2) -> str:
         """Serialise to JSON; also write it atomically to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=indent, default=_jsonable)
+        text = json.dumps(self.to_dict(), indent=indent, default=jsonable)
         if path is not None:
             atomic_write_text(path, text + "\n")
         return text
@@ -116,7 +117,8 @@ class ConversionMeta:
         return cls.from_dict(json.loads(text))
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
+    """``json.dumps(..., default=jsonable)``: tensors and arrays as lists, anything else as its str."""
     try:
         import torch
 

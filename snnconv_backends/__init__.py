@@ -3,7 +3,7 @@ strict NIR reader they share (``snnconv_backends.nirgraph.parse``).
 
 This package reads ``nir.NIRGraph`` objects and never imports snnconv's conversion stages (an
 import-linter contract in pyproject.toml, checked by the tests): it may import ``nir``,
-``numpy``, ``torch``, ``spikingjelly``, ``h5py`` and ``snnconv.errors`` only.
+``numpy``, ``torch``, ``spikingjelly``, ``h5py``, ``snnconv.errors`` and ``snnconv.energy`` only.
 """
 
 from .registry import (

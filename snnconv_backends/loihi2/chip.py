@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from snnconv.energy import E_MAC_PJ
+
 __all__ = ["LOIHI", "FIRST_VTH", "CLOCK", "E_SYNOP", "E_NEURON_UPDATE", "E_SPIKE", "E_MAC_FP32",
            "CORES_PER_CHIP", "NEURONS_PER_CORE", "SYNAPSES_PER_CORE", "STEP_SECONDS"]
 
@@ -36,10 +38,10 @@ CLOCK = "__clock__"
 E_SYNOP = 23.6e-12          # J per synaptic spike operation
 E_NEURON_UPDATE = 52e-12    # J per active neuron update
 E_SPIKE = 1.7e-12           # J per spike sent within a tile
-#: Horowitz, "Computing's energy problem", ISSCC 2014 (45 nm): fp32 multiply 3.7 pJ + add
-#: 0.9 pJ. The per-MAC figure the SNN literature uses for the ANN on GPU-class hardware (an
-#: optimistic one: it leaves out memory traffic).
-E_MAC_FP32 = 4.6e-12
+#: J per fp32 multiply-accumulate of the ANN: :data:`snnconv.energy.E_MAC_PJ` (Horowitz, ISSCC
+#: 2014, 45 nm), the per-MAC figure the SNN literature uses for the ANN on GPU-class hardware
+#: (an optimistic one: it leaves out memory traffic).
+E_MAC_FP32 = E_MAC_PJ * 1e-12
 #: Loihi 2 brief (Intel, "Taking Neuromorphic Computing to the Next Level with Loihi 2",
 #: 2021): 128 neuro cores per chip, up to 1M neurons and 120M synapses per chip, i.e. 8192
 #: neurons per core; the per-core synapse figure below is the chip total / 128 (approximate:

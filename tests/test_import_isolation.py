@@ -1,0 +1,62 @@
+"""Importing a backend (or snnconv.errors, or the bare package) loads no conversion stage: checked
+in a fresh interpreter, where sys.modules shows what an import really pulled in."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: The conversion stages and their calibration passes.
+STAGES = ("snnconv.pipeline", "snnconv.fold", "snnconv.qcfs", "snnconv.spiking", "snnconv.hard_reset",
+          "snnconv.finetune", "snnconv.nir_io", "snnconv.health", "snnconv.guards", "snnconv.graph")
+#: What of snnconv a backend may load: the package itself, its errors and its energy figures.
+ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy"}
+
+MODULES = ["snnconv_backends", "snnconv_backends.registry", "snnconv_backends.nirgraph",
+           "snnconv_backends.engine", "snnconv_backends.cpu", "snnconv_backends.gpu",
+           "snnconv_backends.loihi2", "snnconv_backends.lava", "snnconv.errors", "snnconv.energy",
+           "snnconv"]
+
+
+def _loaded_after_import(module: str) -> list[str]:
+    """The snnconv modules in sys.modules of a fresh interpreter after ``import module``."""
+    code = (f"import json, sys, {module}\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'snnconv')))")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_importing_loads_no_conversion_stage(module):
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        pytest.skip(f"{module} is not installed")
+    loaded = _loaded_after_import(module)
+    assert not set(STAGES) & set(loaded), f"import {module} loaded stages {sorted(set(STAGES) & set(loaded))}"
+    assert set(loaded) <= ALLOWED, f"import {module} loaded {sorted(set(loaded) - ALLOWED)}"
+
+
+def test_the_lazy_package_still_offers_every_public_name():
+    code = ("import json, snnconv\n"
+            "listed = [n for n in snnconv.__all__ if n in dir(snnconv)]\n"
+            "missing = [n for n in snnconv.__all__ if getattr(snnconv, n, None) is None]\n"
+            "import snnconv.finetune\n"  # binding the submodule leaves the name the function
+            "print(json.dumps([len(snnconv.__all__), len(listed), missing, callable(snnconv.finetune),"
+            " snnconv.finetune is sys.modules['snnconv.finetune'].finetune]))")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", "import sys\n" + code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    n_all, n_listed, missing, callable_, same = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert n_all == n_listed and not missing
+    assert callable_ and same
