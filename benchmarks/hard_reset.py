@@ -11,7 +11,7 @@ benchmarks/results/cache/), QCFS-calibrated once (L=8, per layer, 99.9th percent
 converted per method and per T with every calibration at that T (the run T). Methods:
 
 - ``subtract+bias``: the default neuron with bias calibration (the reference row).
-- ``zero``: hard reset, no fix. ``zero+bias``: with bias calibration (the old default).
+- ``zero``: hard reset, no fix. ``zero+bias``: with bias calibration only.
 - ``zero+shift`` / ``zero+shift+bias``: per-step bias shift theta/(2T) (hard_reset.shift_bias).
 - ``zero+thr`` / ``zero+thr+bias``: threshold calibration (hard_reset.calibrate_thresholds:
   per-layer threshold factor and least-squares output scale), then bias calibration.

@@ -6,8 +6,8 @@ Trains the demo's BN SmallCNN on digits (15 epochs, as tests/conftest.py), conve
 ``reset="subtract"`` and ``reset="zero"``, each with and without bias calibration, per layer and
 per channel, and prints test accuracy at T = 1, 2, 4, 8, 16, 32.
 
-Since threshold calibration became the default for ``reset="zero"``, its hard-reset rows are
-converted with it (calibrated at T=8). ``benchmarks/hard_reset.py`` compares the fixes over
+Its hard-reset rows use threshold calibration, the default for ``reset="zero"`` (calibrated
+at T=8). ``benchmarks/hard_reset.py`` compares the fixes over
 three networks, each calibrated at the run T.
 """
 

@@ -1,4 +1,4 @@
-"""Bias calibration at one T against membrane calibration over two horizons, on the robustness nets.
+"""Bias, membrane and weight calibration variants compared on the robustness nets, run to 64 steps.
 
     .venv/bin/python benchmarks/membrane_calibration.py --cache CACHE [--archs resnet20 tv_resnet ...]
 
@@ -7,16 +7,15 @@ Fashion-MNIST, seed ``--seed`` (0), ``--train-subset`` images; the networks are 
 here). For each network: fold, QCFS calibration with convert()'s defaults (L=8, per channel,
 percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
 
-- ``bias@8``: :func:`snnconv.spiking.calibrate_bias` at T=8 (convert()'s default before),
+- ``bias@8``: :func:`snnconv.spiking.calibrate_bias` at T=8 (the bias alone),
 - ``h4-16``, ``h4-32``: ``calibrate_bias(horizons=(4, 16))`` / ``(4, 32)`` (bias + initial
   membrane per channel, error model a + b/t),
-- ``h8-16``, ``h8-32``: the first horizon at the network's T ((8, 16) is convert()'s default),
+- ``h8-16``, ``h8-32``: the first horizon at the network's T (bias and membrane fitted at both),
 - ``h4-16/2b``: (4, 16) on 2 calibration batches instead of 4 (half the cost),
 - ``m8``, ``m16``: ``calibrate_bias(T=8 / 16, membrane=True)``: the initial membrane alone
-  absorbs the error at that T, the bias only what the membrane's [0, 1] range cannot
-  (``m16`` was convert()'s default in session 11),
+  absorbs the error at that T, the bias only what the membrane's [0, 1] range cannot,
 - ``m8w``, ``m16w``: the same with ``weights=True``, each Conv/Linear that reads spikes refitted
-  at that T in the same pass (``m16w`` is convert()'s default since session 12),
+  at that T in the same pass (``m16w`` is convert()'s default at T=8),
 
 and the SNN is run once for 64 steps on the first ``--test-limit`` test images; the accuracy
 at T is that of the first T steps (nothing in the network depends on T). Writes

@@ -1,4 +1,4 @@
-"""What norse 1.1.0 and sinabs 3.1.3 compute from snnconv's NIR files (see pending_docs/nir.md).
+"""What norse 1.1.0 and sinabs 3.1.3 compute from snnconv's NIR files (benchmarks/README.md).
 
 Their pins clash with ours, so they run in a throwaway venv layered over the project's:
 

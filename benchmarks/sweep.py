@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/sweep.py --set knobs --device cuda --jobs 16 --out benchmarks/results/sweep_knobs_gpu
 
-Each run is ``benchmarks/finetune.py`` at T=4 for 2 epochs with the settings of run E (AdamW lr
+Each run is ``benchmarks/finetune.py`` at T=4 for 2 epochs with a base recipe (AdamW lr
 1e-3, trained thresholds, distillation 0.5, horizons (2, 4), batch 64) plus its own flags:
 ``knobs`` changes one setting at a time, ``combo`` combines the best ones over seeds. Every run writes its
 own JSON and log under ``<out>_runs/``; ``<out>.json`` gathers accuracy by T on the full test

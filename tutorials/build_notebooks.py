@@ -37,7 +37,22 @@ if device == "auto":
 os.makedirs(out_dir, exist_ok=True)
 torch.manual_seed(seed)
 print(f"snnconv {snnconv.__version__}, torch {torch.__version__}, device {device}, dataset {dataset}")
-print(f"files go to {os.path.abspath(out_dir)}")'''
+print(f"files go to {os.path.abspath(out_dir)}")
+
+
+class MissingInput(FileNotFoundError):
+    """A file that an earlier notebook writes is missing: shown as one line, not a traceback."""
+
+    def _render_traceback_(self):  # IPython prints this instead of the traceback
+        return [str(self)]
+
+
+def require(notebook, *names):
+    """Stop with one line when a file that ``notebook`` writes into out_dir is missing."""
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            raise MissingInput(f"run {notebook} first: {path} is missing")'''
 
 DATA = '''\
 from torch.utils.data import DataLoader, Subset
@@ -258,6 +273,7 @@ AUGMENT = False  # calibration sees the training images as they are
 runs code from the file.
 '''),
     code('''
+require("01_train_resnet18_cifar10", "ann.json", "ann.pt")
 with open(os.path.join(out_dir, "ann.json")) as fh:
     ann_info = json.load(fh)
 model = models.get(ann_info["model"], num_classes=10, in_channels=ann_info["in_channels"])
@@ -405,6 +421,8 @@ as the teacher for distillation.
     code('''
 from snnconv.metrics import accuracy_by_T
 
+require("01_train_resnet18_cifar10", "ann.json", "ann.pt")
+require("02_convert", "snn.pt")
 snn = snnconv.SpikingNetwork.load(os.path.join(out_dir, "snn.pt"))
 with open(os.path.join(out_dir, "ann.json")) as fh:
     ann_info = json.load(fh)
@@ -526,6 +544,7 @@ reset-to-zero IF neurons cannot silently misread it.
     code('''
 snn_file = os.path.join(out_dir, "snn_finetuned.pt")
 if not os.path.exists(snn_file):
+    require("02_convert", "snn.pt")
     snn_file = os.path.join(out_dir, "snn.pt")
 snn = snnconv.SpikingNetwork.load(snn_file)
 graph = nir_io.export_nir(snn, input_shape=tuple(test_set[0][0].shape))  # batch-free (C, H, W)
@@ -635,6 +654,7 @@ from snnconv.analysis import analyse
 
 snn_file = os.path.join(out_dir, "snn_finetuned.pt")
 if not os.path.exists(snn_file):
+    require("02_convert", "snn.pt")
     snn_file = os.path.join(out_dir, "snn.pt")
 snn = snnconv.SpikingNetwork.load(snn_file).to(device)
 x = torch.cat([b[0] for b in test_loader])[:n_images].to(device)
