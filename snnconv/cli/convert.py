@@ -41,6 +41,7 @@ def _cmd_convert(args) -> int:
         model = load_model(args.weights, args.model, args.num_classes, in_channels, False)
     else:
         try:
+            torch.manual_seed(args.seed)  # the initialisation too: the same --seed, the same network
             model = models.get(args.model, num_classes=args.num_classes, in_channels=in_channels)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
