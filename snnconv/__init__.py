@@ -30,10 +30,12 @@ from .finetune import FinetuneConfig, finetune  # noqa: E402
 from .fold import fold_batchnorm  # noqa: E402
 from .guards import assert_no_batchnorm, find_batchnorm  # noqa: E402
 from .meta import ConversionMeta  # noqa: E402
+from .network import SpikingNetwork  # noqa: E402
+from .neuron import IFNeuron  # noqa: E402
 from .nir_io import export_nir, from_nir, load_nir, save_nir  # noqa: E402
 from .pipeline import convert  # noqa: E402
 from .qcfs import QCFS, QCFSTrainConfig, calibrate_qcfs  # noqa: E402
-from .spiking import IFNeuron, SpikingNetwork, to_spiking  # noqa: E402
+from .replace import to_spiking  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .spiking import IFNeuron, SpikingNetwork, TimeExpand, _check_T, neurons
+from .network import SpikingNetwork, check_T
+from .neuron import IFNeuron, TimeExpand, neurons
 
 __all__ = ["SpikeAnalysis", "analyse", "backend_record", "E_MAC_PJ", "E_AC_PJ", "RASTER_NEURONS"]
 
@@ -122,7 +123,7 @@ def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
     if not isinstance(snn, SpikingNetwork):
         raise TypeError(f"analyse() expects a SpikingNetwork, got {type(snn).__name__}")
     T = snn.T if T is None else T
-    _check_T(T)
+    check_T(T)
     T, B = int(T), int(x.shape[0])
     counts: dict[str, torch.Tensor] = {}
     sizes: dict[str, int] = {}

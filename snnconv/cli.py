@@ -295,8 +295,8 @@ def _cmd_finetune(args) -> int:
     import os
 
     from .finetune import finetune
+    from .network import SpikingNetwork
     from .pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, finetune_recipe
-    from .spiking import SpikingNetwork
 
     src = _snn_path(args.snn, "snn.pt")
     if os.path.basename(src) == "snn_finetuned.pt" and os.path.isdir(args.snn):
@@ -332,7 +332,7 @@ def _cmd_finetune(args) -> int:
 def _cmd_evaluate(args) -> int:
     import os
 
-    from .spiking import SpikingNetwork
+    from .network import SpikingNetwork
 
     src = _snn_path(args.snn)
     Ts = _Ts(args)
@@ -369,8 +369,8 @@ def _cmd_export(args) -> int:
     import os
 
     from .errors import SnnconvError
+    from .network import SpikingNetwork
     from .nir_io import export_nir, save_nir
-    from .spiking import SpikingNetwork
 
     try:
         args.network = _snn_path(args.network)
