@@ -29,7 +29,7 @@ from common import RESULTS, loaders, trained_ann, write_json
 import snnconv
 from snnconv.metrics import accuracy_by_T, evaluate
 from snnconv.plots import plot_accuracy_vs_T
-from snnconv.spiking import calibrate_bias
+from snnconv.calibration import calibrate_bias
 
 TS = (1, 2, 4, 8, 16, 32)
 

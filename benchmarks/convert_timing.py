@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import snnconv  # noqa: E402
 from snnconv import models  # noqa: E402
+from snnconv.calibration.bias import calibrate_bias, calibrate_bias_by_rerun  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
-from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -139,7 +139,7 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     print("membrane calibration", result["membrane_calibration_seconds"], flush=True)
     if rerun:
         result["bias_calibration_rerun_seconds"] = _best(
-            lambda: _calibrate_bias_by_rerun(snn, qcfs, loader, T=T), 1, device)
+            lambda: calibrate_bias_by_rerun(snn, qcfs, loader, T=T), 1, device)
     return result
 
 

@@ -12,8 +12,8 @@ converted per method and per T with every calibration at that T (the run T). Met
 
 - ``subtract+bias``: the default neuron with bias calibration (the reference row).
 - ``zero``: hard reset, no fix. ``zero+bias``: with bias calibration only.
-- ``zero+shift`` / ``zero+shift+bias``: per-step bias shift theta/(2T) (hard_reset.shift_bias).
-- ``zero+thr`` / ``zero+thr+bias``: threshold calibration (hard_reset.calibrate_thresholds:
+- ``zero+shift`` / ``zero+shift+bias``: per-step bias shift theta/(2T) (calibration.shift_bias).
+- ``zero+thr`` / ``zero+thr+bias``: threshold calibration (calibration.calibrate_thresholds:
   per-layer threshold factor and least-squares output scale), then bias calibration.
 - ``zero+thrk`` / ``zero+thrk+bias``: the threshold factor alone (``rescale=False``).
 - ``zero+thrc+bias``: per-channel threshold factors (``rescale=False``), then bias calibration.
@@ -37,16 +37,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from snnconv.calibration import calibrate_bias, calibrate_thresholds, shift_bias  # noqa: E402
 from snnconv.data import digits  # noqa: E402
 from snnconv.demo import train_ann  # noqa: E402
 from snnconv.fold import fold_graph  # noqa: E402
 from snnconv.graph import prepare  # noqa: E402
-from snnconv.hard_reset import calibrate_thresholds, shift_bias  # noqa: E402
 from snnconv.meta import atomic_write_bytes  # noqa: E402
 from snnconv.metrics import evaluate  # noqa: E402
 from snnconv.models import VGG, resnet8, small_cnn  # noqa: E402
 from snnconv.qcfs import calibrate_qcfs  # noqa: E402
-from snnconv.spiking import calibrate_bias, to_spiking  # noqa: E402
+from snnconv.replace import to_spiking  # noqa: E402
 
 TS = (4, 8, 16, 32)
 METHODS = ("subtract+bias", "zero", "zero+bias", "zero+shift", "zero+shift+bias", "zero+thrk", "zero+thrk+bias", "zero+thr",

@@ -7,7 +7,7 @@ Fashion-MNIST, seed ``--seed`` (0), ``--train-subset`` images; the networks are 
 here). For each network: fold, QCFS calibration with convert()'s defaults (L=8, per channel,
 percentile 99.9, 10 batches of 128), IF replacement at T=8, then one of
 
-- ``bias@8``: :func:`snnconv.spiking.calibrate_bias` at T=8 (the bias alone),
+- ``bias@8``: :func:`snnconv.calibration.calibrate_bias` at T=8 (the bias alone),
 - ``h4-16``, ``h4-32``: ``calibrate_bias(horizons=(4, 16))`` / ``(4, 32)`` (bias + initial
   membrane per channel, error model a + b/t),
 - ``h8-16``, ``h8-32``: the first horizon at the network's T (bias and membrane fitted at both),
@@ -41,7 +41,8 @@ import robustness as R  # noqa: E402
 from snnconv.fold import fold_graph  # noqa: E402
 from snnconv.graph import prepare  # noqa: E402
 from snnconv.qcfs import calibrate_qcfs  # noqa: E402
-from snnconv.spiking import calibrate_bias, to_spiking  # noqa: E402
+from snnconv.calibration import calibrate_bias  # noqa: E402
+from snnconv.replace import to_spiking  # noqa: E402
 
 TS = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = {"bias@8": dict(T=8), "h4-16": dict(horizons=(4, 16)), "h4-32": dict(horizons=(4, 32)),

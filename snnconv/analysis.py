@@ -34,8 +34,9 @@ import torch.nn.functional as F
 from .data import first_batch
 from .energy import E_AC_PJ, E_MAC_PJ
 from .metrics import accuracy_by_T
+from .network import SpikingNetwork, check_T
+from .neuron import IFNeuron, TimeExpand, neurons
 from .progress import progress_bar
-from .spiking import IFNeuron, SpikingNetwork, TimeExpand, _check_T, neurons
 
 __all__ = ["SpikeAnalysis", "analyse", "evaluation_record", "backend_record", "E_MAC_PJ", "E_AC_PJ",
            "RASTER_NEURONS", "ANALYSIS_IMAGES"]
@@ -129,7 +130,7 @@ def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
     if not isinstance(snn, SpikingNetwork):
         raise TypeError(f"analyse() expects a SpikingNetwork, got {type(snn).__name__}")
     T = snn.T if T is None else T
-    _check_T(T)
+    check_T(T)
     T, B = int(T), int(x.shape[0])
     counts: dict[str, torch.Tensor] = {}
     sizes: dict[str, int] = {}

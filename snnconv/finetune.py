@@ -33,7 +33,8 @@ from .errors import CheckpointError, DataError, StageOrderError
 from .meta import atomic_write_bytes
 from .metrics import accuracy_by_T, evaluate
 from .qcfs import make_optimizer
-from .spiking import IFNeuron, SpikingNetwork, neurons
+from .network import SpikingNetwork
+from .neuron import IFNeuron, neurons
 
 __all__ = ["FinetuneConfig", "finetune", "blend", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
 

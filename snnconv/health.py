@@ -42,8 +42,9 @@ def activity(model: nn.Module, batches: list[torch.Tensor],
     """Per-site activity of ``model`` (a traced ANN with ReLU or QCFS, or a SpikingNetwork), in
     eval mode; the model's output for each batch is appended to ``outputs`` where given (one
     pass gives both, see :func:`accuracy_of`)."""
+    from .network import SpikingNetwork
+    from .neuron import IFNeuron, channel_view
     from .qcfs import QCFS
-    from .spiking import IFNeuron, SpikingNetwork, _channel_view
 
     sums: dict[str, list[float]] = {}
 
@@ -92,7 +93,7 @@ def activity(model: nn.Module, batches: list[torch.Tensor],
                         v = v.detach().float()
                         q = qcfs.get(node)
                         if q is not None:
-                            lam = _channel_view(q.lam.detach().float(), v.dim())
+                            lam = channel_view(q.lam.detach().float(), v.dim())
                             add(labels[node], (v > 0).float().mean(), (v >= lam * (1 - 1e-6)).float().mean(),
                                 (v / lam).mean(), v.numel())
                         else:

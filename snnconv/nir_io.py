@@ -44,7 +44,9 @@ import torch.nn as nn
 from .errors import NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
-from .spiking import IFNeuron, Scale, SpikingNetwork, TimeExpand, _check_T, _insert_time_expand, _unique_name
+from .network import SpikingNetwork, check_T
+from .neuron import IFNeuron, Scale, TimeExpand
+from .replace import insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
 
@@ -452,7 +454,7 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
 
     parsed = parse(graph)
     T = (parsed.T or 8) if T is None else T
-    _check_T(T)
+    check_T(T)
     T = int(T)
     root = nn.Module()
     fx_graph = fx.Graph()
@@ -472,11 +474,11 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
         if mod is None:  # a sum node
             env[op.name] = value
             continue
-        target = _unique_name(_safe(op.name) or "node", used)
+        target = unique_name(_safe(op.name) or "node", used)
         root.add_module(target, mod)
         env[op.name] = fx_graph.call_module(target, (value,))
     gm = fx.GraphModule(root, fx_graph, "SpikingGraph")
-    expanded = _insert_time_expand(gm, T, used)
+    expanded = insert_time_expand(gm, T, used)
     gm.graph.lint()
     gm.recompile()
     snn = SpikingNetwork(gm, T).eval()

@@ -17,17 +17,18 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from .calibration import calibrate_bias, calibrate_thresholds
 from .data import first_batch, generators_kept
 from .errors import ConversionError, DataError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
 from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
 from .guards import assert_no_batchnorm
-from .hard_reset import calibrate_thresholds
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
+from .network import SpikingNetwork
 from .qcfs import QCFSTrainConfig, calibrate_qcfs, max_pools
-from .spiking import SpikingNetwork, calibrate_bias, to_spiking
+from .replace import to_spiking
 
 __all__ = ["convert", "seed_everything"]
 
@@ -385,7 +386,7 @@ def convert(
             the exact QCFS equivalent) or ``"zero"`` (hard reset, ``v[0] = 0``: spikingjelly's
             ``IFNode(v_reset=0.)``, for NIR consumers and chips whose neurons reset to zero).
         bias_calibration: after IF replacement, shift biases so that each layer's mean output
-            matches the QCFS-ANN on calibration batches (:func:`snnconv.spiking.calibrate_bias`).
+            matches the QCFS-ANN on calibration batches (:func:`snnconv.calibration.calibrate_bias`).
             Raises accuracy at every T on deep networks; see the benchmarks.
         bias_calibration_T: the horizon(s) of bias calibration. ``None`` (default) with
             ``reset="subtract"``: the membrane calibration at ``2 * T`` steps
@@ -400,7 +401,7 @@ def convert(
             (the default before; it decays beyond ``T2``).
         threshold_calibration: before bias calibration, fit each layer's threshold to the
             QCFS-ANN at ``bias_calibration_T`` steps
-            (:func:`snnconv.hard_reset.calibrate_thresholds`; weights and the neuron model are
+            (:func:`snnconv.calibration.calibrate_thresholds`; weights and the neuron model are
             untouched). ``None`` (default): on for ``reset="zero"``, whose neurons lose the
             charge above threshold at every spike and start empty; off for ``"subtract"``.
         weight_calibration: with bias calibration, also refit the weights of every Conv/Linear

@@ -29,7 +29,8 @@ from .graph import capture, describe_node, module_of, prepare, set_module
 from .guards import assert_no_batchnorm
 from .metrics import evaluate
 
-__all__ = ["QCFS", "calibrate_qcfs", "qcfs_sites", "relu_sites", "QCFSTrainConfig"]
+__all__ = ["QCFS", "calibrate_qcfs", "qcfs_sites", "relu_sites", "QCFSTrainConfig", "FloorSTE",
+           "check_activations"]
 
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
 _RELU_METHODS = {"relu", "relu_"}
@@ -55,7 +56,9 @@ _MAXPOOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_p
                       torch.max_pool1d, torch.max_pool3d}
 
 
-class _FloorSTE(torch.autograd.Function):
+class FloorSTE(torch.autograd.Function):
+    """``floor`` with a straight-through gradient (QCFS's, and the IF neuron's rate limit)."""
+
     @staticmethod
     def forward(ctx, x):  # noqa: D102
         return torch.floor(x)
@@ -97,7 +100,7 @@ class QCFS(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lam = self.lam_view(x.dim())
-        q = _FloorSTE.apply(x * (self.L / lam) + self.phi)
+        q = FloorSTE.apply(x * (self.L / lam) + self.phi)
         return torch.clamp(q, 0, self.L) * (lam / self.L)
 
     def extra_repr(self) -> str:
@@ -140,7 +143,7 @@ def qcfs_sites(model: nn.Module) -> dict[str, QCFS]:
     return {n: m for n, m in model.named_modules() if isinstance(m, QCFS)}
 
 
-def _check_activations(gm: fx.GraphModule, maxpool: str, *, stage: str = "QCFS calibration") -> None:
+def check_activations(gm: fx.GraphModule, maxpool: str, *, stage: str = "QCFS calibration") -> None:
     """Refuse activations other than ReLU, and max-pooling unless ``maxpool == "avg"``."""
     for node in gm.graph.nodes:
         mod = module_of(gm, node)
@@ -537,7 +540,7 @@ def calibrate_qcfs(
     device = torch.device(device)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before QCFS calibration")
-    _check_activations(gm, maxpool)
+    check_activations(gm, maxpool)
     pooled = _replace_maxpool(gm) if maxpool == "avg" else []
     gm.recompile()
     gm.to(device)

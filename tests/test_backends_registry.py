@@ -106,7 +106,8 @@ def test_a_builtin_name_cannot_be_taken_by_a_third_party(tmp_path, monkeypatch):
 
 def test_import_contracts_hold():
     """import-linter (pyproject's [tool.importlinter]): snnconv_backends imports only
-    snnconv.errors from snnconv; the stages import only earlier stages."""
+    snnconv.errors and the IF neuron from snnconv, the neuron no other snnconv module, and the
+    stages only earlier stages."""
     pytest.importorskip("importlinter")
     exe = Path(sys.executable).parent / "lint-imports"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-c",

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import snnconv
+from snnconv.calibration import calibrate_bias
 from snnconv.errors import DataError, StageOrderError
+from snnconv.neuron import IFNeuron, neurons
 from snnconv.qcfs import QCFS
-from snnconv.spiking import IFNeuron, calibrate_bias
 
 
 def _layer_means(model, x, kind, T=None):
@@ -127,14 +128,14 @@ def test_membrane_calibration_fits_both_horizons(qcfs_and_snn):
         err_after = sum((after[n] - ref[s]).abs().sum().item() for n, s in sources.items())
         assert err_after < 0.5 * err_before, (t, err_after, err_before)
     moved = []
-    for name, m in snnconv.spiking.neurons(calibrated.net).items():
+    for name, m in neurons(calibrated.net).items():
         assert m.v_init.dim() == 1 and ((m.v_init >= 0) & (m.v_init <= 1)).all(), name
         moved.append(float((m.v_init - 0.5).abs().max()))
     # the first layer sees the static input, on which t IF steps compute QCFS at t levels
     # (up to float rounding at level boundaries): nothing to correct there; the layers fed by
     # spikes move
     assert moved[0] < 1e-3 and all(d > 1e-2 for d in moved[1:]), moved
-    for m in snnconv.spiking.neurons(snn.net).values():  # the input network is untouched
+    for m in neurons(snn.net).values():  # the input network is untouched
         assert m.v_init.dim() == 0 and float(m.v_init) == 0.5
     assert calibrated.meta["bias_calibration"]["horizons"] == [2, 8]
 
@@ -162,7 +163,7 @@ def test_convert_calibrates_the_membrane_by_default(trained_digits_cnn, digits_l
     record = meta.stage("spiking").changes["bias_calibration"]
     assert record["membrane"] is True and record["T"] == 8 and "horizons" not in record
     assert meta.settings["membrane_calibration"] is True and meta.settings["bias_calibration_T"] == 8
-    assert all(m.v_init.dim() == 1 for m in snnconv.spiking.neurons(snn.net).values())
+    assert all(m.v_init.dim() == 1 for m in neurons(snn.net).values())
     _, meta = snnconv.convert(trained_digits_cnn, train, T=4, bias_calibration_T=(4, 8), progress=False)
     assert meta.stage("spiking").changes["bias_calibration"]["horizons"] == [4, 8]
     assert meta.settings["membrane_calibration"] is False
@@ -184,7 +185,7 @@ def test_membrane_calibration_moves_the_membrane_and_the_bias_only_where_it_must
     err_after = sum((after[n] - ref[s]).abs().sum().item() for n, s in sources.items())
     assert err_after < 0.5 * err_before, (err_after, err_before)
     interior = 0
-    for name, m in snnconv.spiking.neurons(calibrated.net).items():
+    for name, m in neurons(calibrated.net).items():
         assert m.v_init.dim() == 1 and ((m.v_init >= 0) & (m.v_init <= 1)).all(), name
         shift = calibrated.meta["bias_calibration"]["mean_abs_shift"][name]
         if ((m.v_init > 0) & (m.v_init < 1)).all():
@@ -208,14 +209,14 @@ def test_bias_calibration_warns_before_it_runs_out_of_memory(qcfs_and_snn, monke
     hears how much it needs and what to lower (an out-of-memory kill says nothing)."""
     import warnings
 
-    from snnconv import spiking
+    from snnconv.calibration import memory
 
     qcfs, snn, train = qcfs_and_snn
     loader = torch.utils.data.DataLoader(train.dataset, batch_size=64)  # the same batches twice
-    monkeypatch.setattr(spiking, "_available_bytes", lambda device: 1024)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1024)
     with pytest.warns(RuntimeWarning, match=r"GiB free on cpu.*calib_batches"):
         short = calibrate_bias(snn, qcfs, loader, T=4)
-    monkeypatch.setattr(spiking, "_available_bytes", lambda device: 2**50)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2**50)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         plenty = calibrate_bias(snn, qcfs, loader, T=4)
@@ -226,22 +227,22 @@ def test_firing_gives_the_spike_rates_from_charge_and_membrane():
     """The rates a fitted layer reads come from each position's charge and last membrane, not
     a pass over the spikes: exactly the spikes' mean over the steps, with a shift folded into
     the threshold, an initial membrane per channel and inputs of both signs."""
-    from snnconv.spiking import _charge_counts, _fire
+    from snnconv.calibration.membrane import charge_counts, fire
 
     torch.manual_seed(0)
     mod = IFNeuron(theta=torch.ones(5), T=16)
     mod.v_init = torch.rand(5)
     u = torch.randn(16, 3, 5, 4, 4) * 0.8 + 0.3
     charges = []
-    counts = _charge_counts(mod, u.clone(), (8, 16), charges)
+    counts = charge_counts(mod, u.clone(), (8, 16), charges)
     assert charges[0].shape == u.shape[1:]
     shift = (torch.rand(5) - 0.5).reshape(1, 5, 1, 1) * 0.2
-    spikes, rates = _fire(mod, u.clone(), shift, charges[0])
+    spikes, rates = fire(mod, u.clone(), shift, charges[0])
     assert set(spikes.unique().tolist()) <= {0.0, 1.0}
     assert torch.equal(rates, spikes.mean(0))
-    assert torch.equal(spikes, _fire(mod, u.clone(), shift))  # the same spikes without the rates
+    assert torch.equal(spikes, fire(mod, u.clone(), shift))  # the same spikes without the rates
     # the counts before the shift, from the same charge: the unshifted neuron's spikes
-    plain = _fire(mod, u.clone())
+    plain = fire(mod, u.clone())
     torch.testing.assert_close(counts[16], plain.double().sum(dim=(0, 1, 3, 4)))
     torch.testing.assert_close(counts[8], plain[:8].double().sum(dim=(0, 1, 3, 4)))
 
@@ -255,7 +256,7 @@ def test_weight_fit_recovers_the_reference_map(layer):
     sample of its output positions: on rates ``U`` whose reference input is ``U * theta`` per
     input channel, the fit from any start lands on the reference weights times theta (what IF
     replacement absorbs), up to the ridge."""
-    from snnconv.spiking import _layer_output, _WeightFit
+    from snnconv.calibration.weights import WeightFit, layer_output
 
     torch.manual_seed(0)
     ref = copy.deepcopy(layer)
@@ -267,10 +268,10 @@ def test_weight_fit_recovers_the_reference_map(layer):
             snn_layer.bias.copy_(ref.bias + 0.3)  # and a bias that differs from the reference's
     u = torch.rand(64, 6, 7, 7) if isinstance(layer, torch.nn.Conv2d) else torch.rand(64, 3, 6)
     shape = [1, 6, 1, 1] if u.dim() == 4 else [1, 1, 6]
-    fit = _WeightFit(snn_layer, ref)
+    fit = WeightFit(snn_layer, ref)
     for part in (u[:40], u[40:]):
         with torch.no_grad():
-            y = _layer_output(ref, part * theta.reshape(shape))
+            y = layer_output(ref, part * theta.reshape(shape))
         pos = torch.randperm(len(y))[:len(y) // 2].sort().values  # half of the positions
         fit.add(part, y[pos], pos)
     change = fit.solve(1e-9)
@@ -298,21 +299,21 @@ def test_weight_fit_recovers_the_reference_map(layer):
 def test_weight_fit_columns_are_the_unfolded_input_and_its_gram_matrix_is_exact(layer):
     """The columns gathered at sampled positions are F.unfold's rows there (same feature
     order, groups split), and the half-computed U^T U completes to the full product."""
-    from snnconv.spiking import _columns, _gram, _layer_output
+    from snnconv.calibration.weights import columns, layer_output, upper_gram
 
     torch.manual_seed(0)
     x = torch.rand(3, layer.in_channels, 6, 5)
-    n_pos = len(_layer_output(layer, x))
+    n_pos = len(layer_output(layer, x))
     pos = torch.randperm(n_pos)[:n_pos // 3].sort().values
     unfolded = F.unfold(x, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
     rows = unfolded.transpose(1, 2).reshape(n_pos, -1)[pos]
-    got = _columns(layer, x, pos)
+    got = columns(layer, x, pos)
     assert torch.equal(got, rows.reshape(len(pos), layer.groups, -1).transpose(0, 1))
-    g = _gram(got.double())
+    g = upper_gram(got.double())
     assert torch.allclose(g.triu() + g.triu(1).transpose(1, 2), got.double().transpose(1, 2) @ got.double())
     assert n_pos == x.shape[0] * math.prod(layer(x).shape[2:])
     with torch.no_grad():
-        assert torch.allclose(_layer_output(layer, x, pos), _layer_output(layer, x)[pos], atol=1e-5)
+        assert torch.allclose(layer_output(layer, x, pos), layer_output(layer, x)[pos], atol=1e-5)
 
 
 @pytest.mark.parametrize("steps", [1, 16, 127])
@@ -320,21 +321,21 @@ def test_weight_fit_gram_of_spike_counts_is_exact(steps, monkeypatch):
     """Rates that are counts over ``steps`` steps: their U^T U from int8 counts equals the
     float64 product, also where the int32 sums are split so that none can overflow; more than
     127 steps and grouped columns are left to the float path."""
-    from snnconv import spiking
+    from snnconv.calibration import weights
 
     torch.manual_seed(0)
     counts = torch.randint(0, steps + 1, (1, 301, 70)) * (torch.rand(1, 301, 70) < 0.4)
     u = counts.float() / steps  # what _fire's rates hold
     exact = counts.double().transpose(1, 2) @ counts.double() / steps**2
-    g = spiking._count_gram(u, steps)
+    g = weights.count_gram(u, steps)
     assert g is not None and g.dtype == torch.float64 and torch.equal(g, exact)
     real, rows = torch._int_mm, []
     monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows.append(len(b)) or real(a, b))
-    monkeypatch.setattr(spiking, "_INT32_MAX", 7 * steps**2)  # products of 7 rows at most
-    assert torch.equal(spiking._count_gram(u, steps), exact)
+    monkeypatch.setattr(weights, "INT32_MAX", 7 * steps**2)  # products of 7 rows at most
+    assert torch.equal(weights.count_gram(u, steps), exact)
     assert sum(rows) == 301 and max(rows) == 7
-    assert spiking._count_gram(u, 128) is None
-    assert spiking._count_gram(u.expand(2, -1, -1), steps) is None
+    assert weights.count_gram(u, 128) is None
+    assert weights.count_gram(u.expand(2, -1, -1), steps) is None
 
 
 def _pre_activation_error(snn, qcfs, x, T):
@@ -364,16 +365,17 @@ def _pre_activation_error(snn, qcfs, x, T):
 def test_weight_fit_reference_pass_gives_the_membrane_its_reference_means(qcfs_and_snn):
     """One QCFS-ANN pass serves both: the per-channel means the membrane calibration reads are
     those of its own reference pass, bit for bit."""
+    from snnconv.calibration.reference import reference_means
+    from snnconv.calibration.weights import WeightCalibration
     from snnconv.graph import module_of, prepare
-    from snnconv.spiking import _reference_means, _Weights
 
     qcfs, snn, train = qcfs_and_snn
     batches = [b[0] for _, b in zip(range(2), train)]
     ref = prepare(qcfs, leaf_types=(QCFS,))
     sites = {str(n.target): n.name for n in ref.graph.nodes
              if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)}
-    want = _reference_means(ref, sites, batches, 8)
-    got = _Weights(copy.deepcopy(snn).net, ref, batches, 8, sites).means
+    want = reference_means(ref, sites, batches, 8)
+    got = WeightCalibration(copy.deepcopy(snn).net, ref, batches, 8, sites).means
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 

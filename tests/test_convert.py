@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
-from snnconv.spiking import calibrate_bias
+from snnconv.calibration import calibrate_bias
 from snnconv import models
 from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
@@ -18,7 +18,7 @@ from snnconv.meta import ConversionMeta
 from snnconv.metrics import predictions
 from snnconv.pipeline import _MAXPOOL_QCFS_STEPS, _maxpool_qcfs_epochs
 from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
-from snnconv.spiking import SpikingNetwork
+from snnconv.network import SpikingNetwork
 
 # --------------------------------------------------------------------------------------------
 # helpers

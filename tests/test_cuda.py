@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from snnconv import finetune
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
-from snnconv.spiking import neurons
+from snnconv.neuron import neurons
 
 from _interrupting import Interrupt, InterruptingDataset
 

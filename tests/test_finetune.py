@@ -23,7 +23,7 @@ from snnconv.data import split_dataset
 from snnconv.errors import DataError, StageOrderError
 from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
 from snnconv.metrics import accuracy_by_T
-from snnconv.spiking import IFNeuron, neurons
+from snnconv.neuron import IFNeuron, neurons
 
 QUICK = dict(epochs=1, max_steps_per_epoch=3, progress=False)
 

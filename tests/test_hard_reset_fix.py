@@ -11,11 +11,12 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 import snnconv
+from snnconv.calibration import calibrate_thresholds, shift_bias
 from snnconv.errors import DataError, StageOrderError
-from snnconv.hard_reset import calibrate_thresholds, shift_bias
 from snnconv.metrics import evaluate
+from snnconv.neuron import IFNeuron, neurons
 from snnconv.qcfs import calibrate_qcfs
-from snnconv.spiking import IFNeuron, neurons, to_spiking
+from snnconv.replace import to_spiking
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 #: The conversion stages and their calibration passes.
-STAGES = ("snnconv.pipeline", "snnconv.fold", "snnconv.qcfs", "snnconv.spiking", "snnconv.hard_reset",
-          "snnconv.finetune", "snnconv.nir_io", "snnconv.health", "snnconv.guards", "snnconv.graph")
-#: What of snnconv a backend may load: the package itself, its errors and its energy figures.
-ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy"}
+STAGES = ("snnconv.pipeline", "snnconv.fold", "snnconv.qcfs", "snnconv.replace", "snnconv.network",
+          "snnconv.calibration", "snnconv.finetune", "snnconv.nir_io", "snnconv.health", "snnconv.guards",
+          "snnconv.graph")
+#: What of snnconv a backend may load: the package itself, its errors, its energy figures and
+#: the IF neuron (stage-free).
+ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy", "snnconv.neuron"}
 
 MODULES = ["snnconv_backends", "snnconv_backends.registry", "snnconv_backends.nirgraph",
            "snnconv_backends.engine", "snnconv_backends.cpu", "snnconv_backends.gpu",

@@ -16,7 +16,8 @@ from snnconv import models
 from snnconv.errors import NIRError, SnnconvError
 from _zoo import NARROW as _NARROW
 from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
-from snnconv.spiking import IFNeuron, Scale, SpikingNetwork, TimeExpand, neurons
+from snnconv.network import SpikingNetwork
+from snnconv.neuron import IFNeuron, Scale, TimeExpand, neurons
 from snnconv_backends.nirgraph import KINDS, ParsedGraph, parse
 
 

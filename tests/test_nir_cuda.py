@@ -9,7 +9,7 @@ import torch
 from test_hard_reset import _sj_hard
 from test_nir import _assert_same_run, _convert, _through_file
 
-from snnconv.spiking import IFNeuron
+from snnconv.neuron import IFNeuron
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

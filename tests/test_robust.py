@@ -103,7 +103,7 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     """The one pass counts spikes from the membrane (subtractive reset) or by a running count
     (reset to zero) and fires with the shift folded into the threshold: the same network as
     re-running every corrected layer from the input, up to float rounding."""
-    from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
+    from snnconv.calibration.bias import calibrate_bias, calibrate_bias_by_rerun
 
     model = small_digits_ann if net == "cnn" else _trained_tiny_resnet(digits_data)
     loader = DataLoader(digits_data[0], batch_size=50)  # 4 batches of 50
@@ -114,7 +114,7 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
     fast_calls, slow_calls = _calls(fast_snn), _calls(slow_snn)
     Tc = 8 if weights else 6  # the weights are fitted at T and 2T
     fast = calibrate_bias(fast_snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane, weights=weights)
-    slow = _calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane,
+    slow = calibrate_bias_by_rerun(slow_snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane,
                                     weights=weights)
     assert fast.meta["bias_calibration"]["method"] == "one-pass"
     assert slow.meta["bias_calibration"]["method"] == "rerun"
@@ -267,9 +267,11 @@ def test_lockstep_packs_the_spikes_that_outlive_the_next_hook_and_unpacks_them_b
 
 def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
         small_digits_ann, digits_data, monkeypatch):
-    """Wide activations get smaller chunks (page faults, see spiking._CHUNK_BYTES); chunking
+    """Wide activations get smaller chunks (page faults, see network.CHUNK_BYTES); chunking
     changes how the work is cut, never the result."""
-    from snnconv import spiking
+    from snnconv import network
+    from snnconv.calibration import calibrate_bias
+    from snnconv.graph import largest_value
 
     loader = DataLoader(digits_data[0], batch_size=50)
     qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(small_digits_ann), loader, L=4,
@@ -277,10 +279,10 @@ def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
     snn = snnconv.to_spiking(qcfs, T=4)
     wide, narrow = copy.deepcopy(snn), copy.deepcopy(snn)
     wide_calls, narrow_calls = _calls(wide), _calls(narrow)
-    a = spiking.calibrate_bias(wide, qcfs, loader, horizons=(2, 6))
-    per_image = spiking.largest_value(snn.net, digits_data[0].tensors[0][:1])  # at T=4
-    monkeypatch.setattr(spiking, "_CHUNK_BYTES", per_image // 4 * 6 * 3)  # 3 images at T=6
-    b = spiking.calibrate_bias(narrow, qcfs, loader, horizons=(2, 6))
+    a = calibrate_bias(wide, qcfs, loader, horizons=(2, 6))
+    per_image = largest_value(snn.net, digits_data[0].tensors[0][:1])  # at T=4
+    monkeypatch.setattr(network, "CHUNK_BYTES", per_image // 4 * 6 * 3)  # 3 images at T=6
+    b = calibrate_bias(narrow, qcfs, loader, horizons=(2, 6))
     assert set(narrow_calls.values()) == {4 * -(-50 // 3)}, narrow_calls  # sizing runs no hooks
     assert max(narrow_calls.values()) > max(wide_calls.values())
     sa, sb = a.state_dict(), b.state_dict()
@@ -293,15 +295,16 @@ def test_snn_forward_chunks_shrink_to_the_byte_cap_and_hooks_see_only_the_real_c
     """snn(x) on a CPU cuts its batch to chunk_size // T inputs and fewer where the largest
     value would pass the byte cap (measured once per input shape, with no hooks run): the same
     readout as one pass, and a layer's hook sees one call per chunk."""
-    from snnconv import spiking
+    from snnconv import network
+    from snnconv.graph import largest_value
 
     loader = DataLoader(digits_data[0], batch_size=50)
     qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(small_digits_ann), loader, L=4,
                                   per_channel=True, progress=False)
     snn = snnconv.to_spiking(qcfs, T=4)
     x = digits_data[0].tensors[0][:50]
-    per_image = spiking.largest_value(snn.net, x[:1])  # all 4 steps of one image
-    monkeypatch.setattr(spiking, "_CHUNK_BYTES", per_image * 7)
+    per_image = largest_value(snn.net, x[:1])  # all 4 steps of one image
+    monkeypatch.setattr(network, "CHUNK_BYTES", per_image * 7)
     calls = _calls(snn)
     with torch.no_grad():
         chunked = snn(x)
@@ -502,7 +505,7 @@ class _SharedConvOutput(torch.nn.Module):
 
 
 def test_bias_calibration_falls_back_to_the_rerun_where_a_shift_would_reach_other_nodes():
-    from snnconv.spiking import _calibrate_bias_by_rerun, calibrate_bias
+    from snnconv.calibration.bias import calibrate_bias, calibrate_bias_by_rerun
 
     torch.manual_seed(0)
     x = [torch.randn(32, 1, 6, 6)]
@@ -510,6 +513,6 @@ def test_bias_calibration_falls_back_to_the_rerun_where_a_shift_would_reach_othe
     snn = snnconv.to_spiking(qcfs, T=4)
     out = calibrate_bias(snn, qcfs, x)
     assert out.meta["bias_calibration"]["method"] == "rerun"
-    ref = _calibrate_bias_by_rerun(snn, qcfs, x)
+    ref = calibrate_bias_by_rerun(snn, qcfs, x)
     a, b = out.state_dict(), ref.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -13,8 +13,7 @@ import snnconv
 from snnconv import models
 from snnconv.errors import CheckpointError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
-from snnconv.serialize import graph_from_dict, graph_to_dict
-from snnconv.spiking import FORMAT, FORMAT_VERSION, SpikingNetwork
+from snnconv.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -217,8 +216,8 @@ def test_damaged_payloads_are_refused(tmp_path, how):
 
 def test_only_listed_functions_are_saved():
     """The function table is the allow-list: arithmetic and pooling, nothing that runs code."""
-    from snnconv.serialize import _FUNCTIONS
+    from snnconv.network import FUNCTIONS
 
-    assert _FUNCTIONS["operator.add"] is operator.add
+    assert FUNCTIONS["operator.add"] is operator.add
     assert not any(name.startswith(("os.", "subprocess.", "builtins.eval", "builtins.exec"))
-                   for name in _FUNCTIONS)
+                   for name in FUNCTIONS)

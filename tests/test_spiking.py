@@ -15,8 +15,8 @@ import snnconv
 from snnconv import models
 from snnconv.errors import BatchNormRemainsError, StageOrderError, UnsupportedLayerError
 from snnconv.fold import fold_batchnorm
+from snnconv.neuron import IFNeuron, Scale, neurons
 from snnconv.qcfs import QCFS, qcfs_sites
-from snnconv.spiking import IFNeuron, Scale, neurons
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -95,7 +95,7 @@ def _teacher(args, src: str, train):
 def _cmd_finetune(args) -> int:
     from ..finetune import finetune
     from ..pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, finetune_recipe
-    from ..spiking import SpikingNetwork
+    from ..network import SpikingNetwork
 
     src = snn_path(args.snn, "snn.pt")
     if os.path.basename(src) == "snn_finetuned.pt" and os.path.isdir(args.snn):

@@ -10,7 +10,7 @@ __all__ = ["add_evaluate", "add_report"]
 
 
 def _cmd_evaluate(args) -> int:
-    from ..spiking import SpikingNetwork
+    from ..network import SpikingNetwork
 
     src = snn_path(args.snn)
     Ts = time_steps(args)

@@ -30,7 +30,7 @@ def _cmd_export(args) -> int:
     """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
     from ..errors import SnnconvError
     from ..nir_io import export_nir, save_nir
-    from ..spiking import SpikingNetwork
+    from ..network import SpikingNetwork
 
     try:
         args.network = snn_path(args.network)

@@ -34,28 +34,19 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .data import split_batch
-from .errors import DataError, StageOrderError
-from .graph import call_counts, capture, module_of, prepare
-from .qcfs import QCFS
-from .spiking import (_LAYERS, IFNeuron, Scale, SpikingNetwork, TimeExpand, _apply_shift,
-                      _bias_path, _channel_view, _check_T)
+from ..errors import StageOrderError
+from ..graph import call_counts, capture, module_of, prepare
+from ..network import SpikingNetwork, check_T
+from ..neuron import IFNeuron, Scale, TimeExpand, channel_view
+from ..qcfs import QCFS
+from ..replace import LAYERS
+from .bias import apply_shift, bias_path
+from .reference import calibration_batches, reference_sites
 
 __all__ = ["DEFAULT_FACTORS", "calibrate_thresholds", "shift_bias"]
 
 #: threshold factors tried by :func:`calibrate_thresholds`: 2^(j/8) for j = -16..16 (0.25 .. 4)
 DEFAULT_FACTORS: tuple[float, ...] = tuple(2.0 ** (j / 8) for j in range(-16, 17))
-
-
-def _calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch.Tensor]:
-    batches = []
-    for batch in loader:
-        if len(batches) >= num_batches:
-            break
-        batches.append(split_batch(batch, where=where)[0])
-    if not batches:
-        raise DataError(f"the {where} is empty: it yielded no batch")
-    return batches
 
 
 def _check_network(snn: Any, what: str) -> None:
@@ -86,7 +77,7 @@ def _input_terms(gm: fx.GraphModule, node: fx.Node, calls: dict[str, int]) -> li
     terms = []
     for a in args:
         mod = module_of(gm, a) if isinstance(a, fx.Node) else None
-        if not isinstance(mod, (_LAYERS, Scale)) or len(a.users) != 1 \
+        if not isinstance(mod, (LAYERS, Scale)) or len(a.users) != 1 \
                 or calls.get(str(a.target), 0) != 1:
             return None
         terms.append(mod)
@@ -122,15 +113,16 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     scaled per channel, see below).
 
     It is written into the network so that the threshold remains the output scale (the
-    convention every stage relies on, e.g. :func:`snnconv.spiking.calibrate_bias`): the
+    convention every stage relies on, e.g. :func:`snnconv.calibration.calibrate_bias`): the
     neuron's threshold becomes ``c``, its input layers (the Conv/Linear or shortcut
     :class:`Scale` modules summed into it) are multiplied by ``c / (k * theta)`` (an IF neuron
     that starts at 0 and resets to 0 gives the same spikes for input and threshold scaled
     together), and its consumers' weights by ``c / theta``. Where the input layers are shared
     (or not Conv/Linear/Scale), the threshold becomes ``k * theta`` with ``c = theta`` instead
-    (``rescale`` is not applied there), recorded as ``"input_scaled": False``. The neuron model is untouched: only weights, biases
-    and thresholds change. Works on a copy; ``result.meta["threshold_calibration"]`` records
-    each layer's ``factor``, ``output_scale`` (``c / theta``) and error before and after.
+    (``rescale`` is not applied there), recorded as ``"input_scaled": False``. The neuron
+    model is untouched: only weights, biases and thresholds change. Works on a copy;
+    ``result.meta["threshold_calibration"]`` records each layer's ``factor``, ``output_scale``
+    (``c / theta``) and error before and after.
 
     Cost: one T-step pass over ``num_batches`` batches (run as one batch), plus at each neuron
     ``len(factors)`` runs of that neuron alone and one ANN forward.
@@ -143,7 +135,7 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     """
     _check_network(snn, "calibrate_thresholds")
     T = snn.T if T is None else T
-    _check_T(T)
+    check_T(T)
     factors = tuple(float(k) for k in factors)
     if not factors or not all(0 < k < float("inf") for k in factors) or 1.0 not in factors:
         raise ValueError(f"factors must be positive and finite and include 1.0 (the unchanged "
@@ -151,15 +143,14 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     if rescale and per_channel:
         raise ValueError("rescale=True fits one output scale per layer; use it with "
                          "per_channel=False, or pass rescale=False for per-channel factors")
-    batches = _calibration_batches(loader, num_batches, "threshold calibration loader")
+    batches = calibration_batches(loader, num_batches, "threshold calibration loader")
     out = copy.deepcopy(snn)
     gm = out.net
     device = next(out.parameters()).device
     batches = [x.to(device) for x in batches]
     x_all = torch.cat(batches) if len(batches) > 1 else batches[0]
     ref = prepare(reference, leaf_types=(QCFS,)).to(device)
-    ref_nodes = {str(n.target): n.name for n in ref.graph.nodes
-                 if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)}
+    ref_nodes = reference_sites(ref)
     calls = call_counts(gm)
     records: dict[str, Any] = {}
     handles = []
@@ -190,7 +181,7 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
                 for k in factors:
                     m.theta.data = theta * k
                     rate = m.forward(x).reshape(T, -1, *x.shape[1:]).double().mean(0)
-                    u = rate * _channel_view(theta.double(), rate.dim())  # the unscaled output
+                    u = rate * channel_view(theta.double(), rate.dim())  # the unscaled output
                     c = torch.ones((), dtype=torch.float64, device=x.device)
                     if rescale and terms is not None:
                         uu = (u * u).sum()
@@ -225,7 +216,7 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
             for t in consumers:
                 _scale_output_input(t, torch.as_tensor(c, dtype=theta.dtype, device=theta.device))
             m.theta.data = theta * c
-            return (x * _channel_view(f, x.dim()),)
+            return (x * channel_view(f, x.dim()),)
 
         handles.append(mod.register_forward_pre_hook(fit))
     old_T = out.T
@@ -264,7 +255,7 @@ def shift_bias(snn: SpikingNetwork, T: int | None = None) -> SpikingNetwork:
     """
     _check_network(snn, "shift_bias")
     T = snn.T if T is None else T
-    _check_T(T)
+    check_T(T)
     out = copy.deepcopy(snn)
     gm = out.net
     calls = call_counts(gm)
@@ -273,12 +264,12 @@ def shift_bias(snn: SpikingNetwork, T: int | None = None) -> SpikingNetwork:
         mod = module_of(gm, node)
         if not isinstance(mod, IFNeuron):
             continue
-        hit = _bias_path(gm, node)
+        hit = bias_path(gm, node)
         if hit is None or calls.get(str(hit[0].target), 0) != 1:
             record[str(node.target)] = "skipped: no Conv/Linear of its own feeds it"
             continue
         shift = mod.theta.detach() / (2 * T)
-        _apply_shift(module_of(gm, hit[0]), shift)
+        apply_shift(module_of(gm, hit[0]), shift)
         record[str(node.target)] = {"layer": str(hit[0].target), "shift": shift.tolist()}
     out.meta = copy.deepcopy(snn.meta)
     out.meta["bias_shift"] = {"T": T, "layers": record}
