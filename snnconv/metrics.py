@@ -7,7 +7,8 @@ DataLoader iterator draws a worker base seed from the global generator even with
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -18,22 +19,35 @@ from .errors import DataError
 __all__ = ["evaluate", "predictions", "accuracy_by_T"]
 
 
-def predictions(model: nn.Module, loader: Iterable, device: torch.device | str = "cpu"
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Arg-max predictions and labels of ``model`` over a labelled loader."""
-    preds, labels = [], []
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, without gradients or a draw from the global RNG; its mode restored."""
     was = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for batch in loader:
-                x, y = split_batch(batch, where="evaluation loader")
-                if y is None:
-                    raise DataError("evaluation needs labels: the loader yielded inputs only")
-                preds.append(model(x.to(device)).argmax(dim=1).cpu())
-                labels.append(y.cpu())
+            yield
     finally:
         model.train(was)
+
+
+def _labelled_batches(loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, y)`` of each batch of an evaluation loader; a batch without labels is refused."""
+    for batch in loader:
+        x, y = split_batch(batch, where="evaluation loader")
+        if y is None:
+            raise DataError("evaluation needs labels: the loader yielded inputs only")
+        yield x, y
+
+
+def predictions(model: nn.Module, loader: Iterable, device: torch.device | str = "cpu"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arg-max predictions and labels of ``model`` over a labelled loader."""
+    preds, labels = [], []
+    with _evaluating(model):
+        for x, y in _labelled_batches(loader):
+            preds.append(model(x.to(device)).argmax(dim=1).cpu())
+            labels.append(y.cpu())
     if not preds:
         raise DataError("the evaluation loader is empty: it yielded no batch")
     return torch.cat(preds), torch.cat(labels)
@@ -58,21 +72,13 @@ def accuracy_by_T(snn: nn.Module, loader: Iterable, Ts: Iterable[int],
     T_max = Ts[-1]
     correct = {t: 0 for t in Ts}
     total = 0
-    was = snn.training
-    snn.eval()
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for batch in loader:
-                x, y = split_batch(batch, where="evaluation loader")
-                if y is None:
-                    raise DataError("evaluation needs labels: the loader yielded inputs only")
-                steps = snn.run(x.to(device), T=T_max).cpu()
-                cum = steps.cumsum(0)
-                for t in Ts:
-                    correct[t] += (cum[t - 1].argmax(1) == y.cpu()).sum().item()
-                total += len(y)
-    finally:
-        snn.train(was)
+    with _evaluating(snn):
+        for x, y in _labelled_batches(loader):
+            steps = snn.run(x.to(device), T=T_max).cpu()
+            cum = steps.cumsum(0)
+            for t in Ts:
+                correct[t] += (cum[t - 1].argmax(1) == y.cpu()).sum().item()
+            total += len(y)
     if total == 0:
         raise DataError("the evaluation loader is empty: it yielded no batch")
     return {t: 100.0 * c / total for t, c in correct.items()}

@@ -209,21 +209,22 @@ class _Exporter:
                 right = (self.sum_node(f"{n.name}_rhs", right, self.shape(b)),)
             self.value[n.name] = left + right
         elif n.target in _FLATTENS:
-            start = n.args[1] if len(n.args) > 1 else n.kwargs.get("start_dim", 0)
-            end = n.args[2] if len(n.args) > 2 else n.kwargs.get("end_dim", -1)
-            x = n.args[0]
-            self.value[n.name] = (self.flatten(n, n.name, start, end, self.shape(x), self.src(x, n)),)
+            self.flatten_call(n)
         else:
             raise self.unsupported(n)
 
     def method(self, n: fx.Node) -> None:
         if n.target == "flatten":
-            start = n.args[1] if len(n.args) > 1 else n.kwargs.get("start_dim", 0)
-            end = n.args[2] if len(n.args) > 2 else n.kwargs.get("end_dim", -1)
-            x = n.args[0]
-            self.value[n.name] = (self.flatten(n, n.name, start, end, self.shape(x), self.src(x, n)),)
+            self.flatten_call(n)
         else:
             raise self.unsupported(n)
+
+    def flatten_call(self, n: fx.Node) -> None:
+        """``torch.flatten(x, start, end)`` or ``x.flatten(start, end)``, dims by position or name."""
+        start = n.args[1] if len(n.args) > 1 else n.kwargs.get("start_dim", 0)
+        end = n.args[2] if len(n.args) > 2 else n.kwargs.get("end_dim", -1)
+        x = n.args[0]
+        self.value[n.name] = (self.flatten(n, n.name, start, end, self.shape(x), self.src(x, n)),)
 
     # --- node builders ---
     def neuron(self, base: str, mod: IFNeuron, srcs: tuple[str, ...], shape: tuple[int, ...]) -> str:

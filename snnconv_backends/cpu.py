@@ -66,6 +66,7 @@ class PlanProgram(Program):
 
     name = "cpu"
     plan: Plan
+    chunk_size: int
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -87,6 +88,18 @@ class PlanProgram(Program):
         x, seq = self.plan.check_input(x, T)
         return x, seq, T
 
+    def _chunking(self, x: torch.Tensor, seq: bool, T: int) -> tuple[int, int]:
+        """``(B, per)``: the batch size and how many inputs one chunk of ``chunk_size`` holds."""
+        B = x.shape[1] if seq else x.shape[0]
+        per = max(1, self.chunk_size // T) if self.chunk_size else B
+        return B, per
+
+    def _run_chunks(self, x: torch.Tensor, T: int, seq: bool, per: int, stats: Stats) -> torch.Tensor:
+        """The plan run on ``per`` inputs at a time, the readouts joined along the batch."""
+        parts = x.split(per, dim=1 if seq else 0)
+        outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
 
 class CPUProgram(PlanProgram):
     """A graph compiled for the cpu backend."""
@@ -104,14 +117,11 @@ class CPUProgram(PlanProgram):
             BackendError: wrong input shape or dtype, or ``T < 1``.
         """
         x, seq, T = self._checked(x, T)
-        B = x.shape[1] if seq else x.shape[0]
-        per = max(1, self.chunk_size // T) if self.chunk_size else B
+        B, per = self._chunking(x, seq, T)
         stats = Stats(self.plan, T)
         start = time.perf_counter()
         with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
-            parts = x.split(per, dim=1 if seq else 0)
-            outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            out = self._run_chunks(x, T, seq, per, stats)
         seconds = time.perf_counter() - start
         macs = {k: v * B for k, v in self.plan.macs_per_image.items()}
         extra = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""),

@@ -105,17 +105,14 @@ class GPUProgram(PlanProgram):
             BackendError: wrong input shape or dtype, or ``T < 1``.
         """
         x, seq, T = self._checked(x, T)
-        B = x.shape[1] if seq else x.shape[0]
-        per = max(1, self.chunk_size // T) if self.chunk_size else B
+        B, per = self._chunking(x, seq, T)
         stats = Stats(self.plan, T)
         dev = self.plan.device
         with torch.no_grad(), _numerics(dev, self.deterministic):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             start = time.perf_counter()
-            parts = x.split(per, dim=1 if seq else 0)
-            outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            out = self._run_chunks(x, T, seq, per, stats)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - start

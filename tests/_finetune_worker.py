@@ -23,25 +23,18 @@ import os
 import threading
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
+
+from _interrupting import LimitedDataset
 
 logging.getLogger("spikingjelly").setLevel(logging.ERROR)
 
 
-class HangingDataset(Dataset):
+class HangingDataset(LimitedDataset):
     """``base`` until ``limit`` items have been read, then blocks forever."""
 
-    def __init__(self, base: Dataset, limit: int):
-        self.base, self.limit, self.count = base, limit, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, i):
-        self.count += 1
-        if self.count > self.limit:
-            threading.Event().wait()
-        return self.base[i]
+    def past_limit(self) -> None:
+        threading.Event().wait()
 
 
 def main() -> None:

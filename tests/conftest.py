@@ -30,8 +30,8 @@ def digits_loaders(digits_data):
     return train, DataLoader(test_set, batch_size=256)
 
 
-@pytest.fixture(scope="session")
-def _trained_digits_cnn(digits_data):
+def _train_on_digits(digits_data, epochs: int, **cnn_options):
+    """A SmallCNN (with BatchNorm) trained from seed 0 on the digits training split."""
     from snnconv.demo import train_ann
     from snnconv.models import small_cnn
 
@@ -39,13 +39,28 @@ def _trained_digits_cnn(digits_data):
     train_set, _ = digits_data
     loader = DataLoader(train_set, batch_size=64, shuffle=True,
                         generator=torch.Generator().manual_seed(0))
-    return train_ann(small_cnn(num_classes=10, in_channels=1), loader, epochs=15, progress=False)
+    return train_ann(small_cnn(num_classes=10, in_channels=1, **cnn_options), loader, epochs=epochs,
+                     progress=False)
+
+
+@pytest.fixture(scope="session")
+def _trained_digits_cnn(digits_data):
+    return _train_on_digits(digits_data, epochs=15)
 
 
 @pytest.fixture
 def trained_digits_cnn(_trained_digits_cnn):
     """A SmallCNN with BatchNorm trained on digits (about 98% test accuracy); a fresh copy."""
     return copy.deepcopy(_trained_digits_cnn)
+
+
+@pytest.fixture
+def no_tf32():
+    """Float32 on the GPU as on CPU (TF32 would round matrix inputs to 10 bits)."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 FASHION_ROOT = os.environ.get("SNNCONV_FASHION_MNIST", "/usr/share/datasets/fashion-mnist")
@@ -59,14 +74,7 @@ needs_fashion = pytest.mark.skipif(
 @pytest.fixture(scope="session")
 def _small_digits_ann(digits_data):
     """A width-8 SmallCNN (with BatchNorm) trained on digits for 8 epochs (built once)."""
-    from snnconv.demo import train_ann
-    from snnconv.models import small_cnn
-
-    torch.manual_seed(0)
-    train_set, _ = digits_data
-    loader = DataLoader(train_set, batch_size=64, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
-    return train_ann(small_cnn(num_classes=10, in_channels=1, width=8), loader, epochs=8, progress=False)
+    return _train_on_digits(digits_data, epochs=8, width=8)
 
 
 @pytest.fixture

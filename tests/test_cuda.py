@@ -16,16 +16,8 @@ from snnconv.neuron import neurons
 
 from _interrupting import Interrupt, InterruptingDataset
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """Float32 on the GPU as on CPU (TF32 would round matrix inputs to 10 bits)."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+              pytest.mark.usefixtures("no_tf32")]  # float32 on the GPU as on CPU
 
 
 def test_the_snn_on_the_gpu_computes_what_it_computes_on_cpu(small_digits_snn, digits_data):

@@ -24,18 +24,9 @@ from snnconv.errors import DataError, StageOrderError
 from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
 from snnconv.metrics import accuracy_by_T
 from snnconv.neuron import IFNeuron, neurons
+from _probes import assert_bit_identical, state_copy
 
 QUICK = dict(epochs=1, max_steps_per_epoch=3, progress=False)
-
-
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _assert_bit_identical(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k] - b[k]).abs().max()})"
 
 
 def _weights_changed(before: dict, after: dict) -> list[str]:
@@ -135,7 +126,7 @@ def test_a_plain_list_of_batches_is_split_by_batches(small_digits_snn, digits_da
     tuned, history = finetune(small_digits_snn, batches, T=2, epochs=1, val_fraction=0.2,
                               progress=False)
     assert len(history) == 1 and "val_acc" in history[0]
-    assert _weights_changed(_state(small_digits_snn), _state(tuned))
+    assert _weights_changed(state_copy(small_digits_snn), state_copy(tuned))
 
 
 def test_first_step_loss_is_cross_entropy_on_the_first_seeded_batch(small_digits_snn, digits_data):
@@ -158,15 +149,15 @@ def test_first_step_loss_is_cross_entropy_on_the_first_seeded_batch(small_digits
 
 def test_the_callers_snn_is_not_changed(small_digits_snn, digits_loaders):
     train, _ = digits_loaders
-    before, thetas = _state(small_digits_snn), _thetas(small_digits_snn)
+    before, thetas = state_copy(small_digits_snn), _thetas(small_digits_snn)
     tuned, _ = finetune(small_digits_snn, train, T=2, train_thresholds=True, alpha=4.0,
                         detach_reset=True, **QUICK)
-    _assert_bit_identical(before, _state(small_digits_snn))
+    assert_bit_identical(before, state_copy(small_digits_snn))
     assert small_digits_snn.T == 4
     for m in neurons(small_digits_snn).values():
         assert m.T == 4 and m.alpha == 2.0 and m.detach_reset is False
         assert not m.theta.requires_grad
-    assert _weights_changed(before, _state(tuned))
+    assert _weights_changed(before, state_copy(tuned))
     assert any(not torch.equal(thetas[n], t) for n, t in _thetas(tuned).items())
     assert all(not p.requires_grad for n, p in tuned.named_parameters() if n.endswith("theta"))
 
@@ -177,11 +168,11 @@ def test_same_seed_gives_bit_identical_weights(small_digits_snn, digits_loaders)
                      progress=False)
     b, hb = finetune(small_digits_snn, train, T=2, epochs=2, max_steps_per_epoch=3, seed=7,
                      progress=False)
-    _assert_bit_identical(_state(a), _state(b))
+    assert_bit_identical(state_copy(a), state_copy(b))
     assert [h["loss"] for h in ha] == [h["loss"] for h in hb]
     c, _ = finetune(small_digits_snn, train, T=2, epochs=2, max_steps_per_epoch=3, seed=8,
                     progress=False)
-    assert _weights_changed(_state(a), _state(c)), "another seed, another sample order"
+    assert _weights_changed(state_copy(a), state_copy(c)), "another seed, another sample order"
 
 
 def test_the_global_rng_does_not_decide_the_result(small_digits_snn, digits_loaders):
@@ -191,7 +182,7 @@ def test_the_global_rng_does_not_decide_the_result(small_digits_snn, digits_load
     torch.manual_seed(456)
     torch.rand(17)
     b, _ = finetune(small_digits_snn, train, T=2, seed=1, **QUICK)
-    _assert_bit_identical(_state(a), _state(b))
+    assert_bit_identical(state_copy(a), state_copy(b))
 
 
 def test_the_callers_global_rng_is_left_as_it_was(small_digits_snn, digits_loaders):
@@ -219,7 +210,7 @@ def test_an_unsized_loader_trains_at_every_step(small_digits_snn, digits_data):
                   progress=False)
     one, _ = finetune(small_digits_snn, Unsized(batches[:1]), **common)
     four, history = finetune(small_digits_snn, Unsized(batches), **common)
-    assert _weights_changed(_state(one), _state(four)), "steps 2-4 moved the weights"
+    assert _weights_changed(state_copy(one), state_copy(four)), "steps 2-4 moved the weights"
     assert history[0]["train_acc"] >= 0 and math.isfinite(history[0]["loss"])
 
 
@@ -227,10 +218,10 @@ def test_an_unsized_loader_trains_at_every_step(small_digits_snn, digits_data):
 
 def test_thresholds_are_frozen_by_default(small_digits_snn, digits_loaders):
     train, _ = digits_loaders
-    before = _state(small_digits_snn)
+    before = state_copy(small_digits_snn)
     tuned, _ = finetune(small_digits_snn, train, T=2, lr=1e-2, **QUICK)
-    _assert_bit_identical(_thetas(small_digits_snn), _thetas(tuned))
-    assert _weights_changed(before, _state(tuned))
+    assert_bit_identical(_thetas(small_digits_snn), _thetas(tuned))
+    assert _weights_changed(before, state_copy(tuned))
 
 
 @pytest.mark.parametrize("threshold_lr", [1e-2, 10.0])
@@ -257,7 +248,7 @@ def test_weight_decay_acts_on_weights_never_on_thresholds(small_digits_snn, digi
                                optimizer=optimizer, lr=1e-2, weight_decay=wd, momentum=0.0,
                                train_thresholds=train_thresholds, threshold_lr=0.1,
                                val_fraction=0.0, progress=False)
-    plain, decayed = _state(runs[0.0]), _state(runs[0.5])
+    plain, decayed = state_copy(runs[0.0]), state_copy(runs[0.5])
     assert _weights_changed(plain, decayed), "weight decay must act on conv/linear weights"
     for name in plain:
         if not name.endswith("weight"):  # thresholds, scales and biases
@@ -279,7 +270,7 @@ def test_alpha_and_detach_reset_reach_every_neuron(small_digits_snn, digits_load
     for alpha, detach in ((5.0, False), (2.0, True)):
         other, _ = finetune(small_digits_snn, train, T=2, lr=1e-2, alpha=alpha, detach_reset=detach,
                             **QUICK)
-        assert _weights_changed(_state(base), _state(other)), (alpha, detach)
+        assert _weights_changed(state_copy(base), state_copy(other)), (alpha, detach)
 
 
 @pytest.mark.parametrize("options", [
@@ -290,9 +281,9 @@ def test_alpha_and_detach_reset_reach_every_neuron(small_digits_snn, digits_load
 ], ids=["sgd-nesterov-smoothing", "sgd-warmup-noclip", "adamw-decay-warmup-smoothing", "batch32"])
 def test_optimizer_options_run_and_train(small_digits_snn, digits_loaders, options):
     train, _ = digits_loaders
-    before = _state(small_digits_snn)
+    before = state_copy(small_digits_snn)
     tuned, history = finetune(small_digits_snn, train, T=2, lr=1e-2, **QUICK, **options)
-    after = _state(tuned)
+    after = state_copy(tuned)
     assert _weights_changed(before, after)
     assert all(torch.isfinite(v).all() for v in after.values())
     assert math.isfinite(history[0]["loss"])
@@ -301,17 +292,17 @@ def test_optimizer_options_run_and_train(small_digits_snn, digits_loaders, optio
 def test_warmup_scales_the_first_step(small_digits_snn, digits_loaders):
     """Plain SGD moves weights by lr * f(0) * grad; with 4 warm-up steps f(0) = 1/4."""
     train, _ = digits_loaders
-    start = _state(small_digits_snn)
+    start = state_copy(small_digits_snn)
     common = dict(T=2, epochs=1, max_steps_per_epoch=1, optimizer="sgd", momentum=0.0, lr=1e-2,
                   grad_clip=0.0, val_fraction=0.0, progress=False)
     full, _ = finetune(small_digits_snn, train, **common)
     warm, _ = finetune(small_digits_snn, train, warmup_steps=4, **common)
-    moved = [k for k in _weights_changed(start, _state(full))]
+    moved = [k for k in _weights_changed(start, state_copy(full))]
     assert moved
     large = []
     for k in moved:
-        d_full = _state(full)[k] - start[k]
-        d_warm = _state(warm)[k] - start[k]
+        d_full = state_copy(full)[k] - start[k]
+        d_warm = state_copy(warm)[k] - start[k]
         # d = (w + lr*g) - w is exact up to one ulp of w, hence the absolute tolerance
         ulp = torch.finfo().eps * start[k].abs().max().item()
         torch.testing.assert_close(d_warm, d_full / 4, rtol=1e-3, atol=4 * ulp)
@@ -349,8 +340,8 @@ def test_activation_checkpointing_gives_the_same_training(small_digits_snn, digi
     common = dict(T=2, epochs=1, max_steps_per_epoch=3, optimizer="sgd", lr=5e-2, progress=False)
     plain, hp = finetune(small_digits_snn, train, **common)
     ckpt, hc = finetune(small_digits_snn, train, activation_checkpointing=mode, **common)
-    a, b = _state(plain), _state(ckpt)
-    assert _weights_changed(_state(small_digits_snn), b), "the checkpointed view trains the model"
+    a, b = state_copy(plain), state_copy(ckpt)
+    assert _weights_changed(state_copy(small_digits_snn), b), "the checkpointed view trains the model"
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
     assert hc[0]["loss"] == pytest.approx(hp[0]["loss"], rel=1e-5)
@@ -366,8 +357,8 @@ def test_block_checkpointing_on_a_resnet_matches_plain_training(digits_data):
     common = dict(T=2, epochs=1, max_steps_per_epoch=2, optimizer="sgd", lr=5e-2, progress=False)
     a, _ = finetune(snn, loader, **common)
     b, _ = finetune(snn, loader, activation_checkpointing="block", **common)
-    sa, sb = _state(a), _state(b)
-    assert _weights_changed(_state(snn), sb)
+    sa, sb = state_copy(a), state_copy(b)
+    assert _weights_changed(state_copy(snn), sb)
     for k in sa:
         torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e-5, msg=k)
 
@@ -463,7 +454,7 @@ def test_config_fields_and_keyword_options_combine(small_digits_snn, digits_load
     a, _ = finetune(small_digits_snn, train, config=cfg, progress=False)
     b, _ = finetune(small_digits_snn, train, config=FinetuneConfig(lr=1e-2, seed=3), T=2, epochs=1,
                     max_steps_per_epoch=2, progress=False)
-    _assert_bit_identical(_state(a), _state(b))
+    assert_bit_identical(state_copy(a), state_copy(b))
 
 
 # --- progress bar and the pipeline ----------------------------------------------------------
@@ -600,7 +591,7 @@ def test_distillation_trains_on_the_teacher_and_leaves_the_teacher_alone(
     options = dict(T=2, epochs=1, max_steps_per_epoch=3, lr=3e-3, progress=False)
     plain, _ = finetune(small_digits_snn, train, **options)
     taught, _ = finetune(small_digits_snn, train, distill=1.0, teacher=teacher, **options)
-    assert _weights_changed(_state(plain), _state(taught))
+    assert _weights_changed(state_copy(plain), state_copy(taught))
     assert teacher.training
     assert all(torch.equal(before[k], v) for k, v in teacher.state_dict().items())
 
@@ -635,16 +626,16 @@ def test_convert_distills_from_the_callers_model(small_digits_ann, digits_loader
 def test_blend_mixes_every_weight_and_threshold_and_leaves_both_inputs_alone(small_digits_snn,
                                                                               digits_loaders):
     tuned, _ = finetune(small_digits_snn, digits_loaders[0], T=2, train_thresholds=True, lr=1e-2, **QUICK)
-    start, end = _state(small_digits_snn), _state(tuned)
-    mixed = _state(blend(small_digits_snn, tuned, 0.3))
+    start, end = state_copy(small_digits_snn), state_copy(tuned)
+    mixed = state_copy(blend(small_digits_snn, tuned, 0.3))
     assert _weights_changed(start, end) and any(not torch.equal(start[k], end[k]) for k in start
                                                 if k.endswith("theta"))
     for k in start:
         torch.testing.assert_close(mixed[k], 0.7 * end[k] + 0.3 * start[k], rtol=1e-6, atol=1e-7)
-    _assert_bit_identical(_state(blend(small_digits_snn, tuned, 0.0)), end)
-    _assert_bit_identical(_state(blend(small_digits_snn, tuned, 1.0)), start)
-    _assert_bit_identical(_state(small_digits_snn), start)
-    _assert_bit_identical(_state(tuned), end)
+    assert_bit_identical(state_copy(blend(small_digits_snn, tuned, 0.0)), end)
+    assert_bit_identical(state_copy(blend(small_digits_snn, tuned, 1.0)), start)
+    assert_bit_identical(state_copy(small_digits_snn), start)
+    assert_bit_identical(state_copy(tuned), end)
 
 
 def test_blend_refuses_two_different_networks(small_digits_snn, digits_data):
@@ -664,6 +655,6 @@ def test_wise_returns_the_blend_and_a_finished_run_reblends_without_training(sma
     mixed, h_mixed = finetune(small_digits_snn, digits_loaders[0], wise=0.4, resume=True, **run)
     assert os.stat(tmp_path / CHECKPOINT_NAME).st_mtime_ns == stamp, "nothing was trained again"
     assert h_mixed == history
-    _assert_bit_identical(_state(mixed), _state(blend(small_digits_snn, tuned, 0.4)))
+    assert_bit_identical(state_copy(mixed), state_copy(blend(small_digits_snn, tuned, 0.4)))
     assert mixed.T == small_digits_snn.T and not mixed.training
 

@@ -16,6 +16,7 @@ import snnconv
 from snnconv import models
 from snnconv.errors import FoldError
 from snnconv.fold import fold_weights
+from _probes import FunctionalBN
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -268,86 +269,79 @@ def test_model_without_batchnorm_passes_through_unchanged():
 # refusals: each names the BatchNorm
 
 
-class _NoRunningStats(nn.Module):
+class _ConvThenBN(nn.Module):
+    """``conv`` (3x3, to 4 channels) and ``the_bn``; each subclass says how they are wired."""
+
+    channels_in, padding, track_running_stats = 3, 0, True
+
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.the_bn = nn.BatchNorm2d(4, track_running_stats=False)
+        self.conv = nn.Conv2d(self.channels_in, 4, 3, padding=self.padding)
+        self.the_bn = nn.BatchNorm2d(4, track_running_stats=self.track_running_stats)
+
+
+class _TwoConvsThenBN(nn.Module):
+    """``c1`` and ``c2`` (3x3, from 3 channels to ``channels_out`` each) and ``the_bn``."""
+
+    channels_out = 4
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, self.channels_out, 3)
+        self.c2 = nn.Conv2d(3, self.channels_out, 3)
+        self.the_bn = nn.BatchNorm2d(4)
+
+
+class _NoRunningStats(_ConvThenBN):
+    track_running_stats = False
 
     def forward(self, x):
         return self.the_bn(self.conv(x))
 
 
-class _ProducerFeedsTwo(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.the_bn = nn.BatchNorm2d(4)
-
+class _ProducerFeedsTwo(_ConvThenBN):
     def forward(self, x):
         y = self.conv(x)
         return self.the_bn(y) + y
 
 
-class _AddWithInput(nn.Module):
+class _AddWithInput(_ConvThenBN):
     """BN(conv(x) + x): the identity addend has no producer."""
 
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 3, padding=1)
-        self.the_bn = nn.BatchNorm2d(4)
+    channels_in, padding = 4, 1
 
     def forward(self, x):
         return self.the_bn(self.conv(x) + x)
 
 
-class _AddWithSharedAddend(nn.Module):
+class _AddWithSharedAddend(_TwoConvsThenBN):
     """BN(c1(x) + c2(x)) where c1's output also feeds the result."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 4, 3)
-        self.c2 = nn.Conv2d(3, 4, 3)
-        self.the_bn = nn.BatchNorm2d(4)
 
     def forward(self, x):
         a = self.c1(x)
         return self.the_bn(a + self.c2(x)) * a
 
 
-class _AddWithActivatedAddend(nn.Module):
+class _AddWithActivatedAddend(_TwoConvsThenBN):
     """BN(relu(c1(x)) + c2(x))."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 4, 3)
-        self.c2 = nn.Conv2d(3, 4, 3)
-        self.the_bn = nn.BatchNorm2d(4)
 
     def forward(self, x):
         return self.the_bn(F.relu(self.c1(x)) + self.c2(x))
 
 
-class _AddOfTheSameValue(nn.Module):
+class _AddOfTheSameValue(_ConvThenBN):
     """BN(y + y): one producer, added to itself."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.the_bn = nn.BatchNorm2d(4)
 
     def forward(self, x):
         y = self.conv(x)
         return self.the_bn(y + y)
 
 
-class _ReluBeforeBN(nn.Module):
+class _ReluBeforeBN(_ConvThenBN):
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        self.conv = nn.Conv2d(3, 4, 3)
         self.relu = nn.ReLU()
-        self.the_bn = nn.BatchNorm2d(4)
 
     def forward(self, x):
         y = self.conv(x)
@@ -360,12 +354,8 @@ class _ReluBeforeBN(nn.Module):
         return self.the_bn(y)
 
 
-class _CatBeforeBN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.c1 = nn.Conv2d(3, 2, 3)
-        self.c2 = nn.Conv2d(3, 2, 3)
-        self.the_bn = nn.BatchNorm2d(4)
+class _CatBeforeBN(_TwoConvsThenBN):
+    channels_out = 2
 
     def forward(self, x):
         return self.the_bn(torch.cat([self.c1(x), self.c2(x)], dim=1))
@@ -381,24 +371,10 @@ class _BNAtInput(nn.Module):
         return self.conv(self.the_bn(x))
 
 
-class _FunctionalBN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.register_buffer("mean", torch.zeros(4))
-        self.register_buffer("var", torch.ones(4))
-
-    def forward(self, x):
-        return F.batch_norm(self.conv(x), self.mean, self.var, training=False)
-
-
-class _SharedProducer(nn.Module):
+class _SharedProducer(_ConvThenBN):
     """One conv module called at two places, one of them feeding the BatchNorm."""
 
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(4, 4, 3, padding=1)
-        self.the_bn = nn.BatchNorm2d(4)
+    channels_in, padding = 4, 1
 
     def forward(self, x):
         return self.the_bn(self.conv(x)) + self.conv(x)
@@ -447,7 +423,7 @@ def test_unfoldable_batchnorm_is_refused_with_its_name(case):
 
 def test_functional_batch_norm_is_refused_naming_the_call():
     with pytest.raises(FoldError) as info:
-        snnconv.fold_batchnorm(_FunctionalBN())
+        snnconv.fold_batchnorm(FunctionalBN())
     message = str(info.value)
     assert "batch_norm" in message and "functional" in message, message
     assert "nn.BatchNorm" in message, message  # says what to do
@@ -574,13 +550,7 @@ def test_a_conv_subclass_with_its_own_forward_is_not_folded_into():
 
 
 def test_a_native_batch_norm_call_is_refused_too():
-    class Native(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3)
-            self.register_buffer("mean", torch.zeros(4))
-            self.register_buffer("var", torch.ones(4))
-
+    class Native(FunctionalBN):
         def forward(self, x):
             return torch.native_batch_norm(self.conv(x), None, None, self.mean, self.var,
                                            False, 0.1, 1e-5)[0]

@@ -11,17 +11,7 @@ import torch.nn.functional as F
 import snnconv
 from snnconv import models
 from snnconv.errors import BatchNormRemainsError
-
-
-class _FunctionalBN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3)
-        self.register_buffer("mean", torch.zeros(4))
-        self.register_buffer("var", torch.ones(4))
-
-    def forward(self, x):
-        return F.batch_norm(self.conv(x), self.mean, self.var, training=False)
+from _probes import FunctionalBN
 
 
 class _Nested(nn.Module):
@@ -81,7 +71,7 @@ def test_guard_finds_a_batchnorm_hidden_in_nested_containers():
 
 
 def test_guard_finds_a_functional_batch_norm_call():
-    model = _FunctionalBN()
+    model = FunctionalBN()
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     with pytest.raises(BatchNormRemainsError) as info:
         snnconv.assert_no_batchnorm(model)
@@ -90,7 +80,7 @@ def test_guard_finds_a_functional_batch_norm_call():
 
 
 def test_guard_finds_a_functional_batch_norm_inside_a_traced_graph():
-    gm = fx.symbolic_trace(_FunctionalBN())
+    gm = fx.symbolic_trace(FunctionalBN())
     assert len(snnconv.find_batchnorm(gm)) == 1
     wrapper = nn.Sequential(gm, nn.ReLU())  # a GraphModule nested in a plain container
     assert len(snnconv.find_batchnorm(wrapper)) == 1

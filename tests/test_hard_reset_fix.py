@@ -16,6 +16,7 @@ from snnconv.errors import DataError, StageOrderError
 from snnconv.metrics import evaluate
 from snnconv.neuron import IFNeuron, neurons
 from snnconv.qcfs import calibrate_qcfs
+from _probes import run_with_spikes, spikingjelly_run
 from snnconv.replace import to_spiking
 
 
@@ -30,19 +31,6 @@ def digits_qcfs(_small_digits_ann, digits_data):
     gm = prepare(copy.deepcopy(_small_digits_ann))
     fold_graph(gm, (next(iter(train))[0],))
     return calibrate_qcfs(gm, train, L=8, progress=False), train, DataLoader(test_set, batch_size=256)
-
-
-def _spikes(snn, x, T):
-    spikes = {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: spikes.__setitem__(n, o.detach().clone()))
-             for n, m in neurons(snn.net).items()]
-    try:
-        with torch.no_grad():
-            out = snn.run(x, T)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out, spikes
 
 
 @pytest.mark.parametrize("per_channel", [False, True])
@@ -67,8 +55,8 @@ def test_factors_are_the_thresholds_they_claim(digits_qcfs, digits_data, per_cha
         assert torch.equal(neurons(fixed.net)[name].theta, neurons(snn.net)[name].theta)
     assert {m.reset for m in neurons(fixed.net).values()} == {"zero"}
     x = torch.stack([digits_data[1][i][0] for i in range(64)])
-    out_a, spk_a = _spikes(fixed, x, T)
-    out_b, spk_b = _spikes(expect, x, T)
+    out_a, spk_a = run_with_spikes(fixed, x, T)
+    out_b, spk_b = run_with_spikes(expect, x, T)
     assert sum(float(s.sum()) for s in spk_a.values()) > 0
     for name in spk_a:  # the same spikes up to float rounding at exact ties
         assert (spk_a[name] != spk_b[name]).float().mean() < 1e-3, name
@@ -96,8 +84,8 @@ def test_residual_network_scales_both_branches_of_the_add():
     expect = copy.deepcopy(snn)
     for name, m in neurons(expect.net).items():
         m.theta.data = m.theta.data * layers[name]["factor"]
-    out_a, spk_a = _spikes(fixed, x, T)
-    out_b, spk_b = _spikes(expect, x, T)
+    out_a, spk_a = run_with_spikes(fixed, x, T)
+    out_b, spk_b = run_with_spikes(expect, x, T)
     assert sum(float(s.sum()) for s in spk_a.values()) > 0
     for name in spk_a:
         assert (spk_a[name] != spk_b[name]).float().mean() < 1e-3, name
@@ -157,21 +145,6 @@ def test_shift_bias_adds_theta_over_2T_to_every_neuron_input():
     assert {m.reset for m in neurons(shifted.net).values()} == {"zero"}
 
 
-def _spikingjelly_run(path, x, T, layers):
-    from spikingjelly.activation_based.nir_exchange import import_from_nir
-
-    net = import_from_nir(str(path), dt=1.0)
-    spikes = {n: [] for n in layers}
-    for n in layers:
-        getattr(net, n).register_forward_hook(lambda mod, i, o, n=n: spikes[n].append(o[0].detach()))
-    outs, state = [], None
-    with torch.no_grad():
-        for _ in range(T):
-            out, state = net(x, state)
-            outs.append(out)
-    return torch.stack(outs), {n: torch.cat(s) for n, s in spikes.items()}
-
-
 def test_converted_hard_reset_network_is_still_plain_if(digits_qcfs, small_digits_ann, digits_data, tmp_path):
     """convert(reset='zero') calibrates thresholds by default; the file is plain NIR IF and
     spikingjelly's importer gives the same spikes in every layer."""
@@ -189,14 +162,8 @@ def test_converted_hard_reset_network_is_still_plain_if(digits_qcfs, small_digit
     path = tmp_path / "hard.nir"
     snnconv.save_nir(graph, path)
     x = torch.stack([digits_data[1][i][0] for i in range(6)])
-    spikes = {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: spikes.__setitem__(n, o.detach().clone()))
-             for n, m in neurons(snn.net).items()]
-    with torch.no_grad():
-        ours = snn.run(x, T)
-    for h in hooks:
-        h.remove()
-    theirs, their_spikes = _spikingjelly_run(path, x, T, list(spikes))
+    ours, spikes = run_with_spikes(snn, x, T)
+    theirs, their_spikes = spikingjelly_run(path, x, T, list(spikes))
     assert sum(float(s.sum()) for s in spikes.values()) > 0
     for layer, s in spikes.items():
         assert torch.equal(s, their_spikes[layer]), layer

@@ -15,6 +15,7 @@ import snnconv
 from snnconv import models
 from snnconv.errors import NIRError, SnnconvError
 from _zoo import NARROW as _NARROW
+from _probes import run_with_spikes, spikingjelly_run
 from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
 from snnconv.network import SpikingNetwork
 from snnconv.neuron import IFNeuron, Scale, TimeExpand, neurons
@@ -182,23 +183,9 @@ def test_export_needs_an_input_shape():
 
 # --- round trips: torch SNN -> file -> from_nir, bit for bit ---------------------------------
 
-def _trace(snn: SpikingNetwork, x: torch.Tensor, T: int = 8):
-    """Per-step readout [T, B, ...] and every IF layer's spikes [T*B, ...], by layer name."""
-    spikes = {}
-    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: spikes.__setitem__(n, o.detach().clone()))
-             for n, m in neurons(snn.net).items()]
-    try:
-        with torch.no_grad():
-            out = snn.run(x, T)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out, spikes
-
-
 def _assert_same_run(a: SpikingNetwork, b: SpikingNetwork, x: torch.Tensor, T: int = 8) -> None:
-    out_a, spk_a = _trace(a, x, T)
-    out_b, spk_b = _trace(b, x, T)
+    out_a, spk_a = run_with_spikes(a, x, T)
+    out_b, spk_b = run_with_spikes(b, x, T)
     assert out_a.shape == (T, x.shape[0], *out_a.shape[2:])
     assert torch.equal(out_a, out_b), f"readouts differ by {(out_a - out_b).abs().max().item()}"
     assert spk_a.keys() == spk_b.keys() and spk_a
@@ -335,22 +322,6 @@ def test_load_nir_refuses_bad_files(damage, tmp_path):
 
 # --- an independent consumer: spikingjelly 2.0's NIR importer --------------------------------
 
-def _spikingjelly_run(path, x: torch.Tensor, T: int, layers):
-    """Run spikingjelly's import of ``path`` for T steps: readouts [T, B, ...], spikes by layer."""
-    from spikingjelly.activation_based.nir_exchange import import_from_nir
-
-    net = import_from_nir(str(path), dt=1.0)
-    spikes = {n: [] for n in layers}
-    for n in layers:
-        getattr(net, n).register_forward_hook(lambda mod, i, o, n=n: spikes[n].append(o[0].detach()))
-    outs, state = [], None
-    with torch.no_grad():
-        for _ in range(T):
-            out, state = net(x, state)  # direct encoding: the same input at every step
-            outs.append(out)
-    return torch.stack(outs), {n: torch.cat(s) for n, s in spikes.items()}
-
-
 @pytest.mark.parametrize("name, shape", [("small_cnn", (1, 8, 8)), ("vgg11", (1, 32, 32))])
 def test_spikingjelly_reads_our_hard_reset_file_with_the_same_meaning(name, shape, digits_data, tmp_path):
     snn = _convert(name, shape, reset="zero")
@@ -360,8 +331,8 @@ def test_spikingjelly_reads_our_hard_reset_file_with_the_same_meaning(name, shap
     if shape == (1, 8, 8):
         inputs.append(torch.stack([digits_data[1][i][0] for i in range(4)]))
     for x in inputs:
-        ours, our_spikes = _trace(snn, x, T=8)
-        theirs, their_spikes = _spikingjelly_run(path, x, 8, list(our_spikes))
+        ours, our_spikes = run_with_spikes(snn, x, T=8)
+        theirs, their_spikes = spikingjelly_run(path, x, 8, list(our_spikes))
         for layer, s in our_spikes.items():
             assert torch.equal(s, their_spikes[layer]), f"spikes of {layer} differ"
         # the readout may differ by float rounding only (spikingjelly pools with AvgPool2d where

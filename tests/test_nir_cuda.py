@@ -11,15 +11,8 @@ from test_nir import _assert_same_run, _convert, _through_file
 
 from snnconv.neuron import IFNeuron
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+              pytest.mark.usefixtures("no_tf32")]  # float32 on the GPU as on CPU
 
 
 @pytest.mark.parametrize("reset", ["subtract", "zero"])

@@ -24,20 +24,11 @@ from snnconv.errors import CheckpointError
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
 
 from _interrupting import Interrupt, InterruptingDataset
+from _probes import assert_bit_identical, state_copy
 
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
 # Not a speed bound: without it a worker that never checkpoints would hang the suite for ever.
 HANG_GUARD_S = 900
-
-
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _assert_bit_identical(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), f"{k} differs (max abs diff {(a[k] - b[k]).abs().max()})"
 
 
 def _assert_same_history(a: list[dict], b: list[dict]) -> None:
@@ -158,7 +149,7 @@ def test_a_killed_run_resumes_bit_identical_to_an_uninterrupted_one(small_digits
     resumed, h_resumed = finetune(snn, loader, resume=True, progress=False, **config)
     reference, h_reference = finetune(snn, loader, checkpoint_dir=str(tmp_path / "reference"),
                                       progress=False, **RUN)
-    _assert_bit_identical(_state(reference), _state(resumed))
+    assert_bit_identical(state_copy(reference), state_copy(resumed))
     _assert_same_history(h_reference, h_resumed)
     assert read_checkpoint(ckpt)["epoch"] == 2
 
@@ -192,7 +183,7 @@ def test_an_interrupted_run_with_dropout_resumes_bit_identical(digits_data, tmp_
     loader = DataLoader(train_set, batch_size=64)
     resumed, h_resumed = finetune(snn, loader, checkpoint_dir=str(tmp_path / "a"), resume=True, **run)
     reference, h_reference = finetune(snn, loader, checkpoint_dir=str(tmp_path / "b"), **run)
-    _assert_bit_identical(_state(reference), _state(resumed))
+    assert_bit_identical(state_copy(reference), state_copy(resumed))
     _assert_same_history(h_reference, h_resumed)
 
 
@@ -201,7 +192,7 @@ def test_resume_without_a_checkpoint_starts_fresh(small_digits_snn, digits_loade
     run = dict(T=2, epochs=1, max_steps_per_epoch=2, progress=False)
     a, _ = finetune(small_digits_snn, train, checkpoint_dir=str(tmp_path / "a"), resume=True, **run)
     b, _ = finetune(small_digits_snn, train, **run)
-    _assert_bit_identical(_state(a), _state(b))
+    assert_bit_identical(state_copy(a), state_copy(b))
 
 
 def test_resuming_a_finished_run_returns_its_result_without_training(small_digits_snn, digits_data,
@@ -212,7 +203,7 @@ def test_resuming_a_finished_run_returns_its_result_without_training(small_digit
     before = (tmp_path / CHECKPOINT_NAME).read_bytes()
     untouchable = InterruptingDataset(train_set, 0)  # reading any sample raises
     again, h_again = finetune(small_digits_snn, DataLoader(untouchable, batch_size=64), resume=True, **run)
-    _assert_bit_identical(_state(first), _state(again))
+    assert_bit_identical(state_copy(first), state_copy(again))
     assert h_again == h_first
     assert (tmp_path / CHECKPOINT_NAME).read_bytes() == before
 
@@ -310,7 +301,7 @@ def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(sma
     _write_checkpoint(path, state)
     resumed, _ = finetune(small_digits_snn, train, resume=True, **run)
     reference, _ = finetune(small_digits_snn, train, **{**run, "checkpoint_dir": str(tmp_path / "ref")})
-    _assert_bit_identical(_state(reference), _state(resumed))
+    assert_bit_identical(state_copy(reference), state_copy(resumed))
     with pytest.raises(CheckpointError, match="label_smoothing: checkpoint 0.0, now 0.1"):
         finetune(small_digits_snn, train, resume=True, label_smoothing=0.1, **run)
 
@@ -321,4 +312,4 @@ def test_without_resume_an_existing_checkpoint_is_replaced(small_digits_snn, dig
     path.write_bytes(b"junk")
     tuned, _ = finetune(small_digits_snn, train, T=2, epochs=1, max_steps_per_epoch=1,
                         checkpoint_dir=str(tmp_path), progress=False)
-    _assert_bit_identical(read_checkpoint(str(path))["model"], _state(tuned))
+    assert_bit_identical(read_checkpoint(str(path))["model"], state_copy(tuned))

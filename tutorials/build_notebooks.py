@@ -91,6 +91,21 @@ def params(text: str) -> dict:
     return code(text, tags=["parameters"])
 
 
+def run_params(own: str, *, num_workers: int) -> dict:
+    """The parameters cell of notebooks 02 on: the dataset and folders, ``own`` lines, the data loading."""
+    return params(f'''
+dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
+out_dir = "runs/tutorial"
+data_root = "data/cifar10"
+{own.strip()}
+train_limit = None
+test_limit = None
+num_workers = {num_workers}
+device = "auto"
+seed = 0
+''')
+
+
 # --- 01 -----------------------------------------------------------------------------------------
 
 NB01 = [
@@ -242,22 +257,14 @@ NB02 = [
 with a no-BatchNorm guard between every two stages. This notebook runs the steps one at a time
 first, so that you can see what each guarantees, then the pipeline in one call.
 '''),
-    params('''
-dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
-out_dir = "runs/tutorial"
-data_root = "data/cifar10"
+    run_params('''
 L = 8                      # QCFS quantisation levels: the SNN is exact for T >= L in the limit
 T = 8                      # time steps of the converted network
 eval_T = [1, 2, 4, 8, 16, 32]
 qcfs_epochs = 0            # QCFS-aware ANN training epochs (1-2 help at small T)
 per_channel = False        # per-channel thresholds
 batch_size = 128
-train_limit = None
-test_limit = None
-num_workers = 4
-device = "auto"
-seed = 0
-'''),
+''', num_workers=4),
     code('''
 if dataset == "smoke":
     eval_T, batch_size, num_workers = [1, 2, 4], 32, 0
@@ -387,10 +394,7 @@ The recipe measured on Fashion-MNIST (README, benchmarks): AdamW, lr 2e-3, ATan 
 the T=4 readout, trainable thresholds, distillation from the ANN (0.5). Validation data is split
 from the training data; the test split only reports.
 '''),
-    params('''
-dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
-out_dir = "runs/tutorial"
-data_root = "data/cifar10"
+    run_params('''
 T = 4                      # steps unrolled in training
 eval_T = [1, 2, 4, 8, 16]
 epochs = 2
@@ -399,12 +403,7 @@ alpha = 4.0
 distill = 0.5
 max_steps_per_epoch = None
 batch_size = 64
-train_limit = None
-test_limit = None
-num_workers = 4
-device = "auto"
-seed = 0
-'''),
+''', num_workers=4),
     code('''
 if dataset == "smoke":
     T, eval_T, epochs, max_steps_per_epoch, batch_size, num_workers = 2, [1, 2, 4], 1, 3, 32, 0
@@ -498,21 +497,13 @@ Representation, an HDF5 file). A backend takes that graph and nothing else:
 What to look at: every backend should agree with the torch network (agreement 100% for cpu/gpu;
 the Loihi model differs by its documented quantisation error).
 '''),
-    params('''
-dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
-out_dir = "runs/tutorial"
-data_root = "data/cifar10"
+    run_params('''
 T = 8
 backends = ["cpu", "gpu", "loihi2-sim", "lava"]   # those not available here are skipped, with the reason
 n_images = 256             # images run on each backend
 lava_images = 4            # Lava runs one process per layer and is slow: a few images suffice to compare
 batch_size = 64
-train_limit = None
-test_limit = None
-num_workers = 0
-device = "auto"
-seed = 0
-'''),
+''', num_workers=0),
     code('''
 if dataset == "smoke":
     T, n_images, batch_size = 4, 32, 32
@@ -629,19 +620,11 @@ per outgoing synapse, where the ANN does a multiply-accumulate for every connect
 inference. This notebook counts both on test images, draws a spike raster, estimates energy,
 and writes the HTML report of the whole run.
 '''),
-    params('''
-dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
-out_dir = "runs/tutorial"
-data_root = "data/cifar10"
+    run_params('''
 T = 8
 n_images = 256
 batch_size = 64
-train_limit = None
-test_limit = None
-num_workers = 0
-device = "auto"
-seed = 0
-'''),
+''', num_workers=0),
     code('''
 if dataset == "smoke":
     T, n_images, batch_size = 4, 32, 32
