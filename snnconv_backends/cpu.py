@@ -38,7 +38,7 @@ _OPTIONS = {
 _NEURON = ("loop", "compiled")
 
 
-def _parse(graph: Any, backend: str):
+def parse_graph(graph: Any, backend: str):
     import nir
 
     from .nirgraph import parse
@@ -52,7 +52,7 @@ def _parse(graph: Any, backend: str):
         raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 
 
-def _dtype(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:
+def dtype_option(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:
     if isinstance(value, torch.dtype):
         value = str(value).replace("torch.", "")
     if value not in allowed:
@@ -174,7 +174,7 @@ class CPUBackend(Backend):
                 graph the strict reader refuses (its NIRError is the cause).
         """
         opts = check_options(self.name, options, _OPTIONS)
-        dtype = _dtype(opts["dtype"], self.name, DTYPES)
+        dtype = dtype_option(opts["dtype"], self.name, DTYPES)
         chunk = opts["chunk_size"]
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise BackendError(f"backend 'cpu': chunk_size must be an integer >= 0 (0: no "
@@ -185,5 +185,5 @@ class CPUBackend(Backend):
             raise BackendError(f"backend 'cpu': threads must be None or an integer >= 1, got {threads!r}")
         if opts["neuron"] not in _NEURON:
             raise BackendError(f"backend 'cpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
-        return compile_parsed(_parse(graph, self.name), dtype=dtype, chunk_size=chunk,
+        return compile_parsed(parse_graph(graph, self.name), dtype=dtype, chunk_size=chunk,
                               threads=threads, neuron=opts["neuron"])

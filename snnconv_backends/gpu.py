@@ -28,7 +28,7 @@ import torch
 
 from snnconv.errors import BackendError
 
-from .cpu import PlanProgram, _dtype, _parse
+from .cpu import PlanProgram, dtype_option, parse_graph
 from .engine import Plan, Stats, check_options, compiled_loop
 from .registry import Backend, RunResult
 
@@ -161,7 +161,7 @@ class GPUBackend(Backend):
             device = torch.device("cuda", index)
         elif device.type != "cpu":
             raise BackendError(f"backend 'gpu': device {device} is neither CUDA nor cpu")
-        dtype = _dtype(opts["dtype"], self.name, DTYPES)
+        dtype = dtype_option(opts["dtype"], self.name, DTYPES)
         if opts["neuron"] not in _NEURON:
             raise BackendError(f"backend 'gpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
         neuron = opts["neuron"]
@@ -176,7 +176,7 @@ class GPUBackend(Backend):
             if not tol >= 0:
                 raise BackendError(f"backend 'gpu': tie_tolerance must be >= 0, got {tol}")
             neuron = "loop"
-        plan = Plan(_parse(graph, self.name), device=device, dtype=dtype, backend=self.name,
+        plan = Plan(parse_graph(graph, self.name), device=device, dtype=dtype, backend=self.name,
                     neuron_loop=compiled_loop if neuron == "compiled" else None,
                     neuron_dtype=torch.float32, tie_tolerance=tol)
         return GPUProgram(plan, chunk_size=chunk, deterministic=bool(opts["deterministic"]),
