@@ -431,6 +431,34 @@ def low_t_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def low_t_plot(rows: list[dict], path: str) -> None:
+    """Worst-seed gap to the ANN against T of the default cell (``T4``), one line per network,
+    with the floors at T=2 and T=4."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in rows:
+        if r["cell"] != "T4":
+            continue
+        Ts = sorted(r["snn"])
+        gaps = [max(a - s for a, s in zip(r["ann"], r["snn"][t])) for t in Ts]
+        ax.plot(Ts, gaps, marker="o", label=f"{r['arch']} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
+    ax.plot([2, 4], [3.0, 1.0], "k_", markersize=18, mew=2, label="floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([2, 4, 8], ["2", "4", "8"])
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("ANN - SNN, worst seed (points)")
+    ax.set_title("convert(model, loader, T=4): gap to the ANN")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --- the sweep --------------------------------------------------------------------------------
 
 def plan(args) -> list[dict]:
@@ -656,7 +684,9 @@ def main(argv=None) -> int:
         with open(args.table) as fh:
             data = json.load(fh)
         if data.get("settings", {}).get("low_t"):
-            print(low_t_table(low_t_summary(data["records"])))
+            rows = low_t_summary(data["records"])
+            print(low_t_table(rows))
+            low_t_plot(rows, os.path.splitext(args.table)[0] + ".png")
             return 0
         # recomputed from the per-job records (a summary written by an older version may be stale)
         summary = summarize(data["records"]) if data.get("records") else _normalize(data["summary"])
@@ -727,6 +757,7 @@ def main(argv=None) -> int:
         print(f"no cell finished; errors in: {', '.join(errors)} (see {runs}/*.log)")
         return 1
     if args.low_t:
+        low_t_plot(summary, args.out + ".png")
         print(low_t_table(summary))
         print(f"wall {time.perf_counter() - start:.0f}s; {args.out}.json")
         return 1 if errors else 0
