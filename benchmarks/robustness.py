@@ -335,7 +335,7 @@ def run_job(job: dict) -> dict:
         out["cells"]["finetune"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"], T=4,
                                                  **extra, **ft)
         if job.get("variants") and time.time() < job.get("variants_until", math.inf):
-            # the fine-tuning recipe of the ResNet-14 benchmark (run L), for comparison
+            # the fine-tuning recipe of the ResNet-14 benchmark, for comparison
             cfg = FinetuneConfig(epochs=1, T=4, seed=job["seed"], alpha=4.0, lr=2e-3, **limit)
             out["cells"]["finetune_a4_lr2e-3"] = _convert_cell(ann, loader, test, device, Ts, seed=job["seed"],
                                                                T=4, finetune_config=cfg, **extra)

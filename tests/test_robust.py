@@ -1,4 +1,4 @@
-"""Robust conversion (issue 14): reproducibility, collapse detection, the allow-list of ops
+"""Robust conversion: reproducibility, collapse detection, the allow-list of ops
 between neurons, and the linear-time bias calibration."""
 
 from __future__ import annotations
