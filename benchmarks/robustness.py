@@ -404,7 +404,8 @@ def low_t_summary(records: list[dict]) -> list[dict]:
                 worst = max(c["qcfs"] - c["snn"][t] for c in cs)
             else:
                 worst = max(c["snn"][4] - c["snn"][t] for c in cs)
-            row["floors"].append({"kind": kind, "T": t, "points": points, "worst": worst, "met": worst <= points})
+            row["floors"].append({"kind": kind, "T": t, "points": points, "worst": worst,
+                                  "met": worst <= points})
         ratios = [c["seconds"] / r["ann_epoch_seconds"] for r, c in rcs if r.get("ann_epoch_seconds")]
         row["cost_ann_epochs"] = statistics.fmean(ratios) if ratios else None
         row["seconds"] = statistics.fmean(c["seconds"] for c in cs)
@@ -414,7 +415,8 @@ def low_t_summary(records: list[dict]) -> list[dict]:
 
 def low_t_table(rows: list[dict]) -> str:
     """The markdown table of the few-step cells: mean (worst) accuracy, each floor's worst value."""
-    head = ["network", "cell", "ANN", "QCFS-ANN", "SNN by T: mean (worst)", "floors: worst seed", "cost (ANN epochs)"]
+    head = ["network", "cell", "ANN", "QCFS-ANN", "SNN by T: mean (worst)", "floors: worst seed",
+            "cost (ANN epochs)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def mw(v):

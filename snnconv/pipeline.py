@@ -337,9 +337,10 @@ def convert(
     every stage. The caller's ``model`` is never changed. By default a labelled loader and a
     target ``T <= 8`` get one epoch of fine-tuning (at most :data:`FINETUNE_MAX_STEPS` optimiser
     steps, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
-    also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets. ``meta.settings["budget"]`` states the
-    planned optimiser steps of each training stage, the steps that ran and their seconds, and
-    the loader's length (one ANN training epoch) to compare them with.
+    also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets.
+    ``meta.settings["budget"]`` states the planned optimiser steps of each training stage, the
+    steps that ran and their seconds, and the loader's length (one ANN training epoch) to
+    compare them with.
 
     The returned network is a function of ``model``, the data, the settings and ``seed``:
     evaluation and progress never draw from the RNG that training uses, and a loader that
@@ -498,9 +499,13 @@ def convert(
                              f"{finetune_config.epochs}; give one of them")
         x0, y0 = first_batch(loader, where="the conversion loader")
         if finetune_epochs is None and finetune_config is None:
-            why = ("the loader has no labels" if y0 is None else f"T={T} > {FINETUNE_UP_TO_T}"
-                   if T > FINETUNE_UP_TO_T else "the loader has one batch (none to validate on)"
-                   if _batches_below(loader, 2) else None)
+            why = None
+            if y0 is None:
+                why = "the loader has no labels"
+            elif T > FINETUNE_UP_TO_T:
+                why = f"T={T} > {FINETUNE_UP_TO_T}"
+            elif _batches_below(loader, 2):
+                why = "the loader has one batch (none to validate on)"
             finetune_epochs = 0 if why else 1
             settings["finetune_epochs"] = finetune_epochs
             settings["finetune_default"] = f"none: {why}" if why else "one epoch (T <= 8, labelled)"

@@ -85,8 +85,8 @@ def run_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("cli") / "run")
     assert main(["convert", "--model", "small_cnn", "--data", "digits", "--train-epochs", "8",
                  "--qcfs-epochs", "1", "--L", "4", "--T", "1", "2", "4", "--out", out, "--quiet"]) == 0
-    assert main(["finetune", out, "--data", "digits", "--T", "2", "4", "--train-T", "4", "--epochs", "1",
-                 "--max-steps", "6", "--quiet"]) == 0
+    assert main(["finetune", out, "--model", "small_cnn", "--data", "digits", "--T", "2", "4", "--train-T", "4",
+                 "--epochs", "1", "--max-steps", "6", "--quiet"]) == 0
     return out
 
 
@@ -100,6 +100,9 @@ def test_convert_and_finetune_write_the_run_folder(run_dir):
     assert meta["settings"]["per_channel"] is True  # convert()'s default, not a CLI default of its own
     ft = json.load(open(os.path.join(run_dir, "finetune.json")))
     assert len(ft["history"]) == 1 and set(ft["accuracy"]["snn"]) == {"2", "4"}
+    # convert()'s recipe, distilled from the run folder's ann.pt (--model names its architecture)
+    assert ft["config"]["distill"] == 0.5 and ft["config"]["T"] == 8
+    assert tuple(ft["config"]["horizons"]) == (2, 4, 8) and ft["config"]["keep_start"]
     assert main(["evaluate", run_dir, "--data", "digits", "--T", "4", "--limit", "64", "--quiet"]) == 0
 
 

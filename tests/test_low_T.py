@@ -31,7 +31,8 @@ def test_qcfs_path_at_T_equal_L_comes_within_three_points_of_its_qcfs_ann(digits
     gaps = []
     for seed in range(3):
         ann = _digits_cnn(train_set, seed)
-        loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(train_set, batch_size=64, shuffle=True,
+                            generator=torch.Generator().manual_seed(seed))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             snn, meta = snnconv.convert(ann, loader, T=4, L=4, qcfs_epochs=2, finetune_epochs=0, seed=seed,
@@ -98,3 +99,31 @@ def test_finetune_epochs_must_be_a_count(small_digits_ann, bad):
     loader = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,)))]
     with pytest.raises(ValueError, match="finetune_epochs"):
         snnconv.convert(small_digits_ann, loader, finetune_epochs=bad, progress=False)
+
+
+def test_keep_start_returns_the_given_network_when_fine_tuning_only_makes_it_worse(small_digits_snn,
+                                                                                   digits_loaders):
+    """A learning rate that wrecks the network: with ``keep_start`` (convert()'s recipe) the
+    network comes back as it was given, and the history says so; without it, the wreck."""
+    train, _ = digits_loaders
+    wreck = dict(T=2, epochs=1, max_steps_per_epoch=3, lr=10.0, progress=False)
+    kept, history = snnconv.finetune(small_digits_snn, train, keep_start=True, **wreck)
+    assert history[-1]["kept_start"] and history[-1]["val_acc"] < history[-1]["start_val_acc"]
+    start = small_digits_snn.state_dict()
+    assert all(torch.equal(v, start[k]) for k, v in kept.state_dict().items())
+    wrecked, _ = snnconv.finetune(small_digits_snn, train, keep_start=False, **wreck)
+    assert not all(torch.equal(v, start[k]) for k, v in wrecked.state_dict().items())
+
+
+def test_the_recipe_detaches_the_reset_of_hard_reset_networks_only(small_digits_ann, digits_data):
+    """convert(reset="zero") fine-tunes with the reset detached; subtractive reset keeps the
+    gradient through it; both keep the converted network as epoch 0."""
+    assert pipeline.finetune_recipe(8, reset="zero").detach_reset
+    assert not pipeline.finetune_recipe(8).detach_reset
+    loader = DataLoader(digits_data[0], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, meta = snnconv.convert(small_digits_ann, loader, T=2, reset="zero", progress=False,
+                                  on_collapse="warn")
+    used = meta.settings["finetune"]
+    assert used["detach_reset"] and used["keep_start"]
