@@ -62,3 +62,32 @@ def test_the_lazy_package_still_offers_every_public_name():
     n_all, n_listed, missing, callable_, same = json.loads(proc.stdout.strip().splitlines()[-1])
     assert n_all == n_listed and not missing
     assert callable_ and same
+
+
+def test_the_wheel_holds_both_packages_and_no_top_level_backends(tmp_path):
+    """The backends live under backends/ in the tree; the wheel installs them as snnconv_backends
+    beside snnconv, and an import from outside the repository finds the installed copies."""
+    pytest.importorskip("setuptools")
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "--disable-pip-version-check", "-q", "-w", str(wheel_dir), str(REPO)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = wheel_dir.glob("snnconv-*.whl")
+    import zipfile
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {"snnconv", "snnconv_backends"} <= tops and "backends" not in tops, tops
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q",
+                              "--disable-pip-version-check", "--target", str(target), str(wheel)],
+                             capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr
+    code = ("import importlib.util, json, snnconv, snnconv_backends, snnconv_backends.cpu\n"
+            "print(json.dumps([snnconv.__file__, snnconv_backends.cpu.__file__,"
+            " importlib.util.find_spec('backends') is None, sorted(snnconv_backends.available())]))")
+    env = dict(os.environ, PYTHONPATH=str(target))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    snnconv_file, cpu_file, no_backends, available = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert snnconv_file.startswith(str(target)) and cpu_file.startswith(str(target))
+    assert no_backends and "cpu" in available

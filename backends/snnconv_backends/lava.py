@@ -44,7 +44,7 @@ def lava_python() -> Path:
     env = os.environ.get("SNNCONV_LAVA_PYTHON")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1] / ".venv-lava" / "bin" / "python"
+    return Path(__file__).resolve().parents[2] / ".venv-lava" / "bin" / "python"
 
 
 _AVAILABLE: dict[str, tuple[bool, str]] = {}

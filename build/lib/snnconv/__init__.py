@@ -1,0 +1,95 @@
+"""snnconv: convert trained ReLU networks into spiking networks of IF neurons.
+
+    snn, meta = snnconv.convert(model, loader)
+
+runs prepare -> fold BatchNorm -> QCFS calibration -> IF replacement -> (BPTT fine-tuning),
+with a no-BatchNorm guard between every two stages.
+
+The names below are imported on first use (PEP 562), so that ``import snnconv.errors`` (which
+the backends do) loads no conversion stage.
+"""
+
+import importlib as _importlib
+import importlib.util as _importlib_util
+import logging as _logging
+import sys as _sys
+import types as _types
+
+__version__ = "0.1.0"
+
+# spikingjelly asks torch for Triton at import and logs "Triton not available" twice on CPU.
+_logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
+
+#: Public name -> the submodule that defines it (``backends`` is the submodule itself).
+_EXPORTS: dict[str, str] = {
+    "convert": "pipeline",
+    "fold_batchnorm": "fold",
+    "assert_no_batchnorm": "guards",
+    "find_batchnorm": "guards",
+    "calibrate_qcfs": "qcfs",
+    "to_spiking": "replace",
+    "finetune": "finetune",
+    "export_nir": "nir_io",
+    "from_nir": "nir_io",
+    "save_nir": "nir_io",
+    "load_nir": "nir_io",
+    "QCFS": "qcfs",
+    "QCFSTrainConfig": "qcfs",
+    "FinetuneConfig": "finetune",
+    "IFNeuron": "neuron",
+    "SpikingNetwork": "network",
+    "ConversionMeta": "meta",
+    "SnnconvError": "errors",
+    "FoldError": "errors",
+    "BatchNormRemainsError": "errors",
+    "UnsupportedLayerError": "errors",
+    "UnsupportedModelError": "errors",
+    "DataError": "errors",
+    "StageOrderError": "errors",
+    "CheckpointError": "errors",
+    "NIRError": "errors",
+    "BackendError": "errors",
+    "backends": "backends",
+    "ConversionError": "errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    """Import the submodule that defines ``name`` on first use; any submodule by its name."""
+    if name in _EXPORTS:
+        module = _importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        value = module if name == "backends" else getattr(module, name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+        return _importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'snnconv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(_types.ModuleType):
+    """``snnconv.finetune`` is the stage's function, as ``from snnconv import finetune`` is.
+
+    Importing the submodule ``snnconv.finetune`` makes the import system bind it to the
+    package's attribute of that name; this property keeps the attribute the function (a value
+    assigned on purpose, other than the submodule, is kept).
+    """
+
+    @property
+    def finetune(self):
+        if "finetune" in self.__dict__:
+            return self.__dict__["finetune"]
+        return _importlib.import_module(".finetune", __name__).finetune
+
+    @finetune.setter
+    def finetune(self, value) -> None:
+        if not isinstance(value, _types.ModuleType):  # the submodule stays in sys.modules only
+            self.__dict__["finetune"] = value
+
+
+_sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,291 @@
+"""What a converted SNN does while it runs: firing rates, synaptic operations, energy, rasters.
+
+    stats = snnconv.analysis.analyse(snn, x, T=8)
+    stats.firing_rate            # {neuron layer: spikes / (neurons * T * B)}
+    stats.synops, stats.macs     # {weight layer: synaptic events over the run / MACs of the ANN}
+    stats.energy()               # a 45 nm estimate (pJ per inference), SNN against the ANN
+    record = snnconv.analysis.evaluation_record(snn, test_loader, [1, 2, 4, 8])  # evaluation.json
+
+Counting convention (the usual one in the conversion literature):
+
+- a weight layer (Conv, Linear) whose input changes with time (spikes, or pooled spikes) does
+  one accumulate (AC) per nonzero input element and outgoing synapse, at every step: its
+  ``synops`` is that count over the run, exactly (a convolution with all-one weights applied to
+  the input's nonzero pattern);
+- a weight layer that sees the static input (direct encoding: the first layer runs once) does
+  multiply-accumulates (MACs), once per image;
+- ``macs`` is what the ANN does in the same layer for the same batch (per image x B, once).
+
+Energy per operation: :data:`~snnconv.energy.E_MAC_PJ` per 32-bit float MAC and
+:data:`~snnconv.energy.E_AC_PJ` per AC (45 nm CMOS, Horowitz, ISSCC 2014). It is an estimate of
+arithmetic only (no memory traffic, no routing); a backend that models a chip reports its own
+numbers in ``RunResult.extra``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .data import first_batch
+from .energy import E_AC_PJ, E_MAC_PJ
+from .metrics import accuracy_by_T
+from .network import SpikingNetwork, check_T
+from .neuron import IFNeuron, TimeExpand, neurons
+from .progress import progress_bar
+
+__all__ = ["SpikeAnalysis", "analyse", "evaluation_record", "backend_record", "E_MAC_PJ", "E_AC_PJ",
+           "RASTER_NEURONS", "ANALYSIS_IMAGES"]
+
+RASTER_NEURONS = 64
+#: Images of the first test batch that :func:`evaluation_record` analyses.
+ANALYSIS_IMAGES = 64
+
+_WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+@dataclass(frozen=True)
+class SpikeAnalysis:
+    """Activity of one SNN run on one batch (plain Python data, JSON-ready).
+
+    Attributes:
+        T, batch: time steps and batch size of the run.
+        neurons: neuron layer -> number of neurons per image.
+        spikes_per_step: neuron layer -> spikes at each step, summed over batch and neurons.
+        firing_rate: neuron layer -> spikes / (neurons * T * batch), in [0, 1].
+        synops: weight layer -> accumulates over the run (spike-driven layers).
+        static_macs: weight layer -> MACs of layers that see the static input (once per image).
+        macs: weight layer -> MACs of the same layer in the ANN for the batch.
+        raster: neuron layer -> spike times of the first ``RASTER_NEURONS`` neurons of image 0,
+            a list of ``[step, neuron index]`` pairs.
+    """
+
+    T: int
+    batch: int
+    neurons: dict[str, int]
+    spikes_per_step: dict[str, list[float]]
+    firing_rate: dict[str, float]
+    synops: dict[str, float]
+    static_macs: dict[str, float]
+    macs: dict[str, float]
+    raster: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    def energy(self, e_mac_pj: float = E_MAC_PJ, e_ac_pj: float = E_AC_PJ) -> dict[str, float]:
+        """Arithmetic energy per inference (pJ per image): SNN, ANN, and their ratio."""
+        snn = (sum(self.static_macs.values()) * e_mac_pj + sum(self.synops.values()) * e_ac_pj) / self.batch
+        ann = sum(self.macs.values()) * e_mac_pj / self.batch
+        return {"snn_pj": snn, "ann_pj": ann, "ratio": snn / ann if ann else float("nan"),
+                "e_mac_pj": e_mac_pj, "e_ac_pj": e_ac_pj}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, with the energy estimate added under ``"energy"``."""
+        data = asdict(self)
+        data["energy"] = self.energy()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SpikeAnalysis":
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _events(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Synaptic events of ``layer`` for input ``x``: nonzero inputs times outgoing synapses."""
+    nz = (x != 0).to(torch.float32)
+    if isinstance(layer, nn.Linear):
+        return nz.sum() * layer.out_features
+    conv = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(layer)]
+    ones = torch.ones_like(layer.weight, dtype=torch.float32)
+    if layer.padding_mode != "zeros":
+        raise ValueError(f"synaptic operation counts need zero padding; {type(layer).__name__} "
+                         f"uses padding_mode={layer.padding_mode!r}")
+    return conv(nz, ones, None, layer.stride, layer.padding, layer.dilation, layer.groups).sum()
+
+
+def _macs_per_image(layer: nn.Module, x: torch.Tensor) -> float:
+    """Multiply-accumulates of ``layer`` for one image of the shape of ``x[0]``."""
+    return float(_events(layer, torch.ones_like(x[:1], dtype=torch.float32)))
+
+
+def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
+            raster_neurons: int = RASTER_NEURONS) -> SpikeAnalysis:
+    """Run ``snn`` on the static batch ``x`` for ``T`` steps and count what it does.
+
+    Args:
+        snn: a converted network.
+        x: ``[B, ...]`` inputs (direct encoding: the same input at every step).
+        T: steps (default ``snn.T``).
+        raster_neurons: how many neurons of each layer (image 0) to record spike times for.
+
+    Returns:
+        A :class:`SpikeAnalysis`.
+
+    Raises:
+        TypeError: ``snn`` is not a :class:`SpikingNetwork`.
+    """
+    if not isinstance(snn, SpikingNetwork):
+        raise TypeError(f"analyse() expects a SpikingNetwork, got {type(snn).__name__}")
+    T = snn.T if T is None else T
+    check_T(T)
+    T, B = int(T), int(x.shape[0])
+    counts: dict[str, torch.Tensor] = {}
+    sizes: dict[str, int] = {}
+    raster: dict[str, list[list[int]]] = {}
+    synops: dict[str, float] = {}
+    static: dict[str, float] = {}
+    macs: dict[str, float] = {}
+    handles = []
+    expanded = False  # becomes True once the static input is repeated over time
+
+    def on_expand(mod, inp, out):
+        nonlocal expanded
+        expanded = True
+
+    def on_spikes(name):
+        def hook(mod: IFNeuron, inp, out):
+            s = out.detach().reshape(T, B, -1)
+            sizes[name] = s.shape[2]
+            counts[name] = s.sum(dim=(1, 2))
+            first = s[:, 0, :raster_neurons].nonzero().tolist()
+            raster[name] = [[int(t), int(i)] for t, i in first]
+        return hook
+
+    def on_input(name):
+        def hook(mod, inp):
+            (a,) = inp[:1]
+            a = a.detach()
+            if expanded:
+                synops[name] = synops.get(name, 0.0) + float(_events(mod, a))
+                macs[name] = _macs_per_image(mod, a) * B
+            else:  # the static input, computed once (direct encoding)
+                static[name] = _macs_per_image(mod, a) * B
+                macs[name] = static[name]
+        return hook
+
+    for name, m in neurons(snn.net).items():
+        handles.append(m.register_forward_hook(on_spikes(name)))
+    for m in snn.net.modules():
+        if isinstance(m, TimeExpand):
+            handles.append(m.register_forward_hook(on_expand))
+    for name, m in snn.net.named_modules():
+        if isinstance(m, _WEIGHT_LAYERS):
+            handles.append(m.register_forward_pre_hook(on_input(name)))
+    old_chunk, was = snn.chunk_size, snn.training
+    snn.chunk_size = 0  # one pass: the hooks see the whole batch
+    snn.eval()
+    try:
+        with torch.no_grad():
+            snn.run(x, T=T)
+    finally:
+        snn.chunk_size = old_chunk
+        snn.train(was)
+        for h in handles:
+            h.remove()
+    firing = {n: float(c.sum()) / (sizes[n] * T * B) for n, c in counts.items()}
+    return SpikeAnalysis(T=T, batch=B, neurons=sizes,
+                         spikes_per_step={n: [float(v) for v in c] for n, c in counts.items()},
+                         firing_rate=firing, synops=synops, static_macs=static, macs=macs,
+                         raster=raster)
+
+
+def evaluation_record(snn: SpikingNetwork, loader: Iterable, Ts: Sequence[int], *,
+                      device: torch.device | str = "cpu", label: str = "snn",
+                      progress: bool = True) -> dict[str, Any]:
+    """Accuracy at every T over ``loader`` and the spike statistics of its first batch.
+
+    This is what ``evaluation.json`` of a run folder holds (``snnconv evaluate``).
+
+    Args:
+        snn: a converted network, already on ``device``.
+        loader: a labelled loader (the test split).
+        Ts: the time steps to measure accuracy at; the analysis runs at the largest.
+        device: where the batches go.
+        label: the network's name in the record (a file name, say).
+        progress: show a progress bar over the batches.
+
+    Returns:
+        ``{"network": label, "accuracy": {str(T): percent}, "analysis": SpikeAnalysis as data}``,
+        the analysis of the first :data:`ANALYSIS_IMAGES` images of the first batch.
+
+    Raises:
+        DataError: ``loader`` yields nothing, or batches without labels.
+    """
+    batches = progress_bar(loader, desc=f"evaluate T<={max(Ts)}", disable=not progress, leave=False)
+    acc = accuracy_by_T(snn, batches, Ts, device)
+    x, _ = first_batch(loader, where="the test loader")
+    with torch.no_grad():
+        stats = analyse(snn, x[:ANALYSIS_IMAGES].to(device), T=max(Ts))
+    return {"network": label, "accuracy": {str(t): a for t, a in acc.items()},
+            "analysis": stats.to_dict()}
+
+
+def _plain(obj: Any) -> Any:
+    """JSON-ready copy: tensors and arrays as lists, other objects as strings."""
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist() if obj.numel() <= 4096 else f"tensor{tuple(obj.shape)}"
+    if hasattr(obj, "tolist") and hasattr(obj, "size"):  # numpy
+        return obj.tolist() if obj.size <= 4096 else f"array{tuple(obj.shape)}"
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def _energy_nj(extra: Mapping[str, Any], batch: int) -> float | None:
+    """A backend's energy per image in nJ, from the keys a backend may report."""
+    energy = extra.get("energy")
+    if not isinstance(energy, Mapping):
+        return None
+    energy = {str(k).lower(): v for k, v in energy.items()}  # per_image_J, per_image_j, ...
+    for key, scale in (("per_image_nj", 1.0), ("energy_per_image_nj", 1.0), ("per_image_j", 1e9),
+                       ("per_image_uj", 1e3), ("per_image_pj", 1e-3)):
+        if isinstance(energy.get(key), (int, float)):
+            return float(energy[key]) * scale
+    for key, scale in (("total_j", 1e9), ("total_nj", 1.0), ("total_uj", 1e3), ("total_pj", 1e-3)):
+        if isinstance(energy.get(key), (int, float)):
+            return float(energy[key]) * scale / batch
+    return None
+
+
+def backend_record(name: str, result: Any, labels: torch.Tensor, reference: torch.Tensor, *,
+                   T: int, wall_s: float) -> dict[str, Any]:
+    """One backend run as JSON-ready data (``backends/NAME.json`` of a run folder).
+
+    Args:
+        name: the backend's name.
+        result: its ``RunResult`` (``outputs`` ``[T, B, classes]``, ``synops``, ``macs``, ``extra``).
+        labels: ``[B]`` true classes.
+        reference: ``[B]`` the torch SpikingNetwork's predictions for the same images and T.
+        T, wall_s: steps run and the wall time of compile + run.
+
+    Returns:
+        ``backend``, ``T``, ``images``, ``accuracy`` and ``agreement`` (percent),
+        ``synops_total``, ``macs_total``, ``energy_per_image_nj`` (when the backend reports
+        energy), ``wall_s`` and ``extra`` (the backend's own report).
+    """
+    outputs = torch.as_tensor(result.outputs)
+    if outputs.dim() < 3 or outputs.shape[1] != len(labels):
+        raise ValueError(f"backend {name} returned outputs of shape {tuple(outputs.shape)}; expected "
+                         f"[T, {len(labels)}, classes]")
+    pred = outputs.float().mean(0).argmax(1).cpu()
+    extra = dict(getattr(result, "extra", {}) or {})
+    record = {
+        "backend": name, "T": int(T), "images": int(len(labels)),
+        "accuracy": 100.0 * (pred == labels.cpu()).float().mean().item(),
+        "agreement": 100.0 * (pred == reference.cpu()).float().mean().item(),
+        "synops_total": float(sum(float(v) for v in (result.synops or {}).values())),
+        "macs_total": float(sum(float(v) for v in (result.macs or {}).values())),
+        "wall_s": float(wall_s),
+        "extra": _plain(extra),
+    }
+    energy = _energy_nj(extra, len(labels))
+    if energy is not None:
+        record["energy_per_image_nj"] = energy
+    return record

@@ -1,0 +1,81 @@
+"""What every calibration reads from its data and from the QCFS-ANN it calibrates against:
+the calibration batches, the reference's QCFS sites, and their per-channel mean outputs."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..data import split_batch
+from ..errors import DataError
+from ..graph import capture, module_of
+from ..qcfs import QCFS
+
+__all__ = ["calibration_batches", "reference_sites", "qcfs_levels", "reference_means", "channel_sums",
+           "channel_mean"]
+
+
+def calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch.Tensor]:
+    """The inputs of the first ``num_batches`` batches of ``loader`` (``where`` names it in errors).
+
+    Raises:
+        DataError: the loader is empty, or a batch is not an input (or an input and labels).
+    """
+    batches = []
+    for batch in loader:
+        if len(batches) >= num_batches:
+            break
+        batches.append(split_batch(batch, where=where)[0])
+    if not batches:
+        raise DataError(f"the {where} is empty: it yielded no batch")
+    return batches
+
+
+def reference_sites(ref: fx.GraphModule) -> dict[str, str]:
+    """The QCFS sites of the traced reference ``ref``: module name -> fx node name."""
+    return {str(n.target): n.name for n in ref.graph.nodes
+            if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)}
+
+
+def channel_sums(v: torch.Tensor) -> torch.Tensor:
+    """Per channel (dim 1), the sum of ``v`` in float64: each image's positions summed in
+    float32 first (a contiguous reduction; no float64 copy of ``v``)."""
+    if v.dim() > 2:
+        v = v.reshape(v.shape[0], v.shape[1], -1).sum(2)
+    return v.double().sum(0)
+
+
+def channel_mean(v: torch.Tensor) -> torch.Tensor:
+    """Per channel (dim 1), the mean of ``v`` in float64 (see :func:`channel_sums`)."""
+    return channel_sums(v) / (v.numel() // v.shape[1])
+
+
+@contextlib.contextmanager
+def qcfs_levels(ref: fx.GraphModule, levels: int | None):
+    """Every QCFS of ``ref`` at ``levels`` quantisation steps inside (``None``: as it is)."""
+    mods = [module_of(ref, n) for n in ref.graph.nodes
+            if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)]
+    old = [m.L for m in mods]
+    if levels:
+        for m in mods:
+            m.L = int(levels)
+    try:
+        yield
+    finally:
+        for m, L in zip(mods, old):
+            m.L = L
+
+
+def reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels: int | None) -> dict:
+    """Per QCFS site of ``ref``: its per-channel mean output over ``batches``, with every QCFS
+    at ``levels`` quantisation steps (``None``: as it is)."""
+    means: dict[str, torch.Tensor] = {}
+    with qcfs_levels(ref, levels):
+        for x in batches:
+            values = capture(ref, (x,), ref_nodes.values(), reduce=channel_mean)
+            for target, name in ref_nodes.items():
+                means[target] = means.get(target, 0) + values[name] / len(batches)
+    return means

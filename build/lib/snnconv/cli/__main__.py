@@ -1,0 +1,7 @@
+"""``python -m snnconv.cli``: the ``snnconv`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,176 @@
+"""``snnconv demo``, ``snnconv convert`` and ``snnconv finetune``: from an ANN to a run folder."""
+
+from __future__ import annotations
+
+import io
+import os
+
+from .common import (UsageError, add_command, evaluation, load_model, loaders, out_dir, print_accuracy,
+                     say, snn_path, time_steps, write_json)
+
+__all__ = ["add_demo", "add_convert", "add_finetune"]
+
+_WEIGHTS_OR_TRAIN = ("give --weights FILE (a trained state dict of --model) or --train-epochs N "
+                     "(train --model on --data here first)")
+
+
+def _cmd_demo(args) -> int:
+    from ..demo import run_demo
+
+    run_demo(args.out or "runs/demo", seed=args.seed, progress=not args.quiet)
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    import torch
+
+    from .. import models
+    from ..demo import train_ann
+    from ..meta import atomic_write_bytes
+    from ..pipeline import convert
+    from ..plots import plot_accuracy_vs_T
+
+    if not args.weights and not args.train_epochs:
+        raise UsageError(_WEIGHTS_OR_TRAIN)
+    Ts = time_steps(args)
+    train, test = loaders(args)
+    out = out_dir(args, "runs/convert")
+    x0 = train.dataset[0][0]
+    in_channels = args.in_channels or x0.shape[0]
+    if args.weights:
+        model = load_model(args.weights, args.model, args.num_classes, in_channels, False)
+    else:
+        try:
+            torch.manual_seed(args.seed)  # the initialisation too: the same --seed, the same network
+            model = models.get(args.model, num_classes=args.num_classes, in_channels=in_channels)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        say(args, f"[1/3] training {args.model} on {args.data} for {args.train_epochs} epoch(s) ...")
+        torch.manual_seed(args.seed)
+        model = train_ann(model, train, epochs=args.train_epochs, lr=args.lr, progress=not args.quiet)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        atomic_write_bytes(os.path.join(out, "ann.pt"), buf.getvalue())
+    epochs = "default" if args.qcfs_epochs is None else args.qcfs_epochs
+    say(args, f"[2/3] converting (T={max(Ts)}, QCFS epochs {epochs}, fine-tuning "
+              f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
+    snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
+                        qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
+                        eval_loader=test, eval_T=Ts, seed=args.seed,
+                        device=args.device, progress=not args.quiet)
+    snn.to("cpu").save(os.path.join(out, "snn.pt"))
+    meta.to_json(os.path.join(out, "meta.json"))
+    acc = meta.accuracy
+    plot_accuracy_vs_T({"SNN": {t: acc["snn"][str(t)] for t in Ts}},
+                       os.path.join(out, "accuracy_vs_T.png"),
+                       references={"ANN": acc["ann"], "QCFS-ANN": acc["qcfs"]},
+                       title=f"{args.data}: {args.model or 'model'} converted to an SNN")
+    say(args, "[3/3] spike statistics ...")
+    ev = evaluation(args, snn.to(args.device), test, [max(Ts)], "snn.pt")
+    ev["accuracy"] = acc["snn"]
+    write_json(os.path.join(out, "evaluation.json"), ev)
+    print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
+                          (f"QCFS-ANN (L={meta.settings['L']})", acc["qcfs"])]
+                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts])
+    say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
+    return 0
+
+
+def _teacher(args, src: str, train):
+    """The ANN to distil from: ``--teacher FILE``, else the run folder's ``ann.pt``, as a state
+    dict of ``--model``; None where there is neither."""
+    path = args.teacher or os.path.join(os.path.dirname(src), "ann.pt")
+    if not os.path.exists(path):
+        if args.teacher:
+            raise UsageError(f"--teacher {args.teacher}: no such file")
+        return None
+    if not args.model:
+        if args.teacher:
+            raise UsageError("--teacher needs --model NAME (the teacher is read as a state dict of it)")
+        return None
+    in_channels = args.in_channels or train.dataset[0][0].shape[0]
+    return load_model(path, args.model, args.num_classes, in_channels, False).eval()
+
+
+def _cmd_finetune(args) -> int:
+    from ..finetune import finetune
+    from ..pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, finetune_recipe
+    from ..network import SpikingNetwork
+
+    src = snn_path(args.snn, "snn.pt")
+    if os.path.basename(src) == "snn_finetuned.pt" and os.path.isdir(args.snn):
+        src = os.path.join(args.snn, "snn.pt")  # fine-tune the converted network, not a previous result
+    out = out_dir(args, args.snn if os.path.isdir(args.snn) else os.path.dirname(src) or ".")
+    Ts = time_steps(args)
+    train, test = loaders(args)
+    snn = SpikingNetwork.load(src)
+    T_train = args.train_T
+    teacher = _teacher(args, src, train)
+    # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T, distillation
+    config = finetune_recipe(T_train, train, epochs=args.epochs, seed=args.seed,
+                             reset=snn.meta.get("reset", "subtract"),
+                             max_steps=args.max_steps or FINETUNE_MAX_STEPS, lr=args.lr, alpha=args.alpha,
+                             train_thresholds=not args.freeze_thresholds,
+                             distill=CONVERT_FINETUNE["distill"] if teacher is not None else 0.0,
+                             checkpoint_dir=os.path.join(out, "finetune"), resume=args.resume)
+    say(args, f"fine-tuning {src} with BPTT for T={T_train} ({config.T} steps unrolled, readouts at "
+              f"{', '.join(map(str, config.horizons))}) for {args.epochs} epoch(s), "
+              + ("distilling from the ANN ..." if teacher is not None else "labels only (no ANN given) ..."))
+    tuned, history = finetune(snn, train, config=config, teacher=teacher, device=args.device,
+                              progress=not args.quiet)
+    tuned.to("cpu").save(os.path.join(out, "snn_finetuned.pt"))
+    ev = evaluation(args, tuned.to(args.device), test, Ts, "snn_finetuned.pt")
+    write_json(os.path.join(out, "evaluation.json"), ev)
+    write_json(os.path.join(out, "finetune.json"),
+               {"source": src, "T": T_train, "epochs": args.epochs, "lr": args.lr, "alpha": args.alpha,
+                "config": {k: v for k, v in vars(config).items() if k != "checkpoint_dir"},
+                "history": history, "accuracy": {"snn": ev["accuracy"]}})
+    print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
+    say(args, f"\nwrote {out}/snn_finetuned.pt, finetune.json, evaluation.json")
+    return 0
+
+
+# --- the parsers ----------------------------------------------------------------------------
+
+def add_demo(sub, pa: dict) -> None:
+    add_command(sub, "demo", "train a small BN CNN on scikit-learn digits and convert it",
+                "snnconv demo --out runs/demo", [pa["common"]], _cmd_demo)
+
+
+def add_convert(sub, pa: dict) -> None:
+    example = "snnconv convert --model small_cnn --data digits --train-epochs 30 --T 1 2 4 8 --out runs/d"
+    p = add_command(sub, "convert", "train or load an ANN, convert it to an SNN, evaluate it by T", example,
+                    [pa["common"], pa["data"], pa["model"], pa["time"], pa["levels"]], _cmd_convert)
+    p.add_argument("--weights", help="a trained state dict of --model (torch.load weights_only)")
+    p.add_argument("--train-epochs", type=int, default=0, help="train --model here for N epochs first")
+    p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
+    p.add_argument("--finetune-epochs", type=int, default=None,
+                   help="BPTT epochs, at most 2000 steps each (default: convert()'s, one at T <= 8; "
+                        "0 converts without training)")
+    p.add_argument("--qcfs-epochs", type=int, default=None,
+                   help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
+                        "became average pooling)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
+                   help="one threshold per channel (the default)")
+    g.add_argument("--per-layer", dest="per_channel", action="store_const", const=False,
+                   help="one threshold per layer")
+
+
+def add_finetune(sub, pa: dict) -> None:
+    p = add_command(sub, "finetune", "fine-tune a converted SNN with BPTT (atan surrogate)",
+                    "snnconv finetune runs/d --data digits --T 2 4 8 --train-T 4 --epochs 2",
+                    [pa["common"], pa["data"], pa["model"], pa["time"]], _cmd_finetune)
+    p.add_argument("snn", help="a saved SNN (snn.pt) or the run folder holding it")
+    p.add_argument("--train-T", type=int, default=4,
+                   help="the T to fine-tune for (default 4): convert()'s recipe unrolls 2T steps "
+                        "and trains the readouts at T/2, T and 2T")
+    p.add_argument("--teacher", help="the ANN to distil from, a state dict of --model (default: the "
+                                     "run folder's ann.pt where --model is given)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    p.add_argument("--alpha", type=float, default=4.0,
+                   help="ATan surrogate sharpness (default 4)")
+    p.add_argument("--freeze-thresholds", action="store_true", help="keep the thresholds fixed")
+    p.add_argument("--max-steps", type=int, help="at most N steps per epoch (default 2000)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/finetune/finetune.ckpt")

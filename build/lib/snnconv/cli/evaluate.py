@@ -1,0 +1,52 @@
+"""``snnconv evaluate`` and ``snnconv report``: what a saved SNN does, and a run folder as a page."""
+
+from __future__ import annotations
+
+import os
+
+from .common import add_command, evaluation, loaders, print_accuracy, say, snn_path, time_steps, write_json
+
+__all__ = ["add_evaluate", "add_report"]
+
+
+def _cmd_evaluate(args) -> int:
+    from ..network import SpikingNetwork
+
+    src = snn_path(args.snn)
+    Ts = time_steps(args)
+    _, test = loaders(args)
+    snn = SpikingNetwork.load(src).to(args.device)
+    ev = evaluation(args, snn, test, Ts, os.path.basename(src))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "evaluation.json"), ev)
+    print_accuracy(args, [(f"SNN T={t}", ev["accuracy"][str(t)]) for t in Ts])
+    rates = ev["analysis"]["firing_rate"]
+    e = ev["analysis"]["energy"]
+    say(args, f"mean firing rate {100 * sum(rates.values()) / max(1, len(rates)):.2f}% per step; "
+              f"energy estimate {e['snn_pj'] / 1e3:.1f} nJ (SNN) vs {e['ann_pj'] / 1e3:.1f} nJ (ANN) "
+              "per image")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from ..report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(path)
+    return 0
+
+
+# --- the parsers ----------------------------------------------------------------------------
+
+def add_evaluate(sub, pa: dict) -> None:
+    p = add_command(sub, "evaluate", "accuracy by T, firing rates, synaptic operations and energy of an SNN",
+                    "snnconv evaluate runs/d/snn.pt --data digits --T 1 2 4 8 16 --out runs/d",
+                    [pa["common"], pa["data"], pa["time"]], _cmd_evaluate)
+    p.add_argument("snn", help="a saved SNN (snn.pt) or a run folder")
+
+
+def add_report(sub, pa: dict) -> None:
+    p = add_command(sub, "report", "write one self-contained HTML page from a run folder",
+                    "snnconv report runs/d   # writes runs/d/report.html", [pa["common"]], _cmd_report)
+    p.add_argument("run_dir", help="a run folder (meta.json, finetune.json, evaluation.json, backends/)")

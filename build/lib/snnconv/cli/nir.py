@@ -1,0 +1,298 @@
+"""``snnconv export``, ``inspect``, ``run`` and ``backends``: an SNN as a NIR file, and the file on
+a backend (accuracy, spikes, synaptic operations, energy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from ..energy import E_AC_PJ, E_MAC_PJ
+from .common import UsageError, add_command, snn_path, write_json
+
+__all__ = ["add_export", "add_inspect", "add_run", "add_backends"]
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _cmd_export(args) -> int:
+    """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
+    from ..errors import SnnconvError
+    from ..nir_io import export_nir, save_nir
+    from ..network import SpikingNetwork
+
+    try:
+        args.network = snn_path(args.network)
+        args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
+        snn = SpikingNetwork.load(args.network)
+        shape = None
+        if args.input_shape:
+            try:
+                shape = tuple(int(v) for v in args.input_shape.split(","))
+            except ValueError:
+                raise SnnconvError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
+        graph = export_nir(snn, input_shape=shape)
+        save_nir(graph, args.out)
+    except (SnnconvError, OSError, UsageError) as exc:
+        print(f"snnconv export: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    neurons = sum(1 for n in graph.nodes.values() if type(n).__name__ in ("I", "IF"))
+    print(f"wrote {args.out}: {len(graph.nodes)} nodes, {len(graph.edges)} edges, {neurons} neuron "
+          f"layers, reset={graph.metadata['reset']}, T={graph.metadata['T']}, "
+          f"{os.path.getsize(args.out) / 1e6:.2f} MB")
+    return 0
+
+
+def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
+    import numpy as np
+
+    from snnconv_backends.nirgraph import parse
+
+    parsed = parse(graph)
+    rows, totals = [], {"ops": 0, "neuron layers": 0, "neurons": 0, "parameters": 0}
+    for op in parsed.ops:
+        node = graph.nodes[op.name]
+        kind = type(node).__name__
+        theta, count = "", 0
+        if op.kind == "neuron":
+            t = np.asarray(op.params["theta"], dtype=np.float64)
+            theta = f"{t.min():.4g} / {t.mean():.4g} / {t.max():.4g}"
+            kind = "IF (reset zero)" if kind == "IF" else "I+Threshold+Scale (subtract)"
+            count = t.size
+            totals["neuron layers"] += 1
+            totals["neurons"] += int(np.prod(op.out_shape))
+        elif op.kind == "sum":
+            kind = "sum"
+        else:
+            count = sum(int(np.asarray(op.params[k]).size) for k in ("weight", "bias") if k in op.params)
+            if op.kind == "scale":
+                count = int(np.unique(np.asarray(op.params["scale"])).size)
+        if op.kind == "avgpool2d" and op.params["adaptive"]:
+            kind += " (adaptive)"
+        totals["ops"] += 1
+        totals["parameters"] += count
+        rows.append([op.name, kind, "x".join(map(str, op.out_shape)), theta, str(count) if count else ""])
+    return rows, totals
+
+
+def _cmd_inspect(args) -> int:
+    """``snnconv inspect FILE.nir``: one row per op (node, type, shape, thresholds, parameters)."""
+    from ..errors import SnnconvError
+    from ..nir_io import load_nir
+
+    try:
+        graph = load_nir(args.file)
+        rows, totals = _inspect_rows(graph)
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv inspect: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    _print_table([["node", "type", "shape", "theta min / mean / max", "parameters"]] + rows)
+    meta = {k: v for k, v in graph.metadata.items()}
+    print(f"total: {totals['ops']} ops, {totals['neuron layers']} neuron layers "
+          f"({totals['neurons']} neurons), {totals['parameters']} parameters; "
+          f"reset={meta.get('reset')}, T={meta.get('T')}, producer={meta.get('producer')}, "
+          f"{os.path.getsize(args.file) / 1e6:.2f} MB")
+    return 0
+
+
+def _run_dataset(name: str, root: str | None):
+    """The test split of ``--data`` (digits and synthetic: the split of seed 0)."""
+    from ..data import DATASETS, cifar10, digits, fashion_mnist, synthetic
+    from ..errors import DataError
+
+    if name == "digits":
+        return digits(seed=0)[1]
+    if name == "synthetic":
+        return synthetic(seed=0)[1]
+    if name == "fashion_mnist":
+        return fashion_mnist(root, train=False)
+    if name == "cifar10":
+        if not root:
+            raise DataError("--data cifar10 needs --data-root DIR (holding cifar-10-batches-py)")
+        return cifar10(root, train=False)
+    raise DataError(f"unknown --data {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def _backend_options(pairs: list[str]) -> dict:
+    from ..errors import BackendError
+
+    out = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise BackendError(f"--option {pair!r} is not KEY=VALUE (e.g. dtype=float64)")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _cmd_run(args) -> int:
+    """``snnconv run FILE.nir --backend cpu --data digits --T 8``: accuracy, spikes, synops, energy.
+
+    Also writes ``OUT/backends/BACKEND.json`` (default OUT: the NIR file's folder) for
+    ``snnconv report``: accuracy, agreement with the torch network read from the same file,
+    operation counts, energy and the backend's own report.
+    """
+    import torch
+    from torch.utils.data import DataLoader
+
+    from .. import backends
+    from ..errors import SnnconvError
+    from ..nir_io import from_nir, load_nir
+
+    try:
+        graph = load_nir(args.file)
+        program = backends.get(args.backend).compile(graph, **_backend_options(args.option))
+        dataset = _run_dataset(args.data, args.data_root)
+        if args.limit:
+            dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+        T = args.T if args.T is not None else graph.metadata.get("T")
+        if T is None:
+            raise SnnconvError(f"{args.file} records no T; give --T")
+        correct = torch.zeros(int(T), dtype=torch.float64)
+        reference = from_nir(graph)
+        refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
+        n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
+        chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
+        for x, y in DataLoader(dataset, batch_size=args.batch):
+            r = program.run(x, int(T))
+            # accuracy of the readout averaged over the first t steps, t = 1..T
+            mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, int(T) + 1).view(-1, 1, 1)
+            correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
+            n += len(y)
+            seconds += float(r.extra.get("seconds", 0.0))
+            for d, new in ((spikes, r.spikes), (synops, r.synops), (macs, r.macs)):
+                for k, v in new.items():
+                    d[k] = d[k] + v if k in d else v
+            static = set(r.extra.get("static_ops", ()))
+            if "quantisation" in r.extra:
+                chip_runs.append(r)
+            with torch.no_grad():  # the torch network read back from the same file: the reference
+                refs.append(reference.run(x, T=int(T)).mean(0).argmax(1))
+            outputs.append(r.outputs.float().cpu())
+            labels.append(y)
+            extra = dict(r.extra or {})
+    except (SnnconvError, OSError) as exc:
+        print(f"snnconv run: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    T = int(T)
+    from snnconv_backends.nirgraph import parse
+
+    sizes = {op.name: op.out_shape for op in parse(graph).ops if op.kind == "neuron"}
+    print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
+          f"{seconds:.2f} s ({n * T / max(seconds, 1e-9):.0f} image-steps/s)")
+    print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
+    by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
+    print(f"accuracy by t: {by_t}")
+    print("\nspikes per neuron layer (rate = spikes per neuron per step)")
+    rows = [["layer", "neurons", "spikes", "rate", "by step"]]
+    for name, counts in spikes.items():
+        units = int(torch.Size(sizes[name]).numel())
+        rate = float(counts.sum()) / (units * n * T)
+        rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
+                     " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
+    _print_table(rows)
+    print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
+    rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
+    e_snn = 0.0
+    for name, m in macs.items():
+        ac = synops.get(name)
+        if ac is None:  # not fed by spikes: dense MACs, once for a static layer, else every step
+            e_snn += m / n * (1 if name in static else T) * E_MAC_PJ
+            rows.append([name, "(dense: " + ("once" if name in static else f"x{T}") + ")",
+                         f"{m / n:.4g}", ""])
+        else:
+            e_snn += ac / n * E_AC_PJ
+            rows.append([name, f"{ac / n:.4g}", f"{m / n:.4g}", f"{ac / m:.3f}"])
+    for name, ac in synops.items():
+        if name not in macs:  # an identity-shortcut Scale: one add per spike
+            e_snn += ac / n * E_AC_PJ
+            rows.append([name, f"{ac / n:.4g}", "0", ""])
+    tot_ac, tot_mac = sum(synops.values()) / n, sum(macs.values()) / n
+    rows.append(["total", f"{tot_ac:.4g}", f"{tot_mac:.4g}", f"{tot_ac / max(tot_mac, 1e-9):.3f}"])
+    _print_table(rows)
+    e_ann = tot_mac * E_MAC_PJ
+    print(f"\nenergy estimate per image (synaptic arithmetic only; neuron updates and memory "
+          f"traffic not counted): SNN {e_snn / 1e6:.3f} uJ vs ANN {e_ann / 1e6:.3f} uJ "
+          f"({e_snn / max(e_ann, 1e-12):.2f}x), at {E_AC_PJ} pJ per AC and {E_MAC_PJ} pJ per MAC "
+          "(45 nm, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler)")
+    if chip_runs:
+        from snnconv_backends.loihi2 import format_report
+
+        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
+    from ..analysis import backend_record
+
+    class _Merged:  # the batches as one RunResult-like record
+        pass
+
+    merged = _Merged()
+    merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
+    rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
+                         wall_s=time.perf_counter() - t_start)
+    rec["energy_45nm_per_image_nj"] = {"snn": e_snn / 1e3, "ann": e_ann / 1e3}
+    out = args.out or os.path.dirname(os.path.abspath(args.file))
+    os.makedirs(os.path.join(out, "backends"), exist_ok=True)
+    write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
+    print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
+          f"wrote {os.path.join(out, 'backends', args.backend + '.json')}")
+    return 0
+
+
+def _cmd_backends(args) -> int:
+    """``snnconv backends``: every installed backend, usable or not, and why not."""
+    from .. import backends
+
+    rows = [["backend", "usable", "why not"]]
+    for name, (ok, reason) in backends.available().items():
+        rows.append([name, "yes" if ok else "no", reason])
+    _print_table(rows)
+    return 0
+
+
+# --- the parsers ----------------------------------------------------------------------------
+
+def add_export(sub, pa: dict) -> None:
+    p = add_command(sub, "export", "write an SNN as a NIR graph file (HDF5)",
+                    "snnconv export runs/d/snn.pt runs/d/snn.nir", [pa["common"]], _cmd_export)
+    p.add_argument("network", help="a saved SNN (snn.pt, SpikingNetwork.save) or a run folder")
+    p.add_argument("nir_out", nargs="?", help="the NIR file to write (default: --out, or snn.nir "
+                   "beside the network)")
+    p.add_argument("--input-shape", help="batch-free input shape, e.g. 3,32,32 (default: recorded "
+                   "by convert)")
+
+
+def add_inspect(sub, pa: dict) -> None:
+    p = add_command(sub, "inspect", "print the nodes, shapes, thresholds and metadata of a NIR file",
+                    "snnconv inspect runs/d/snn.nir", [pa["common"]], _cmd_inspect)
+    p.add_argument("file", help="a NIR (HDF5) file")
+
+
+def add_run(sub, pa: dict) -> None:
+    p = add_command(sub, "run", "run a NIR file on a backend: accuracy, spikes, synops, energy",
+                    "snnconv run runs/d/snn.nir --backend loihi2-sim --data digits --T 8",
+                    [pa["common"], pa["test_data"]], _cmd_run)
+    p.add_argument("file", help="a NIR (HDF5) file")
+    p.add_argument("--backend", default="cpu", help="cpu, gpu, loihi2-sim, lava (see: snnconv backends)")
+    # one T, not the shared --T's list: the run reports the accuracy at every t = 1..T
+    p.add_argument("--T", type=int, help="time steps (default: the T recorded in the file)")
+    p.add_argument("--batch", type=int, default=256, help="images per backend call (default 256)")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="a backend option, e.g. --option dtype=float64 (repeatable)")
+
+
+def add_backends(sub, pa: dict) -> None:
+    add_command(sub, "backends", "list the installed backends and why one is unavailable",
+                "snnconv backends", [pa["common"]], _cmd_backends)

@@ -1,0 +1,310 @@
+"""Datasets and loader helpers.
+
+- scikit-learn digits (1797 8x8 images, ships with scikit-learn): the embedded default;
+- Fashion-MNIST from the IDX files of Debian's ``dataset-fashion-mnist`` package, or through
+  torchvision's download where a network exists;
+- CIFAR-10 through torchvision (``torchvision.datasets.CIFAR10``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+from .errors import DataError
+
+__all__ = [
+    "digits",
+    "fashion_mnist",
+    "cifar10",
+    "read_idx",
+    "split_batch",
+    "split_loader",
+    "split_dataset",
+    "first_batch",
+    "DEBIAN_FASHION_MNIST",
+    "synthetic",
+    "load",
+    "DATASETS",
+]
+
+DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def digits(*, test_fraction: float = 0.25, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's digits as ``(train, test)`` TensorDatasets of ``[1, 8, 8]`` float images.
+
+    Pixels are scaled to [0, 1] and standardised with the training split's mean and std; the
+    split is stratified-free but seeded and fixed.
+    """
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_test = int(round(len(x) * test_fraction))
+    test_idx, train_idx = perm[:n_test], perm[n_test:]
+    mean, std = x[train_idx].mean(), x[train_idx].std()
+    x = (x - mean) / std
+    return TensorDataset(x[train_idx], y[train_idx]), TensorDataset(x[test_idx], y[test_idx])
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Read an IDX file (optionally gzip-compressed) into a numpy array, checking its header."""
+    path = os.fspath(path)
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise DataError(f"IDX file not found: {path}") from None
+    except (OSError, EOFError) as exc:
+        raise DataError(f"cannot read IDX file {path}: {exc}") from exc
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise DataError(f"{path} is not an IDX file (bad magic number {data[:4].hex()})")
+    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    code, ndim = data[2], data[3]
+    if code not in dtypes:
+        raise DataError(f"{path}: unknown IDX element type 0x{code:02x}")
+    header = 4 + 4 * ndim
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    dtype = np.dtype(dtypes[code])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(data) - header != expected:
+        raise DataError(f"{path}: header says shape {shape} ({expected} bytes) but the file holds "
+                        f"{len(data) - header} bytes of data; the file is truncated or corrupted")
+    return np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
+
+
+def _idx_file(root: str, stem: str) -> str | None:
+    for name in (stem + ".gz", stem):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool = False,
+                  normalize: bool = True) -> TensorDataset:
+    """Fashion-MNIST as a TensorDataset of ``[1, 28, 28]`` float images and labels.
+
+    Looks in ``root`` (default: Debian's ``/usr/share/datasets/fashion-mnist``) for the four IDX
+    files; with ``download=True`` and no files there, uses torchvision's downloader into ``root``.
+
+    Raises:
+        DataError: the files are missing (the message says how to get them) or corrupted.
+    """
+    root = root or os.environ.get("SNNCONV_FASHION_MNIST", DEBIAN_FASHION_MNIST)
+    prefix = "train" if train else "t10k"
+    images = _idx_file(root, f"{prefix}-images-idx3-ubyte")
+    labels = _idx_file(root, f"{prefix}-labels-idx1-ubyte")
+    if (images is None or labels is None) and download:
+        from torchvision.datasets import FashionMNIST
+
+        FashionMNIST(root, train=train, download=True)
+        raw = os.path.join(root, "FashionMNIST", "raw")
+        images = _idx_file(raw, f"{prefix}-images-idx3-ubyte")
+        labels = _idx_file(raw, f"{prefix}-labels-idx1-ubyte")
+    if images is None or labels is None:
+        raise DataError(
+            f"Fashion-MNIST {prefix} files not found in {root}. Install them with "
+            "'sudo apt-get install dataset-fashion-mnist' (Debian/Ubuntu), or call "
+            "fashion_mnist(root=DIR, download=True) where a network is available, or point "
+            "SNNCONV_FASHION_MNIST at a folder holding the IDX files.")
+    x = torch.from_numpy(read_idx(images).copy()).float().div_(255.0).unsqueeze(1)
+    y = torch.from_numpy(read_idx(labels).astype(np.int64))
+    if x.dim() != 4 or x.shape[2:] != (28, 28) or len(x) != len(y):
+        raise DataError(f"Fashion-MNIST files in {root} have unexpected shapes {tuple(x.shape)} "
+                        f"and {tuple(y.shape)}")
+    if normalize:
+        x = (x - FASHION_MEAN) / FASHION_STD
+    return TensorDataset(x, y)
+
+
+def cifar10(root: str, *, train: bool = True, download: bool = False, augment: bool = False) -> Dataset:
+    """CIFAR-10 through torchvision, normalised with the usual channel statistics.
+
+    Raises:
+        DataError: the dataset is not in ``root`` and ``download`` is False.
+    """
+    import torchvision
+    import torchvision.transforms as T
+
+    steps: list[Any] = []
+    if augment:
+        steps += [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
+    steps += [T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)]
+    try:
+        return torchvision.datasets.CIFAR10(root, train=train, download=download,
+                                            transform=T.Compose(steps))
+    except (RuntimeError, OSError) as exc:  # missing or corrupted files; a failed download
+        raise DataError(
+            f"CIFAR-10 not found in {root} ({exc}). Pass download=True where a network exists, or "
+            "copy the 'cifar-10-batches-py' folder from https://www.cs.toronto.edu/~kriz/ there."
+        ) from exc
+
+
+def split_batch(batch: Any, *, where: str = "loader") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, y)``, ``[x, y]``, ``{"x"/"input", "y"/"label"}`` or a bare ``x`` -> ``(x, y or None)``."""
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    if isinstance(batch, dict):
+        x = next((batch[k] for k in ("x", "input", "inputs", "image", "images") if k in batch), None)
+        y = next((batch[k] for k in ("y", "label", "labels", "target", "targets") if k in batch), None)
+        if x is None:
+            raise DataError(f"{where} yielded a dict with keys {sorted(batch)}; expected 'x' or 'input'")
+        return x, y
+    if isinstance(batch, (tuple, list)) and len(batch) >= 1 and isinstance(batch[0], torch.Tensor):
+        y = batch[1] if len(batch) > 1 else None
+        if y is not None and not isinstance(y, torch.Tensor):
+            y = torch.as_tensor(y)
+        return batch[0], y
+    raise DataError(f"{where} yielded a {type(batch).__name__}; expected a tensor, (x, y) or [x, y]")
+
+
+def first_batch(loader: Iterable, *, where: str = "loader") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first ``(x, y)`` of ``loader``; DataError when the loader is empty."""
+    for batch in loader:
+        return split_batch(batch, where=where)
+    raise DataError(f"{where} is empty: it yielded no batch. Pass a loader with at least one batch.")
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects that order ``loader``'s batches (its own, its sampler's,
+    its batch sampler's sampler's), each once."""
+    found: dict[int, torch.Generator] = {}
+    for obj in (loader, getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def generators_kept(*loaders: Any) -> Iterator[None]:
+    """Inside, iterate ``loaders`` freely; on leaving, the generators that shuffle them
+    (``DataLoader(generator=...)``, a sampler's) are put back in the state they had on entry.
+    A loader with its own generator would otherwise give the next call other batches, so that
+    two identical calls differ."""
+    saved = [(g, g.get_state()) for loader in loaders if loader is not None for g in _generators(loader)]
+    try:
+        yield
+    finally:
+        for g, state in saved:
+            g.set_state(state)
+
+
+class _BatchList:
+    """A re-iterable list of batches (used when a loader cannot be split by dataset)."""
+
+    def __init__(self, batches: list):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int = 0) -> tuple[Subset, Subset]:
+    """A seeded random ``(train, validation)`` split of a sized dataset."""
+    n = len(dataset)
+    n_val = max(1, int(round(n * val_fraction)))
+    if n_val >= n:
+        raise DataError(f"the training data holds {n} samples, too few to hold out {n_val} "
+                        "for validation; lower val_fraction or pass more data")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return Subset(dataset, perm[n_val:]), Subset(dataset, perm[:n_val])
+
+
+def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tuple[Iterable, Iterable | None]:
+    """Split a training loader into ``(train, validation)``; never touches any test data.
+
+    A ``DataLoader`` over a sized dataset is split by a seeded random permutation of sample
+    indices (same batch size, workers and collate function). Any other iterable is split by
+    batches: every ``round(1 / val_fraction)``-th batch goes to validation.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if val_fraction == 0.0:
+        return loader, None
+    if isinstance(loader, DataLoader) and hasattr(loader.dataset, "__len__"):
+        train_set, val_set = split_dataset(loader.dataset, val_fraction, seed=seed)
+        common = dict(batch_size=loader.batch_size or 1, num_workers=loader.num_workers,
+                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory)
+        train = DataLoader(train_set, shuffle=True,
+                           generator=torch.Generator().manual_seed(seed + 1),
+                           drop_last=loader.drop_last, **common)
+        val = DataLoader(val_set, shuffle=False, **common)
+        return train, val
+    batches = list(loader)
+    if len(batches) < 2:
+        raise DataError(f"the training loader yielded {len(batches)} batch(es); at least 2 are "
+                        "needed to hold out a validation split. Pass val_fraction=0 or more data.")
+    k = max(2, min(len(batches), int(round(1.0 / val_fraction))))
+    val = [b for i, b in enumerate(batches) if i % k == k - 1]
+    train = [b for i, b in enumerate(batches) if i % k != k - 1]
+    return _BatchList(train), _BatchList(val)
+
+
+DATASETS = ("digits", "fashion_mnist", "cifar10", "synthetic")
+
+
+def synthetic(*, n_train: int = 256, n_test: int = 128, shape: tuple[int, ...] = (3, 32, 32),
+              num_classes: int = 10, noise: float = 1.0, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """CIFAR-shaped stand-in data made on the spot: ``(train, test)`` TensorDatasets.
+
+    Each class has a fixed random template (smooth, so convolutions see structure); an image is
+    its class's template plus Gaussian noise of std ``noise``. Learnable, so accuracies mean
+    something, yet nothing is downloaded: the smoke setting of the tutorials and CLI tests.
+    """
+    if n_train < 1 or n_test < 1 or num_classes < 2:
+        raise ValueError(f"synthetic data needs n_train, n_test >= 1 and num_classes >= 2; got "
+                         f"{n_train}, {n_test}, {num_classes}")
+    g = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(num_classes, shape[0], *(max(1, s // 4) for s in shape[1:]), generator=g)
+    templates = torch.nn.functional.interpolate(coarse, size=tuple(shape[1:]), mode="bilinear",
+                                                align_corners=False) if len(shape) == 3 else coarse
+
+    def make(n: int) -> TensorDataset:
+        y = torch.randint(0, num_classes, (n,), generator=g)
+        x = templates[y] + noise * torch.randn(n, *shape, generator=g)
+        return TensorDataset(x.float(), y)
+
+    return make(n_train), make(n_test)
+
+
+def load(name: str, *, root: str | None = None, download: bool = False, augment: bool = False,
+         seed: int = 0) -> tuple[Dataset, Dataset]:
+    """``(train, test)`` datasets by name: one of :data:`DATASETS`.
+
+    ``root`` is where Fashion-MNIST's IDX files or CIFAR-10's folder live (defaults: Debian's
+    Fashion-MNIST folder, ``data/cifar10``); ``augment`` applies CIFAR-10's crop-and-flip to
+    its training split.
+
+    Raises:
+        DataError: an unknown name, or the files are missing (the message says how to get them).
+    """
+    if name == "digits":
+        return digits(seed=seed)
+    if name == "fashion_mnist":
+        return fashion_mnist(root, train=True, download=download), fashion_mnist(root, train=False,
+                                                                                 download=download)
+    if name == "cifar10":
+        root = root or "data/cifar10"
+        return (cifar10(root, train=True, download=download, augment=augment),
+                cifar10(root, train=False, download=download))
+    if name == "synthetic":
+        return synthetic(seed=seed)
+    raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -1,0 +1,385 @@
+"""``snnconv report RUN_DIR``: one self-contained HTML page (plots embedded) from a run folder.
+
+A run folder is what the CLI commands and the tutorial notebooks write (every file optional):
+
+======================  ==============================================================
+``meta.json``           ``snnconv convert``: accuracies (ANN, folded, QCFS-ANN, SNN by T),
+                        per-stage records (thresholds), settings, environment
+``finetune.json``       ``snnconv finetune``: ``history`` (one record per epoch) and
+                        ``accuracy`` (``{"snn": {T: acc}}`` after fine-tuning)
+``evaluation.json``     ``snnconv evaluate``: ``accuracy`` by T and ``analysis`` (a
+                        :class:`snnconv.analysis.SpikeAnalysis` as data)
+``backends/NAME.json``  ``snnconv run``: one backend's accuracy, agreement with the torch
+                        SNN, synaptic operations, MACs, energy and wall time
+======================  ==============================================================
+
+Sections whose data is absent are replaced by a one-line note saying which command writes it.
+The page is written atomically; images are PNGs embedded as base64 (no file references), so
+the page can be mailed or attached to a CI run as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import glob
+import html
+import io
+import json
+import math
+import os
+from typing import Any, Callable, Mapping
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .errors import DataError  # noqa: E402
+from .meta import atomic_write_text  # noqa: E402
+
+__all__ = ["write_report", "load_run", "REPORT_NAME"]
+
+REPORT_NAME = "report.html"
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON ({exc}); re-run the command that wrote it") from exc
+
+
+def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read the JSON files of a run folder into ``{"meta", "finetune", "evaluation", "backends"}``.
+
+    Missing files give ``None`` (``{}`` for backends).
+
+    Raises:
+        DataError: ``run_dir`` is not a folder, holds none of the files, or a file is not JSON.
+    """
+    run_dir = os.fspath(run_dir)
+    if not os.path.isdir(run_dir):
+        raise DataError(f"run folder {run_dir} does not exist; give the --out folder of "
+                        "'snnconv convert' (or of a tutorial notebook)")
+    run: dict[str, Any] = {}
+    for key in ("meta", "finetune", "evaluation"):
+        path = os.path.join(run_dir, f"{key}.json")
+        run[key] = _read_json(path) if os.path.exists(path) else None
+    run["backends"] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "backends", "*.json"))):
+        run["backends"][os.path.splitext(os.path.basename(path))[0]] = _read_json(path)
+    if not any(run[k] for k in ("meta", "finetune", "evaluation", "backends")):
+        raise DataError(f"{run_dir} holds none of meta.json, finetune.json, evaluation.json, "
+                        "backends/*.json; run 'snnconv convert --out DIR' first")
+    return run
+
+
+# --- plots ----------------------------------------------------------------------------------
+
+def _png(draw: Callable[[Any], None], size=(6.4, 3.8)) -> str:
+    fig, ax = plt.subplots(figsize=size)
+    try:
+        draw(ax)
+        buf = io.BytesIO()
+        fig.savefig(buf, dpi=100, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _curve(points: Mapping[str, float]) -> tuple[list[int], list[float]]:
+    Ts = sorted(int(t) for t in points)
+    return Ts, [float(points[str(t)] if str(t) in points else points[t]) for t in Ts]
+
+
+def _plot_accuracy(ax, acc: Mapping[str, Any], tuned: Mapping[str, float] | None,
+                   backends: Mapping[str, Mapping[str, Any]]) -> None:
+    all_T: set[int] = set()
+    if acc.get("snn"):
+        Ts, ys = _curve(acc["snn"])
+        ax.plot(Ts, ys, marker="o", label="SNN (converted)")
+        all_T |= set(Ts)
+    if tuned:
+        Ts, ys = _curve(tuned)
+        ax.plot(Ts, ys, marker="s", label="SNN (fine-tuned)")
+        all_T |= set(Ts)
+    for i, (name, res) in enumerate(backends.items()):
+        if isinstance(res.get("accuracy"), (int, float)) and res.get("T"):
+            ax.scatter([int(res["T"])], [res["accuracy"]], marker="x", s=60, zorder=5,
+                       color=f"C{(i + 4) % 10}", label=f"backend {name}")
+            all_T.add(int(res["T"]))
+    for j, (key, label) in enumerate((("ann", "ANN"), ("qcfs", "QCFS-ANN"))):
+        if isinstance(acc.get(key), (int, float)):
+            ax.axhline(acc[key], linestyle="--", color=f"C{j + 2}", label=f"{label} ({acc[key]:.1f}%)")
+    ax.set_xscale("log", base=2)
+    if all_T:
+        ticks = sorted(all_T)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.minorticks_off()
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_title("Accuracy against time steps")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_firing(ax, rates: Mapping[str, float]) -> None:
+    names = list(rates)
+    ax.bar(range(len(names)), [100 * rates[n] for n in names], color="C0")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("firing rate (% of neurons per step)")
+    ax.set_title("Firing rate per layer")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _plot_thresholds(ax, thetas: Mapping[str, list[float]]) -> None:
+    names = list(thetas)
+    ax.boxplot([thetas[n] for n in names], whis=(0, 100))
+    ax.set_xticks(range(1, len(names) + 1))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("threshold theta")
+    ax.set_title("Thresholds per layer (per-channel values as a box)")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def _plot_raster(ax, raster: Mapping[str, list[list[int]]], T: int, per_layer: int) -> None:
+    names = list(raster)
+    for i, name in enumerate(names):
+        pts = raster[name]
+        if pts:
+            ax.scatter([p[0] + 1 for p in pts], [i * per_layer + p[1] for p in pts], s=4,
+                       marker="|", color=f"C{i % 10}")
+    ax.set_yticks([i * per_layer + per_layer / 2 for i in range(len(names))])
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_xlim(0.5, T + 0.5)
+    ax.set_xticks(range(1, T + 1, max(1, T // 16)))
+    ax.set_ylim(0, max(1, len(names)) * per_layer)
+    ax.set_xlabel("time step")
+    ax.set_title(f"Spike raster: first {per_layer} neurons of each layer, image 0")
+
+
+def _plot_history(ax, history: list[Mapping[str, float]]) -> None:
+    records = [h for h in history if "epoch" in h]
+    epochs = [h["epoch"] for h in records]
+    ax.plot(epochs, [h["loss"] for h in records], marker="o", color="C0", label="training loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax2 = ax.twinx()
+    for i, key in enumerate(("train_acc", "val_acc")):
+        pts = [(h["epoch"], h[key]) for h in records if key in h]
+        if pts:
+            ax2.plot(*zip(*pts), marker="s", color=f"C{i + 1}", label=key.replace("_", " "))
+    ax2.set_ylabel("accuracy (%)")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8)
+    ax.set_title("BPTT fine-tuning")
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_ops(ax, synops: Mapping[str, float], macs: Mapping[str, float],
+              static: Mapping[str, float]) -> None:
+    names = list(macs)
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [macs[n] for n in names], width=0.4, label="ANN MACs")
+    ax.bar([x + 0.2 for x in xs], [synops.get(n, 0.0) for n in names], width=0.4,
+           label="SNN accumulates (whole run)", color="C1")
+    ax.bar([x + 0.2 for x in xs], [static.get(n, 0.0) for n in names], width=0.4,
+           label="SNN MACs (static input, once)", color="C1", hatch="//", alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("operations (batch)")
+    ax.set_title("Synaptic operations against MACs per layer")
+    ax.legend(fontsize=8)
+
+
+def _plot_energy(ax, rows: list[tuple[str, float]]) -> None:
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=[f"C{i}" for i in range(len(rows))])
+    ax.set_xlabel("energy per image (nJ)")
+    ax.set_title("Energy estimates per inference")
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+# --- page -----------------------------------------------------------------------------------
+
+_CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:980px;margin:2em auto;
+     padding:0 1em;color:#222;line-height:1.45}
+h1{font-size:1.6em;margin-bottom:.2em} h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
+img{max-width:100%;height:auto;display:block;margin:.6em 0}
+table{border-collapse:collapse;margin:.6em 0;font-size:.92em}
+td,th{border:1px solid #ccc;padding:.25em .6em;text-align:right} th{background:#f4f4f4}
+td:first-child,th:first-child{text-align:left}
+.note{color:#777;font-style:italic} .meta{color:#555;font-size:.9em}
+"""
+
+
+# Marks <body data-plots="loaded/total"> once the page has loaded: a browser check (and a
+# reader's devtools) can see that every embedded plot decoded.
+_LOADED_SCRIPT = """<script>window.addEventListener('load',function(){var i=document.images,n=0;
+for(var k=0;k<i.length;k++){if(i[k].complete&&i[k].naturalWidth>0)n++;}
+document.body.setAttribute('data-plots',n+'/'+i.length);});</script>"""
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) >= 1e4 or (v and abs(v) < 1e-2) else f"{v:.2f}"
+        return html.escape(str(v))
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _img(b64: str, alt: str) -> str:
+    return f'<img class="plot" alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _note(text: str) -> str:
+    return f'<p class="note">{html.escape(text)}</p>'
+
+
+def _thresholds(meta: Mapping[str, Any] | None) -> dict[str, list[float]]:
+    if not meta:
+        return {}
+    for stage in meta.get("stages", []):
+        if stage.get("name") == "spiking":
+            out = {}
+            for name, rec in (stage.get("changes", {}).get("neurons") or {}).items():
+                theta = rec.get("theta")
+                if theta is not None:
+                    out[name] = [float(v) for v in (theta if isinstance(theta, list) else [theta])]
+            return out
+    return {}
+
+
+def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *,
+                 title: str | None = None) -> str:
+    """Write ``report.html`` for ``run_dir`` (or to ``out``) and return its path.
+
+    Raises:
+        DataError: see :func:`load_run`.
+    """
+    run_dir = os.fspath(run_dir)
+    run = load_run(run_dir)
+    meta, ft, ev, backends = run["meta"], run["finetune"], run["evaluation"], run["backends"]
+    parts: list[str] = []
+    title = title or f"snnconv run: {os.path.basename(os.path.abspath(run_dir))}"
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    env = (meta or {}).get("environment", {})
+    settings = (meta or {}).get("settings", {})
+    info = ", ".join(f"{k} {v}" for k, v in env.items() if k in ("snnconv", "torch", "python"))
+    parts.append(f"<h1>{html.escape(title)}</h1><p class='meta'>generated {stamp} from "
+                 f"{html.escape(os.path.abspath(run_dir))}{'; ' + html.escape(info) if info else ''}</p>")
+    if settings:
+        keys = [k for k in ("T", "L", "per_channel", "qcfs_epochs", "bias_calibration", "membrane_calibration",
+                            "weight_calibration", "device")
+                if k in settings]
+        parts.append(_table(["setting", "value"], [[k, settings[k]] for k in keys]))
+
+    # accuracy
+    parts.append("<h2>Accuracy against time steps</h2>")
+    acc = (meta or {}).get("accuracy") or {}
+    if ev and ev.get("accuracy") and not acc.get("snn"):
+        acc = {**acc, "snn": ev["accuracy"]}
+    tuned = (ft or {}).get("accuracy", {}).get("snn") if ft else None
+    if acc.get("snn") or tuned:
+        parts.append(_img(_png(lambda ax: _plot_accuracy(ax, acc, tuned, backends)), "accuracy vs T"))
+        rows = [[label, acc[key]] for key, label in (("ann", "ANN"), ("folded", "ANN, BatchNorm folded"),
+                                                     ("qcfs", "QCFS-ANN")) if key in acc]
+        rows += [[f"SNN T={t}", v] for t, v in zip(*_curve(acc.get("snn") or {}))]
+        rows += [[f"SNN fine-tuned T={t}", v] for t, v in zip(*_curve(tuned or {}))]
+        parts.append(_table(["network", "accuracy (%)"], rows))
+    else:
+        parts.append(_note("No accuracies: meta.json (snnconv convert with evaluation data) is absent."))
+
+    # thresholds
+    parts.append("<h2>Threshold distribution</h2>")
+    thetas = _thresholds(meta)
+    if thetas:
+        parts.append(_img(_png(lambda ax: _plot_thresholds(ax, thetas), size=(7.5, 3.8)), "thresholds"))
+    else:
+        parts.append(_note("No thresholds: meta.json from snnconv convert is absent."))
+
+    analysis = (ev or {}).get("analysis")
+    # firing rates
+    parts.append("<h2>Firing rate per layer</h2>")
+    if analysis and analysis.get("firing_rate"):
+        parts.append(_img(_png(lambda ax: _plot_firing(ax, analysis["firing_rate"]), size=(7.5, 3.8)),
+                          "firing rate per layer"))
+        mean = sum(analysis["firing_rate"].values()) / len(analysis["firing_rate"])
+        parts.append(f"<p>Mean over layers: {100 * mean:.2f}% of neurons fire per step "
+                     f"(T={analysis['T']}, {analysis['batch']} images).</p>")
+    else:
+        parts.append(_note("No spike statistics: evaluation.json (snnconv evaluate) is absent."))
+
+    # raster
+    parts.append("<h2>Spike raster</h2>")
+    if analysis and analysis.get("raster"):
+        per_layer = 64
+        parts.append(_img(_png(lambda ax: _plot_raster(ax, analysis["raster"], int(analysis["T"]), per_layer),
+                               size=(7.5, 0.35 * len(analysis["raster"]) + 1.5)), "spike raster"))
+    else:
+        parts.append(_note("No spike raster: evaluation.json (snnconv evaluate) is absent."))
+
+    # fine-tuning
+    parts.append("<h2>Fine-tuning curves</h2>")
+    history = (ft or {}).get("history") or []
+    if any("epoch" in h for h in history):
+        parts.append(_img(_png(lambda ax: _plot_history(ax, history)), "fine-tuning curves"))
+        parts.append(_table(["epoch", "loss", "train acc (%)", "val acc (%)", "seconds"],
+                            [[h["epoch"], h.get("loss", math.nan), h.get("train_acc", math.nan),
+                              h.get("val_acc", math.nan), h.get("seconds", math.nan)]
+                             for h in history if "epoch" in h]))
+    else:
+        parts.append(_note("No fine-tuning history: finetune.json (snnconv finetune) is absent."))
+
+    # operations and energy
+    parts.append("<h2>Synaptic operations and energy</h2>")
+    energy_rows: list[tuple[str, float]] = []
+    if analysis and analysis.get("macs"):
+        parts.append(_img(_png(lambda ax: _plot_ops(ax, analysis["synops"], analysis["macs"],
+                                                 analysis.get("static_macs") or {}), size=(7.5, 3.8)),
+                          "synaptic operations vs MACs"))
+        e = analysis.get("energy") or {}
+        if e:
+            energy_rows += [("ANN (45 nm MACs)", e["ann_pj"] / 1e3), ("SNN (45 nm ACs)", e["snn_pj"] / 1e3)]
+            parts.append(f"<p>45 nm arithmetic estimate ({e['e_mac_pj']} pJ per MAC, {e['e_ac_pj']} pJ "
+                         f"per AC; no memory traffic): SNN {e['snn_pj'] / 1e3:.1f} nJ, ANN "
+                         f"{e['ann_pj'] / 1e3:.1f} nJ per image (ratio {e['ratio']:.2f}).</p>")
+    else:
+        parts.append(_note("No operation counts: evaluation.json (snnconv evaluate) is absent."))
+
+    # backends
+    parts.append("<h2>Backends</h2>")
+    if backends:
+        rows = []
+        for name, res in backends.items():
+            rows.append([name, res.get("T", ""), res.get("accuracy", math.nan),
+                         res.get("agreement", math.nan), res.get("synops_total", math.nan),
+                         res.get("wall_s", math.nan)])
+            e = res.get("energy_per_image_nj")
+            if isinstance(e, (int, float)):
+                energy_rows.append((f"{name} (the backend's model)", float(e)))
+        parts.append(_table(["backend", "T", "accuracy (%)", "agreement with torch SNN (%)",
+                             "synaptic ops", "wall time (s)"], rows))
+        notes = [f"<li><b>{html.escape(n)}</b>: {html.escape(str(r['note']))}</li>"
+                 for n, r in backends.items() if r.get("note")]
+        if notes:
+            parts.append("<ul>" + "".join(notes) + "</ul>")
+    else:
+        parts.append(_note("No backend results: backends/*.json (snnconv run) are absent."))
+    if energy_rows:
+        parts.append(_img(_png(lambda ax: _plot_energy(ax, energy_rows),
+                               size=(6.4, 0.5 * len(energy_rows) + 1.4)), "energy"))
+
+    page = (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}"
+            f"</title><style>{_CSS}</style></head><body>{''.join(parts)}{_LOADED_SCRIPT}</body></html>\n")
+    path = os.fspath(out) if out is not None else os.path.join(run_dir, REPORT_NAME)
+    atomic_write_text(path, page)
+    return path

@@ -1,0 +1,189 @@
+"""``cpu``: the exact reference executor of snnconv NIR graphs.
+
+Outputs and spikes are bit-identical to the torch ``SpikingNetwork`` the graph was exported
+from (float32; float64 with ``dtype="float64"``, against ``snn.double()``), because it performs
+the same floating-point operations on the same batch compositions (see ``engine``). It is
+faster than the torch network because the neuron update runs in place with no per-step
+allocation, copy or stack, static layers run once, and intermediate values are freed (or
+reused) as soon as their last reader has run.
+
+    >>> program = snnconv.backends.get("cpu").compile(graph)
+    >>> result = program.run(x, T=8)           # x: [B, C, H, W]
+    >>> result.outputs.mean(0).argmax(1)       # the prediction
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from snnconv.errors import BackendError, NIRError
+
+from .engine import Plan, Stats, check_options, check_T, compiled_loop
+from .registry import Backend, Program, RunResult
+
+__all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+_OPTIONS = {
+    "dtype": "float32",     # "float32" | "float64"
+    "chunk_size": 256,      # time-folded samples per chunk, as SpikingNetwork.chunk_size (0: none)
+    "threads": None,        # torch threads during run (None: leave torch's setting)
+    "neuron": "loop",       # "loop": in-place torch ops; "compiled": one fused kernel per neuron
+}                           # layer through torch.compile (needs a C++ compiler; compiles once)
+_NEURON = ("loop", "compiled")
+
+
+def parse_graph(graph: Any, backend: str):
+    import nir
+
+    from .nirgraph import parse
+
+    if not isinstance(graph, nir.NIRGraph):
+        raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
+                           " (read a file with nir.read or snnconv.nir_io.load_nir)")
+    try:
+        return parse(graph)
+    except NIRError as exc:  # what the strict reader refuses, no executor can run
+        raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
+
+
+def dtype_option(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        value = str(value).replace("torch.", "")
+    if value not in allowed:
+        raise BackendError(f"backend {backend!r}: dtype {value!r} is not supported; choose one of "
+                           f"{', '.join(allowed)}")
+    return allowed[value]
+
+
+class PlanProgram(Program):
+    """What the cpu and gpu programs share: a compiled :class:`Plan`, its input shape and T."""
+
+    name = "cpu"
+    plan: Plan
+    chunk_size: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """The batch-free input shape the graph takes."""
+        return self.plan.input_shape
+
+    @property
+    def default_T(self) -> int | None:
+        """The T recorded in the graph's metadata (the one it was exported at), if any."""
+        return self.plan.parsed.T
+
+    def _checked(self, x: torch.Tensor, T: int | None) -> tuple[torch.Tensor, bool, int]:
+        """``(x, is_sequence, T)`` after the shape, dtype and T checks (T defaults to the graph's)."""
+        if T is None:
+            T = self.default_T
+            if T is None:
+                raise BackendError(f"backend {self.name!r}: give T (the graph records none)")
+        T = check_T(T)
+        x, seq = self.plan.check_input(x, T)
+        return x, seq, T
+
+    def _chunking(self, x: torch.Tensor, seq: bool, T: int) -> tuple[int, int]:
+        """``(B, per)``: the batch size and how many inputs one chunk of ``chunk_size`` holds."""
+        B = x.shape[1] if seq else x.shape[0]
+        per = max(1, self.chunk_size // T) if self.chunk_size else B
+        return B, per
+
+    def _run_chunks(self, x: torch.Tensor, T: int, seq: bool, per: int, stats: Stats) -> torch.Tensor:
+        """The plan run on ``per`` inputs at a time, the readouts joined along the batch."""
+        parts = x.split(per, dim=1 if seq else 0)
+        outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class CPUProgram(PlanProgram):
+    """A graph compiled for the cpu backend."""
+
+    def __init__(self, plan: Plan, *, chunk_size: int, threads: int | None, name: str = "cpu"):
+        self.plan = plan
+        self.chunk_size = chunk_size
+        self.threads = threads
+        self.name = name
+
+    def run(self, x: torch.Tensor, T: int | None = None) -> RunResult:
+        """Run ``T`` steps (default: the graph's T) on ``x`` (``[B, ...]`` or ``[T, B, ...]``).
+
+        Raises:
+            BackendError: wrong input shape or dtype, or ``T < 1``.
+        """
+        x, seq, T = self._checked(x, T)
+        B, per = self._chunking(x, seq, T)
+        stats = Stats(self.plan, T)
+        start = time.perf_counter()
+        with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
+            out = self._run_chunks(x, T, seq, per, stats)
+        seconds = time.perf_counter() - start
+        macs = {k: v * B for k, v in self.plan.macs_per_image.items()}
+        extra = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""),
+                 "chunk_inputs": per, "static_ops": list(self.plan.static_ops),
+                 "seconds": seconds, "reset": self.plan.reset}
+        spikes, synops = stats.finish(self.plan)
+        return RunResult(outputs=out, spikes=spikes, synops=synops, macs=macs, extra=extra)
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def compile_parsed(parsed: Any, *, dtype: torch.dtype = torch.float32, chunk_size: int = 256,
+                   threads: int | None = None, neuron: str = "loop") -> CPUProgram:
+    """A :class:`CPUProgram` for an already parsed graph (``nirgraph.parse``)."""
+    plan = Plan(parsed, device=torch.device("cpu"), dtype=dtype, backend="cpu",
+                neuron_loop=compiled_loop if neuron == "compiled" else None)
+    return CPUProgram(plan, chunk_size=chunk_size, threads=threads)
+
+
+class CPUBackend(Backend):
+    """The exact CPU executor.
+
+    Options: ``dtype`` ("float32" or "float64"), ``chunk_size`` (time-folded samples per
+    chunk; keep SpikingNetwork's 256 for bit identity), ``threads``, ``neuron`` ("loop", or
+    "compiled": a fused torch.compile kernel per neuron layer, several times faster once
+    compiled, same bits).
+    """
+
+    name = "cpu"
+
+    def availability(self) -> tuple[bool, str]:
+        return True, ""
+
+    def compile(self, graph: Any, **options: Any) -> CPUProgram:
+        """Parse ``graph`` strictly and bind it to the CPU.
+
+        Raises:
+            BackendError: an unknown option or value, a node the executor cannot run, or a
+                graph the strict reader refuses (its NIRError is the cause).
+        """
+        opts = check_options(self.name, options, _OPTIONS)
+        dtype = dtype_option(opts["dtype"], self.name, DTYPES)
+        chunk = opts["chunk_size"]
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise BackendError(f"backend 'cpu': chunk_size must be an integer >= 0 (0: no "
+                               f"chunking), got {chunk!r}")
+        threads = opts["threads"]
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):
+            raise BackendError(f"backend 'cpu': threads must be None or an integer >= 1, got {threads!r}")
+        if opts["neuron"] not in _NEURON:
+            raise BackendError(f"backend 'cpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
+        return compile_parsed(parse_graph(graph, self.name), dtype=dtype, chunk_size=chunk,
+                              threads=threads, neuron=opts["neuron"])

@@ -1,0 +1,120 @@
+"""The IF neuron update of the dense executor: the exact in-place loop, and the same operations
+unrolled and fused by ``torch.compile`` (same order: same bits)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from snnconv.errors import BackendError
+
+if TYPE_CHECKING:
+    from .stats import Stats
+
+__all__ = ["if_loop", "compiled_loop"]
+
+
+def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
+            ties: tuple[float, "Stats"] | None = None, v0: torch.Tensor | None = None):
+    """Exact IF dynamics, in place. ``u``: ``[T, b, ...]`` (ours to overwrite) or, ``static``,
+    ``[b, ...]`` presented at every step. Returns spikes ``[T, b, ...]`` in ``u.dtype`` and
+    ``None`` (the statistics are taken from the spikes). ``ties = (tol, stats)``: also count
+    the updates with ``|h - threshold| <= tol * threshold`` into ``stats``. ``v0``: the
+    subtractive neuron's initial membrane (broadcastable, units of theta; None: 1/2)."""
+    if static:
+        x = u / theta if reset == "subtract" else u
+        s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
+        xs = [x] * T
+    else:
+        s = u  # step t's spikes overwrite step t's input once it has been added
+        xs = u
+    if reset == "subtract":
+        half = torch.tensor(0.5, dtype=s.dtype, device=s.device) if v0 is None else v0
+        for t in range(T):
+            # v[0] = 1/2 added in the first step's operation (a + b == b + a), no fill pass
+            if static:
+                v = torch.add(xs[0], half) if t == 0 else v.add_(xs[t])
+            else:  # v + x / theta, the division rounded first (as SpikingNetwork's x / theta)
+                v = torch.addcdiv(half, xs[0], theta) if t == 0 else v.addcdiv_(xs[t], theta)
+            if ties is not None:
+                ties[1].add_ties(((v - 1.0).abs() <= ties[0]).sum())
+            torch.ge(v, 1.0, out=s[t])
+            v.sub_(s[t])
+    else:
+        for t in range(T):
+            v = xs[0].clone() if t == 0 else v.add_(xs[t])  # 0 + x[0] == x[0]
+            if ties is not None:
+                ties[1].add_ties(((v - theta).abs() <= ties[0] * theta).sum())
+            torch.ge(v, theta, out=s[t])
+            v.addcmul_(v, s[t], value=-1.0)
+    return s, None
+
+
+def _if_fused(T: int, static: bool, reset: str, calibrated: bool = False) -> Callable:
+    """The IF dynamics of :func:`if_loop` unrolled over ``T`` steps, written out of place so
+    that ``torch.compile`` fuses them into one kernel (one read of the input, one write of the
+    spikes, the membrane in registers), with the batch sum of the spikes per step and position
+    (the statistics) in the same pass. Same operations in the same order: same bits. Only
+    additions, subtractions, comparisons and products by 0/1 are fused (exact in any kernel);
+    the division by theta stays outside (Triton's fp32 ``/`` may be approximate)."""
+
+    def fused(x: torch.Tensor, theta: torch.Tensor, v0: torch.Tensor | None = None):
+        v = (torch.full_like(x if static else x[0], 0.5 if reset == "subtract" else 0.0)
+             if v0 is None else v0 + torch.zeros_like(x if static else x[0]))
+        out = []
+        for t in range(T):
+            h = v + (x if static else x[t])
+            s = (h >= (1.0 if reset == "subtract" else theta)).to(x.dtype)
+            v = h - s if reset == "subtract" else h - h * s
+            out.append(s)
+        s = torch.stack(out)
+        per_pos = s.reshape(T, s.shape[1], -1).sum(1)
+        return s, per_pos
+
+    # dynamo keeps compiled variants per code object (and caps their number): give each
+    # (T, static, reset) its own code object so that they do not evict one another
+    tag = f"if_fused_T{T}_{'static' if static else 'seq'}_{reset}{'_v0' if calibrated else ''}"
+    fused.__code__ = fused.__code__.replace(co_name=tag)
+    fused.__name__ = fused.__qualname__ = tag
+    return fused
+
+
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
+                  v0: torch.Tensor | None = None):
+    """:func:`_if_fused` through ``torch.compile``, cached for the process.
+
+    The input is viewed as ``[T, b, C, M]`` (``[b, C, M]`` when static) and theta as ``[C, 1]``
+    or ``[1, 1]``, so that one compiled kernel (shapes dynamic) serves every layer of a kind;
+    the views change no value. Should dynamo give up on a shape, it runs the same function
+    eagerly: slower, same bits.
+    """
+    lead = 1 if static else 2
+    shape = u.shape
+    C = max(theta.numel(), 1 if v0 is None else v0.numel())
+    rest = shape[lead:]
+    if C == 1:
+        M = math.prod(rest)
+        th = theta.reshape(1, 1)
+        view = (*shape[:lead], 1, M)
+    else:
+        M = math.prod(rest[1:])
+        th = theta.reshape(-1, 1).expand(C, 1)
+        view = (*shape[:lead], C, M)
+    if reset == "subtract":  # IEEE division by torch, as SpikingNetwork's x / theta
+        u = u / theta if static else u.div_(theta)
+    key = (T, static, reset, C == 1, M == 1, u.device.type, v0 is not None)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = torch.compile(_if_fused(T, static, reset, v0 is not None), dynamic=True)
+    try:
+        args = (u.reshape(view), th) if v0 is None else (u.reshape(view), th, v0.reshape(-1, 1).expand(C, 1))
+        s, per_pos = fn(*args)
+    except Exception as exc:  # inductor needs a working C++ (CPU) or Triton (CUDA) toolchain
+        raise BackendError(f"torch.compile of the neuron update failed ({type(exc).__name__}: "
+                           f"{str(exc)[:300]}); use neuron='loop'") from exc
+    return s.reshape(T, *shape[lead - 1:]), per_pos

@@ -1,0 +1,235 @@
+"""``lava``: run a converted SNN in Intel's Lava (lava-nc 0.10.0, ``Loihi2SimCfg(select_tag="fixed_pt")``).
+
+The graph is quantised exactly as for ``loihi2-sim`` (:func:`snnconv_backends.loihi2.quantize`)
+and handed to Lava's bit-accurate process models in a subprocess of the Python 3.10 side
+environment ``.venv-lava`` (built by ``make lava-env``; lava-nc 0.10.0 installs on Python 3.10
+only), through npz files in a temporary folder. Lava runs the whole pipeline (``T + depth``
+steps); the result keeps each population's own ``T`` steps, so it compares step for step with
+``loihi2-sim``. Membrane voltages and spikes of every population are in ``extra["trace"]``.
+
+Lava is the reference, not the workhorse: it runs one Python process per Lava process and
+expands convolutions into (sparse) weight matrices, so keep networks and batches small.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from snnconv.errors import BackendError
+
+from . import loihi2
+from .loihi2.simulate import connection_synops, static_eval
+from .registry import Backend, Program, RunResult
+
+__all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
+
+#: The script run by the side environment's interpreter.
+WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
+_OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
+            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1}
+
+
+def lava_python() -> Path:
+    """The side environment's interpreter: ``$SNNCONV_LAVA_PYTHON``, else ``<repo>/.venv-lava/bin/python``."""
+    env = os.environ.get("SNNCONV_LAVA_PYTHON")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / ".venv-lava" / "bin" / "python"
+
+
+_AVAILABLE: dict[str, tuple[bool, str]] = {}
+
+
+def _check(python: Path) -> tuple[bool, str]:
+    key = str(python)
+    if key not in _AVAILABLE:
+        if not python.exists():
+            _AVAILABLE[key] = (False, f"no Lava side environment: {python} does not exist. Build it "
+                                      "with `make lava-env` (needs a Python 3.10 interpreter; "
+                                      "lava-nc 0.10.0 installs on Python 3.10 only), or point "
+                                      "SNNCONV_LAVA_PYTHON at a Python with lava-nc 0.10.0")
+        else:
+            try:
+                p = subprocess.run([str(python), "-c", "import lava.magma, lava.proc.lif.models; "
+                                    "import importlib.metadata as m; print(m.version('lava-nc'))"],
+                                   capture_output=True, text=True, timeout=120)
+                ok = p.returncode == 0 and p.stdout.strip() == "0.10.0"
+                _AVAILABLE[key] = (True, "") if ok else (
+                    False, f"{python} cannot import lava-nc 0.10.0 (found {p.stdout.strip() or 'none'}; "
+                           f"{p.stderr.strip()[-300:]}); rebuild it with `make lava-env`")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                _AVAILABLE[key] = (False, f"{python} does not run: {exc}")
+    return _AVAILABLE[key]
+
+
+def _address_space(gb: float):
+    """A preexec function limiting each Lava process's address space to ``gb`` GiB (a failed
+    allocation then ends the run with an error instead of waking the kernel's OOM killer)."""
+    import resource
+
+    def limit() -> None:
+        n = int(gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (n, n))
+
+    return limit
+
+
+class LavaProgram(Program):
+    """A quantised graph that runs in Lava; ``run`` starts one Lava run per call."""
+
+    def __init__(self, q: loihi2.QuantizedNetwork, options: Mapping[str, Any]):
+        self.q = q
+        self.options = dict(options)
+
+    def job(self, x: torch.Tensor, T: int) -> tuple[dict[str, Any], dict[str, np.ndarray], int]:
+        """The worker's job for a static batch ``x``: (spec, arrays, first-layer bias clips)."""
+        q = self.q
+        B = x.shape[0]
+        vals = static_eval(q, x.float())
+        shapes = {p.name: p.shape for p in q.populations}
+        shapes[loihi2.CLOCK] = (1,)
+        arrays: dict[str, np.ndarray] = {}
+        pops = []
+        k = 0
+        clipped = 0
+        for j, p in enumerate(q.populations):
+            if p.static:
+                z = None
+                for i in q.graph.op(p.name).inputs:
+                    z = vals[i] if z is None else z + vals[i]
+                mant, exp, c = loihi2.bias_current(z.reshape(B, -1), p)
+                clipped += c
+                arrays[f"p{j}_bias_mant"] = mant.cpu().numpy().astype(np.int32)
+                arrays[f"p{j}_bias_exp"] = exp.cpu().numpy().astype(np.int32)
+            conns = []
+            for c in p.conns:
+                rows, cols, v = c.coo(shapes[c.source], p.shape)
+                v = np.asarray(v, np.int32)
+                # a split connection is two single-sign synapse groups (two processes)
+                parts = ([(c.name + "+", v > 0), (c.name + "-", v < 0)]
+                         if c.report.get("sign_mode") == "split" else [(c.name, slice(None))])
+                for name, sel in parts:
+                    arrays[f"c{k}_rows"] = np.asarray(rows, np.int64)[sel]
+                    arrays[f"c{k}_cols"] = np.asarray(cols, np.int64)[sel]
+                    arrays[f"c{k}_vals"] = v[sel]
+                    conns.append({"index": k, "name": name, "source": c.source, "exp": int(c.exp),
+                                  "delay": int(c.delay)})
+                    k += 1
+            per_neuron = isinstance(p.v_init, np.ndarray)
+            if per_neuron:  # a calibrated initial membrane: one value per neuron
+                arrays[f"p{j}_v_init"] = np.asarray(p.v_init, np.int32)
+            pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
+                         "vth": int(p.vth), "v_init": None if per_neuron else int(p.v_init),
+                         "static": bool(p.static), "conns": conns})
+        spec = {"steps": T + q.depth, "batch": B, "populations": pops,
+                "dense_limit": int(self.options["dense_limit"])}
+        return spec, arrays, clipped
+
+    def run(self, x: torch.Tensor, T: int) -> RunResult:
+        x, T = loihi2.check_input(self.q, x, T, "lava")
+        x = x.detach().cpu()
+        t0 = time.perf_counter()
+        spec, arrays, clipped = self.job(x, T)
+        python = Path(self.options["python"]) if self.options["python"] else lava_python()
+        ok, reason = _check(python)
+        if not ok:
+            raise BackendError(f"lava: {reason}")
+        with tempfile.TemporaryDirectory(prefix="snnconv-lava-") as tmp:
+            job, out = os.path.join(tmp, "job.npz"), os.path.join(tmp, "result.npz")
+            np.savez(job, spec=np.array(json.dumps(spec)), **arrays)
+            # a session of its own: on timeout the whole group (Lava forks one process per
+            # Lava process) is killed, not just the worker
+            limit = self.options["max_memory_gb"]
+            proc = subprocess.Popen([str(python), str(WORKER), job, out], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                    preexec_fn=None if limit is None else _address_space(float(limit)))
+            try:
+                _, stderr = proc.communicate(timeout=float(self.options["timeout"]))
+            except subprocess.TimeoutExpired as exc:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                raise BackendError(f"lava: the Lava run took more than {exc.timeout:.0f} s; use a "
+                                   "smaller batch or network, or a larger timeout= option") from exc
+            if proc.returncode != 0 or not os.path.exists(out):
+                raise BackendError(f"lava: the Lava worker failed (exit {proc.returncode}):\n"
+                                   f"{stderr.strip()[-2000:]}")
+            with np.load(out, allow_pickle=False) as res:
+                data = {k: res[k] for k in res.files}
+        res = self._result(data, spec, T, x.shape[0], clipped)
+        res.extra["seconds"] = time.perf_counter() - t0
+        return res
+
+    def _result(self, data: Mapping[str, np.ndarray], spec: Mapping[str, Any], T: int, B: int,
+                clipped: int) -> RunResult:
+        q = self.q
+        v_win, s_win, counts, synops = {}, {}, {}, {}
+        before_ok = True
+        for j, p in enumerate(q.populations):
+            d = p.depth
+            v = torch.from_numpy(data[f"v{j}"])
+            v_win[p.name] = v[d:d + T].clone()
+            if p.role != "readout":
+                s = torch.from_numpy(data[f"s{j}"])
+                s_win[p.name] = s[d:d + T].clone()
+                counts[p.name] = s_win[p.name].reshape(T, -1).sum(1).float()
+                v0 = torch.as_tensor(np.asarray(p.v_init, np.int64))
+                if d:
+                    before_ok &= bool((v[:d].reshape(d, -1, p.size) == v0).all()) and not bool(s[:d].any())
+        for p in q.populations:
+            for c in p.conns:
+                if c.kind == "bias":
+                    synops[c.name] = synops.get(c.name, 0.0) + float(T * B) * float(c.fanout.sum())
+                else:
+                    per_neuron = s_win[c.source].reshape(T * B, -1).float().sum(0)
+                    synops[c.name] = synops.get(c.name, 0.0) + connection_synops(c, per_neuron)
+        r = q.readout
+        out = v_win[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64)
+        out = out.float().reshape(T, B, *q.graph.output_shape)
+
+        class _NotObserved:
+            saturated = wrapped = -1
+            bias_clipped = clipped
+
+        extra = {"trace": {"v": v_win, "s": s_win},
+                 "lava": {"steps": int(spec["steps"]), "build_seconds": float(data["seconds"][0]),
+                          "run_seconds": float(data["seconds"][1]),
+                          "idle_before_window": before_ok,
+                          "note": "Lava clips and wraps without counting (-1 = not observed); "
+                                  "loihi2-sim counts them"}}
+        return loihi2.build_result(q, out, counts, _NotObserved, synops, T, B,
+                                   float(self.options["step_seconds"]), extra)
+
+
+class LavaBackend(Backend):
+    """Runs the graph in Intel's Lava (fixed_pt models) in the ``.venv-lava`` side environment.
+
+    Options: ``python`` (the interpreter with lava-nc 0.10.0), ``timeout`` (seconds per run),
+    ``step_seconds`` (latency estimate), ``dense_limit`` (connections with more matrix entries
+    than this, batch included, run as Lava ``Sparse`` instead of ``Dense``), ``max_memory_gb``
+    (address-space limit per Lava process), ``split_signs`` and ``weight_groups`` (as
+    loihi2-sim's).
+    """
+
+    name = "lava"
+
+    def availability(self) -> tuple[bool, str]:
+        return _check(lava_python())
+
+    def compile(self, graph: Any, **options: Any) -> LavaProgram:
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
+        opts = dict(_OPTIONS)
+        opts.update(options)
+        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"]),
+                                           weight_groups=opts["weight_groups"]), opts)

@@ -1,0 +1,89 @@
+"""``loihi2-sim``: a vectorised, bit-exact fixed-point model of a converted SNN on Loihi 2.
+
+The arithmetic is that of Intel's bit-accurate Lava process models (lava-nc 0.10.0,
+``lava/proc/dense/models.py`` ``PyDenseModelBitAcc`` and ``lava/proc/lif/models.py``
+``PyLifModelBitAcc``), batched with torch integer tensors. The ``lava`` backend runs the same
+:class:`QuantizedNetwork` in Lava itself, and the tests check both agree bit for bit.
+
+Per step, for every neuron (``a_in`` the sum of the incoming connections' outputs)::
+
+    connection k:  a_k = (sum_j m_kj * s_j) << e_k      (>> -e_k, a floor, when e_k < 0)
+                   m_kj: 8-bit weight mantissas (even values in mixed-sign mode), one
+                   exponent e_k per connection, one step of synaptic delay (+ extra delays)
+    u = wrap24(a_in << 6)                 (du = 4095: the current does not persist)
+    v = clip24(v + u + bias)              (dv = 0: integrate; bias = mant << exp, 13-bit mant)
+    s = v > vth << 6
+    hard reset ("zero"):       v = 0 where s          (Lava's LIF, du=4095, dv=0)
+    subtractive ("subtract"):  v = v - (vth << 6) where s, v[0] = (vth << 6) / 2, or
+                               round(v_init * (vth << 6)) per neuron after membrane
+                               calibration (a custom neuron program, as Loihi 2's
+                               programmable neurons allow; Lava has no such built-in neuron)
+
+Mapping of a parsed NIR graph (:func:`quantize`):
+
+- every neuron op is a population; every op chain from a neuron's spikes to another neuron
+  (or the readout) is one connection: a single convolution stays a convolution on integer
+  tensors, an identity shortcut (``Scale``) a one-to-one connection, any other chain (pooling,
+  flatten, linear) is composed into an integer weight matrix; biases become a connection from
+  one always-on "clock" neuron, so that they start when the layer's first input arrives;
+- the static first layer (direct encoding) runs off-chip in float32 (as the input encoder)
+  and enters the first neurons as per-neuron bias currents (13-bit mantissa, exponent 0..7);
+- each population sits at a pipeline depth (the longest chain of connections from the
+  first layer); a connection spanning ``k`` depths gets ``k - 1`` steps of extra synaptic
+  delay, so every neuron sees its inputs aligned exactly as in the time-stepped network. The
+  chip runs ``T + depth`` steps; the readout's last ``T`` steps are the network's output;
+- the readout neurons do not spike: their membrane is the per-step value of the last layer
+  (``v = clip24(a_in << 6)``), read every step.
+
+Quantisation (per population): one integer threshold ``vth`` (17 bits; per-channel
+thresholds are folded into the incoming weights). Its ceiling is the largest value for which
+the worst case of ``a_in`` (every input spiking) fits in 16 signed bits (Lava's ``a_in`` port
+precision), so the 24-bit current can never wrap. Within the octave below that ceiling,
+``vth`` is placed where the incoming weights round most finely relative to it: every weight
+scales with ``vth`` while each connection's exponent moves in powers of two, so just below an
+exponent step a connection's largest mantissa fills all 8 bits (:func:`_best_vth`; on the
+Fashion-MNIST ResNet-14 this halves the weight rounding step of most layers and brings
+``loihi2-sim`` from -0.56 to -0.13 points of the float SNN). Then each connection's exponent
+follows from its largest weight. A connection whose weights have both signs is mapped as two
+synapse groups, one excitatory and one inhibitory, sharing its exponent (``split_signs``, on
+by default): each keeps 8 bits of magnitude, where Lava's mixed sign mode keeps 7 (even
+mantissas). Zero mantissas are absent synapses, so the split costs no synapses; in Lava it is
+two Dense/Sparse processes into the same neurons. On the Fashion-MNIST ResNet-14 (hard reset,
+10,000 test images) it raises the share of images on which loihi2-sim and the float SNN agree
+from 90.5% to 91.1% (the same network with 16-bit weights: 92.8%).
+
+Finer weights on 8-bit synapses (``weight_groups=2``, off by default): a connection's rounding
+residual becomes a second synapse group ``"<name>.lo"`` from the same source with an exponent
+about 8 lower (negative exponents floor each group's sum, as Lava's Dense does), so the pair
+carries ~15-bit weights at twice that connection's synapses and synaptic operations. Errors
+made in early layers are amplified by every layer after them, so the first layers gain most
+(a mapping ``{connection: 2}`` selects them; benchmarks/README.md has the trade-off measured).
+
+Nothing is wrapped silently: the worst case is checked on the integer
+mantissas at compile time, and saturation, wrapping and bias clipping are counted at run time.
+"""
+
+# the ``X as X`` imports: public names importable from here, outside __all__
+from .backend import Loihi2Program, Loihi2SimBackend
+from .backend import check_input as check_input
+from .chip import CLOCK, LOIHI
+from .chip import CORES_PER_CHIP as CORES_PER_CHIP
+from .chip import E_MAC_FP32 as E_MAC_FP32
+from .chip import E_NEURON_UPDATE as E_NEURON_UPDATE
+from .chip import E_SPIKE as E_SPIKE
+from .chip import E_SYNOP as E_SYNOP
+from .chip import FIRST_VTH as FIRST_VTH
+from .chip import NEURONS_PER_CORE as NEURONS_PER_CORE
+from .chip import STEP_SECONDS as STEP_SECONDS
+from .chip import SYNAPSES_PER_CORE as SYNAPSES_PER_CORE
+from .cost import energy, resources
+from .network import Connection, Population, QuantizedNetwork
+from .quantisation import quantize
+from .report import build_result as build_result
+from .report import format_report
+from .report import quantisation_report as quantisation_report
+from .simulate import bias_current, run_quantized
+
+__all__ = ["Loihi2SimBackend", "Loihi2Program", "QuantizedNetwork", "Population", "Connection",
+           "quantize", "run_quantized", "bias_current", "resources", "energy", "format_report",
+           "LOIHI", "CLOCK"]

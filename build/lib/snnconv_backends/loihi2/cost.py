@@ -1,0 +1,88 @@
+"""Cost model: neurons, synapses and cores under Loihi 2's per-core limits, energy per image
+against the ANN's multiply-accumulates."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..nirgraph import ParsedGraph
+from .chip import (CLOCK, CORES_PER_CHIP, E_MAC_FP32, E_NEURON_UPDATE, E_SPIKE, E_SYNOP,
+                   NEURONS_PER_CORE, SYNAPSES_PER_CORE)
+from .network import Connection, QuantizedNetwork
+
+__all__ = ["resources", "energy", "ann_macs"]
+
+
+def _synapses(c: Connection) -> int:
+    return int(round(float(np.sum(c.fanout))))
+
+
+def resources(q: QuantizedNetwork) -> dict[str, Any]:
+    """Neurons, synapses, fan-in/fan-out and cores per population under Loihi 2's per-core limits.
+
+    Cores per population: ``max(ceil(neurons / 8192), ceil(incoming synapses / SYNAPSES_PER_CORE))``
+    (see the constants' sources; synapses counted unshared, an upper bound for convolutions).
+    """
+    shapes = {p.name: p.shape for p in q.populations}
+    shapes[CLOCK] = (1,)
+    fan_out: dict[str, int] = {}
+    layers = {}
+    total_cores = 1  # the clock neuron shares a core in practice; counted once
+    for p in q.populations:
+        syn = 0
+        for c in p.conns:
+            k = _synapses(c)
+            syn += k
+            fan_out[c.source] = fan_out.get(c.source, 0) + k
+        cores = max(math.ceil(p.size / NEURONS_PER_CORE), math.ceil(syn / SYNAPSES_PER_CORE), 1)
+        total_cores += cores
+        layers[p.name] = {"neurons": p.size, "synapses_in": syn,
+                          "fan_in_mean": syn / max(p.size, 1), "depth": p.depth, "cores": cores}
+    for name, k in fan_out.items():
+        if name in layers:
+            layers[name]["fan_out_mean"] = k / max(layers[name]["neurons"], 1)
+    neurons = sum(p.size for p in q.populations) + 1
+    synapses = sum(v["synapses_in"] for v in layers.values())
+    return {"layers": layers, "neurons": neurons, "synapses": synapses, "cores": total_cores,
+            "chips": math.ceil(total_cores / CORES_PER_CHIP),
+            "limits": {"cores_per_chip": CORES_PER_CHIP, "neurons_per_core": NEURONS_PER_CORE,
+                       "synapses_per_core": SYNAPSES_PER_CORE},
+            "source": "Loihi 2 brief (Intel 2021): 128 cores/chip, 1M neurons and 120M synapses per "
+                      "chip; per-core synapses = chip total / 128 (approximate)"}
+
+
+def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
+           spike_total: float, macs: Mapping[str, float]) -> dict[str, Any]:
+    """Energy per image from synaptic ops, neuron updates and spikes, against the ANN's MACs."""
+    steps = T + q.depth
+    neurons = sum(p.size for p in q.populations) + 1
+    syn = float(sum(synops.values())) / B
+    updates = float(neurons * steps)
+    spikes = float(spike_total) / B
+    e_snn = syn * E_SYNOP + updates * E_NEURON_UPDATE + spikes * E_SPIKE
+    ann = float(sum(macs.values())) / B
+    e_ann = ann * E_MAC_FP32
+    return {"per_image_J": e_snn, "synops_per_image": syn, "neuron_updates_per_image": updates,
+            "spikes_per_image": spikes, "ann_macs_per_image": ann, "ann_per_image_J": e_ann,
+            "ann_over_snn": e_ann / e_snn if e_snn > 0 else float("inf"),
+            "figures_pJ": {"synop": E_SYNOP * 1e12, "neuron_update": E_NEURON_UPDATE * 1e12,
+                           "spike": E_SPIKE * 1e12, "ann_mac": E_MAC_FP32 * 1e12},
+            "sources": "SNN: Davies et al. 2018, IEEE Micro 38(1), Table 2 (Loihi 1; no per-op "
+                       "figures are published for Loihi 2). ANN: Horowitz, ISSCC 2014, fp32 MAC "
+                       "(45 nm), as used across the SNN literature.",
+            "note": "every neuron is updated at every one of the T + depth steps"}
+
+
+def ann_macs(g: ParsedGraph, B: int) -> dict[str, float]:
+    """Multiply-accumulates of the ANN per weighted op, for a batch of ``B`` images."""
+    out = {}
+    for op in g.ops:
+        if op.kind in ("conv1d", "conv2d"):
+            w = np.asarray(op.params["weight"])
+            out[op.name] = float(np.prod(op.out_shape) * np.prod(w.shape[1:]) * B)
+        elif op.kind in ("affine", "linear"):
+            out[op.name] = float(np.asarray(op.params["weight"]).size * B)
+    return out

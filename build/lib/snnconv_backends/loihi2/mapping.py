@@ -1,0 +1,130 @@
+"""Mapping a parsed NIR graph onto populations and connections: which ops run off-chip, which op
+chains connect two neurons, and how each chain runs (convolution, one-to-one, or a matrix)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from snnconv.errors import BackendError
+
+from ..nirgraph import ParsedGraph
+from .ops import LINEAR_KINDS, apply_op, conv_params
+
+__all__ = ["Mapper", "chain_kind", "pool_then_conv", "compose", "fanout"]
+
+
+class Mapper:
+    """A parsed graph read as populations and the op chains between them."""
+
+    def __init__(self, g: ParsedGraph):
+        self.g = g
+        self.ops = {op.name: op for op in g.ops}
+        self.static = self._static_names()
+
+    def _static_names(self) -> set[str]:
+        static = set()
+        for op in self.g.ops:
+            if op.kind == "input" or (op.kind in LINEAR_KINDS and op.inputs
+                                      and all(i in static for i in op.inputs)):
+                static.add(op.name)
+        return static
+
+    def terms(self, name: str) -> list[tuple[str, list[Any]]]:
+        """The input of op ``name`` as a list of (source neuron, chain of linear ops)."""
+        out = []
+        for i in self.ops[name].inputs:
+            op = self.ops[i]
+            if op.kind == "neuron":
+                out.append((i, []))
+            elif op.kind == "input" or i in self.static:
+                out.append(("__static__", [op]))
+            elif op.kind in LINEAR_KINDS:
+                out.extend((s, chain + [op]) for s, chain in self.terms(i))
+            else:
+                raise BackendError(f"loihi2-sim: op '{i}' ({op.kind}) cannot feed '{name}'")
+        return out
+
+    def const(self, name: str) -> torch.Tensor:
+        """The input of op ``name`` when every neuron is silent (biases only), float64, batch 1."""
+        total = None
+        for i in self.ops[name].inputs:
+            op = self.ops[i]
+            if op.kind == "neuron":
+                v = torch.zeros(1, *op.out_shape, dtype=torch.float64)
+            else:
+                v = apply_op(op, self.const(i), bias=True).reshape(1, *op.out_shape)
+            total = v if total is None else total + v
+        return total
+
+
+def chain_kind(chain: list[Any], src_shape: tuple[int, ...], tgt_shape: tuple[int, ...]):
+    """How a chain of linear ops runs: ("conv", conv op), ("diag", scale op or None) or ("matrix", None)."""
+    core = [op for op in chain if op.kind != "sum"]
+    if len(core) == 1 and core[0].kind in ("conv1d", "conv2d"):
+        return "conv", core[0]
+    if len(core) == 2 and core[1].kind == "conv2d" and pool_then_conv(core[0], core[1]) is not None:
+        return "conv", core
+    scales = [op for op in core if op.kind != "flatten"]
+    if int(np.prod(src_shape)) == int(np.prod(tgt_shape)) and (
+            not scales or (len(scales) == 1 and scales[0].kind == "scale")):
+        return "diag", scales[0] if scales else None
+    return "matrix", None
+
+
+def pool_then_conv(pool: Any, conv: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """Average pooling (kernel = stride = k, no padding) then a stride-1 convolution, as one
+    convolution: kernel ``k * K`` with ``K'[.., k*a + i, k*b + j] = K[.., a, b] / k**2``, stride
+    k, padding ``k * p`` (exact). ``None`` when the pair does not have this form."""
+    if pool.kind != "avgpool2d" or pool.params.get("adaptive", False):
+        return None
+    k = tuple(int(v) for v in pool.params["kernel_size"])
+    if tuple(int(v) for v in pool.params["stride"]) != k or any(int(v) for v in pool.params["padding"]):
+        return None
+    if any(n % kk for n, kk in zip(pool.in_shape[-2:], k)):
+        return None
+    cp = conv_params(conv)
+    if cp["stride"] != (1, 1) or cp["dilation"] != (1, 1):
+        return None
+    w = np.asarray(conv.params["weight"], np.float64)
+    big = np.repeat(np.repeat(w, k[0], axis=2), k[1], axis=3) / (k[0] * k[1])
+    return big, {"ndim": 2, "stride": k, "padding": (cp["padding"][0] * k[0], cp["padding"][1] * k[1]),
+                 "dilation": (1, 1), "groups": cp["groups"]}
+
+
+def compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndarray:
+    """The chain's linear map (biases left out) as a float64 matrix ``[N_target, N_source]``."""
+    n_src = int(np.prod(src_shape))
+    if n_src * n_tgt > 2**26:
+        raise BackendError(
+            f"loihi2-sim: the op chain {[op.name for op in chain]} composes into a "
+            f"{n_tgt} x {n_src} weight matrix, too large to build; put a convolution or a "
+            "neuron layer between pooling and the next layer")
+    mat = np.zeros((n_tgt, n_src))
+    for lo in range(0, n_src, 1024):
+        hi = min(n_src, lo + 1024)
+        x = torch.zeros(hi - lo, n_src, dtype=torch.float64)
+        x[torch.arange(hi - lo), torch.arange(lo, hi)] = 1.0
+        x = x.reshape(hi - lo, *src_shape)
+        for op in chain:
+            x = apply_op(op, x.reshape(hi - lo, *op.in_shape), bias=False)
+        mat[:, lo:hi] = x.reshape(hi - lo, n_tgt).T.numpy()
+    return mat
+
+
+def fanout(kind: str, mant: np.ndarray, conv: Mapping[str, Any] | None, src_shape, tgt_shape) -> np.ndarray:
+    """Synapses per source neuron ``[N_source]`` (float64); zero mantissas count as absent."""
+    if kind == "conv":
+        ones = torch.ones(1, *tgt_shape, dtype=torch.float64)
+        w = torch.as_tensor((mant != 0).astype(np.float64))
+        fn = torch.nn.grad.conv1d_input if conv["ndim"] == 1 else torch.nn.grad.conv2d_input
+        f = fn((1, *src_shape), w, ones, tuple(conv["stride"]), tuple(conv["padding"]),
+               tuple(conv["dilation"]), int(conv["groups"]))
+        return f.reshape(-1).numpy()
+    if kind == "matrix":
+        return (mant != 0).sum(0).astype(np.float64)
+    if kind == "bias":
+        return np.array([float((mant != 0).sum())])
+    return (mant.reshape(-1) != 0).astype(np.float64)

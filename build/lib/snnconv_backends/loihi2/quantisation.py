@@ -1,0 +1,331 @@
+"""Quantisation: thresholds, weight mantissas and exponents within Loihi's bit budget
+(:func:`quantize`, the compile step of ``loihi2-sim`` and ``lava``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from snnconv.errors import BackendError
+
+from ..nirgraph import ParsedGraph, parse
+from .chip import CLOCK, FIRST_VTH, LOIHI
+from .mapping import Mapper, chain_kind, compose, fanout, pool_then_conv
+from .network import Connection, Population, QuantizedNetwork, per_neuron_values
+from .ops import conv_params
+
+__all__ = ["quantize"]
+
+_VTH_CAP = 2**16  # vth << 6 <= 2**22: headroom above the threshold
+
+
+def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
+                      split: bool = False) -> tuple[np.ndarray, int, dict[str, Any]]:
+    """Float weights in ``a_in`` units -> (``bits``-bit mantissas, exponent, report).
+
+    Mixed-sign weights keep even mantissas in ``[-2**bits + 2, 2**bits - 2]`` (Lava's mixed
+    sign mode drops the lowest bit), single-sign ones ``[0, 2**bits - 1]`` (or negated). With
+    ``split``, mixed-sign weights become two single-sign synapse groups with one exponent
+    (``sign_mode="split"``): every mantissa in ``[-2**bits + 1, 2**bits - 1]``, twice as fine;
+    only where that exponent is >= 0 (a negative one floors each group's sum separately).
+    """
+    amax = float(np.abs(scaled).max()) if scaled.size else 0.0
+    mixed = scaled.size > 0 and scaled.min() < 0 < scaled.max()
+    if amax == 0.0:
+        return np.zeros(scaled.shape, np.int32), 0, {"exp": 0, "mant_max": 0, "bits": 0, "sign_mode": "excitatory",
+                                                     "zero_rounded": 0, "rel_error": 0.0, "clipped": 0}
+    if mixed and split and _weight_exp(amax, False, bias, bits) < 0:
+        split = False
+    halve = mixed and not split  # Lava's mixed sign mode: even mantissas
+    lim = 2**bits - 2 if halve else 2**bits - 1
+    e = _weight_exp(amax, halve, bias, bits)
+    x = scaled / 2.0**e
+    m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
+    clipped = int((np.abs(m) > lim).sum())
+    m = np.clip(m, -lim, lim).astype(np.int32)
+    deq = m.astype(np.float64) * 2.0**e
+    err = float(np.sqrt(((deq - scaled) ** 2).sum() / max((scaled**2).sum(), 1e-300)))
+    sign = ("split" if split else "mixed") if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
+    return m, e, {"exp": e, "mant_max": int(np.abs(m).max()), "bits": int(np.abs(m).max()).bit_length(),
+                  "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
+                  "rel_error": err, "clipped": clipped}
+
+
+def _weight_exp(amax: float, mixed: bool, bias: bool, bits: int) -> int:
+    """The exponent of a connection whose largest weight is ``amax`` (``a_in`` units, > 0): the
+    smallest that fits its mantissa in ``bits`` bits, within Loihi's exponent range."""
+    lim = 2**bits - 2 if mixed else 2**bits - 1
+    e = math.ceil(math.log2(amax / lim))
+    e = min(max(e, LOIHI["weight_exp_min"] - max(0, bits - 8)), LOIHI["weight_exp_max"])
+    return max(e, 0) if bias else e  # a bias has a single input: a negative exponent only drops bits
+
+
+def _best_vth(vth_max: int, conns: Sequence[tuple[float, bool, bool, int, float]]) -> int:
+    """The threshold in ``[vth_max / 2, vth_max]`` with the finest weights relative to it.
+
+    Every weight scales with ``vth``, but each connection's exponent moves in powers of two:
+    just below the ``vth`` at which a connection's exponent would step up, its largest mantissa
+    fills all its bits, and its rounding step relative to the threshold is the smallest one
+    octave allows. ``conns``: per connection (largest weight per unit of ``vth``, mixed sign,
+    bias, mantissa bits, inputs per target neuron). Minimises the rounding noise a neuron sees,
+    ``sum(fan_in * (step / vth)**2)``; a tie keeps the larger ``vth``.
+    """
+    def cost(v: int) -> float:
+        total = 0.0
+        for per_vth, mixed, bias, bits, fan_in in conns:
+            step = 2.0 ** _weight_exp(per_vth * v, mixed, bias, bits) * (2 if mixed else 1)
+            total += fan_in * (step / v) ** 2
+        return total
+
+    cands = {vth_max}
+    for per_vth, mixed, _, bits, _ in conns:
+        lim = 2**bits - 2 if mixed else 2**bits - 1
+        for k in range(-40, 40):  # breakpoints vth = lim * 2**k / per_vth within the octave
+            v = math.floor(lim * 2.0**k / per_vth)
+            if vth_max / 2 <= v <= vth_max:
+                cands.add(v)
+    return min(sorted(cands, reverse=True), key=cost) if conns else vth_max
+
+
+def _bits(weight_bits: int | Mapping[str, int], name: str, what: str = "weight_bits",
+          lo: int = 1, hi: int = 24, default: int = 8) -> int:
+    b = weight_bits.get(name, weight_bits.get("*", default)) if isinstance(weight_bits, Mapping) else weight_bits
+    if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not lo <= b <= hi:
+        raise BackendError(f"{what} for {name!r} must be an integer in {lo}..{hi}, got {b!r}")
+    return int(b)
+
+
+def _groups(weight_groups: int | Mapping[str, int], name: str) -> int:
+    return _bits(weight_groups, name, "weight_groups", 1, 2, 1)
+
+
+def _shifted_bounds(pos: np.ndarray, neg: np.ndarray, e: int) -> tuple[np.ndarray, np.ndarray]:
+    pos, neg = pos.astype(np.int64), neg.astype(np.int64)
+    if e >= 0:
+        return pos << e, neg << e
+    return pos >> -e, neg >> -e
+
+
+def _row_sums(kind: str, m: np.ndarray, tgt_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per target neuron: the largest positive and negative input sums (every source spiking)."""
+    n = int(np.prod(tgt_shape))
+    if kind == "conv":
+        k = m.reshape(m.shape[0], -1)
+        pos, neg = np.clip(k, 0, None).sum(1), np.clip(k, None, 0).sum(1)
+        return per_neuron_values(pos, tgt_shape), per_neuron_values(neg, tgt_shape)
+    if kind == "matrix":
+        return np.clip(m, 0, None).sum(1), np.clip(m, None, 0).sum(1)
+    mm = m.reshape(n).astype(np.float64)
+    return np.clip(mm, 0, None), np.clip(mm, None, 0)
+
+
+def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...], cname: str,
+             weight_bits: int | Mapping[str, int], split: bool) -> tuple[float, bool, bool, int, float]:
+    """A connection's entry for :func:`_best_vth`: its weights in ``a_in`` units are
+    ``w * vth / theta`` (per target channel)."""
+    n = int(np.prod(shape))
+    if kind == "conv":
+        sc = w / per_neuron_values(theta, (w.shape[0],)).reshape(-1, *([1] * (w.ndim - 1)))
+        fan_in = float(np.count_nonzero(w)) / w.shape[0]
+    elif kind == "matrix":
+        sc = w / per_neuron_values(theta, shape)[:, None]
+        fan_in = float(np.count_nonzero(w)) / n
+    else:  # diag, bias: one input per neuron
+        sc = w.reshape(-1) / per_neuron_values(theta, shape)
+        fan_in = 1.0
+    return (float(np.abs(sc).max()), bool(sc.min() < 0 < sc.max()) and not split, kind == "bias",
+            _bits(weight_bits, cname), fan_in)
+
+
+def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
+    """A neuron op's initial membrane in integer ``v`` units (see :class:`Population`)."""
+    if op.params["reset"] != "subtract":
+        return 0
+    v0 = op.params.get("v_init")
+    if v0 is None or (np.ndim(v0) == 0 and float(v0) == 0.5):
+        return (vth << LOIHI["vth_shift"]) // 2
+    full = per_neuron_values(np.asarray(v0, np.float64).reshape(-1), shape)
+    return np.round(full * (vth << LOIHI["vth_shift"])).astype(np.int64)
+
+
+def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
+             weight_groups: int | Mapping[str, int] = 1) -> QuantizedNetwork:
+    """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
+
+    ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
+    mapping connection name -> bits (``"*"``: the others) to measure what the 8-bit budget
+    costs layer by layer. More than 8 bits cannot run on the chip (nor in Lava).
+    ``split_signs``: a connection with weights of both signs becomes two single-sign synapse
+    groups (excitatory and inhibitory) sharing one exponent, so its mantissas have 8 bits of
+    magnitude instead of Lava's mixed sign mode's 7; the same synapses (zero mantissas are
+    absent), two processes in Lava (see :func:`_quantize_weights`).
+    ``weight_groups``: 1 (default) or 2 synapse groups per connection (or a mapping connection
+    name -> groups, ``"*"``: the others). With 2, the rounding residual of the 8-bit weights
+    becomes a second connection ``"<name>.lo"`` from the same source with an exponent about 8
+    lower, so the pair carries ~15-bit weights on 8-bit synapses: runnable on the chip (and in
+    Lava), at twice the synapses and synaptic operations of that connection (see resources).
+
+    Raises:
+        BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
+            bit budget cannot represent.
+        NIRError: the graph is malformed.
+    """
+    g = graph if isinstance(graph, ParsedGraph) else parse(graph)
+    mp = Mapper(g)
+    targets = [op for op in g.ops if op.kind in ("neuron", "output")]
+    if not g.neurons:
+        raise BackendError("loihi2-sim: the graph has no neurons; Loihi runs spiking networks")
+    pops: list[Population] = []
+    depth: dict[str, int] = {}
+    static_ops: list[Any] = [op for op in g.ops if op.name in mp.static and op.kind != "input"]
+    for tgt in targets:
+        role = "neuron" if tgt.kind == "neuron" else "readout"
+        shape = tuple(tgt.out_shape if role == "neuron" else tgt.in_shape or tgt.out_shape)
+        n = int(np.prod(shape))
+        terms = mp.terms(tgt.name)
+        static = [t for t in terms if t[0] == "__static__"]
+        spiking = [t for t in terms if t[0] != "__static__"]
+        if static and spiking:
+            raise BackendError(
+                f"loihi2-sim: '{tgt.name}' sums the static input ({static[0][1][0].name}) with "
+                "spikes; only the first neuron layer may see the static input (direct encoding)")
+        if static and role == "readout":
+            raise BackendError(f"loihi2-sim: the readout '{tgt.name}' is fed by the static input "
+                               "directly; there is nothing to run on the chip")
+        if role == "neuron":
+            theta = np.asarray(tgt.params["theta"], np.float64).reshape(-1)
+            if (theta <= 0).any() or not np.isfinite(theta).all():
+                raise BackendError(f"loihi2-sim: neuron '{tgt.name}' has a non-positive threshold")
+            reset = str(tgt.params["reset"])
+        else:
+            theta, reset = np.ones(1), "none"
+        if static:
+            vth = FIRST_VTH
+            scale = (vth << LOIHI["vth_shift"]) / theta
+            pops.append(Population(
+                tgt.name, role, shape, 0, vth, _v_init(tgt, vth, shape),
+                reset, scale, (), True,
+                {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)"}))
+            depth[tgt.name] = 0
+            continue
+        d = max(depth[s] for s, _ in spiking) + 1
+        depth[tgt.name] = d
+        # float weights per connection, unscaled
+        raw = []
+        for s, chain in spiking:
+            src_shape = tuple(mp.ops[s].out_shape)
+            kind, core = chain_kind(chain, src_shape, shape)
+            if kind == "conv" and isinstance(core, list):
+                w, cparams = pool_then_conv(*core)
+            elif kind == "conv":
+                w, cparams = np.asarray(core.params["weight"], np.float64), conv_params(core)
+            elif kind == "diag":
+                w = (np.ones(n) if core is None else
+                     np.broadcast_to(np.asarray(core.params["scale"], np.float64),
+                                     core.in_shape).reshape(-1).copy())
+            else:
+                w = compose(chain, src_shape, n)
+            weighted = [op.name for op in chain if op.kind in ("conv1d", "conv2d", "affine", "linear")]
+            cname = weighted[-1] if weighted else f"{s}->{tgt.name}"
+            if any(r[0] == cname for r in raw):  # two chains from one source: distinct names
+                cname = f"{cname}#{sum(r[0].split('#')[0] == cname for r in raw) + 1}"
+            raw.append((cname, s, kind, w, cparams if kind == "conv" else None))
+        const = mp.const(tgt.name).reshape(-1).numpy()
+        # per-neuron worst-case sums in float units
+        pos = np.zeros(n)
+        neg = np.zeros(n)
+        for _, _, kind, w, _ in raw:
+            p_, n_ = _row_sums(kind, w, shape)
+            pos, neg = pos + p_, neg + n_
+        pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
+        worst = np.maximum(pos, -neg)
+        a_max = LOIHI["a_in_max"]
+        if role == "neuron":
+            theta_n = per_neuron_values(theta, shape)
+            with np.errstate(divide="ignore"):
+                lim = np.where(worst > 0, 64.0 * a_max * theta_n / np.maximum(worst, 1e-300), np.inf)
+            vth = int(min(_VTH_CAP, math.floor(float(lim.min()) / 64.0)))
+            if vth >= 2:
+                vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits, split_signs)
+                                      for cname, _, kind, w, _ in raw]
+                                + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits, split_signs)]
+                                   if np.any(const != 0) else []))
+        else:
+            vth = 0
+        for attempt in range(12):
+            if role == "neuron":
+                if vth < 1:
+                    raise BackendError(
+                        f"loihi2-sim: neuron '{tgt.name}': its worst-case input is more than "
+                        f"{a_max} times its threshold; the 16-bit input budget cannot hold it")
+                scale_c = (vth << 6) / theta
+            else:
+                wmax = float(worst.max())
+                scale_c = np.array([64.0 * a_max / wmax if wmax > 0 else 1.0]) * (0.97 ** attempt)
+            s_n = per_neuron_values(scale_c, shape)
+            conns: list[Connection] = []
+            tot_pos = np.zeros(n, np.int64)
+            tot_neg = np.zeros(n, np.int64)
+            for cname, s, kind, w, cparams in raw:
+                if kind == "conv":
+                    sc = (w * per_neuron_values(scale_c, (w.shape[0],)).reshape(-1, *([1] * (w.ndim - 1)))
+                          / 64.0)
+                elif kind == "diag":
+                    sc = w * s_n / 64.0
+                else:
+                    sc = w * s_n[:, None] / 64.0
+                bits = _bits(weight_bits, cname)
+                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs)
+                rep["float_weights"] = int(w.size)
+                delay = d - depth[s] - 1
+                groups = [(cname, m, e, rep)]
+                if _groups(weight_groups, cname) == 2:
+                    # the rounding residual as a second synapse group with a smaller exponent
+                    resid = sc - m.astype(np.float64) * 2.0**e
+                    if np.any(resid != 0):
+                        m2, e2, rep2 = _quantize_weights(resid, bias=False, bits=bits, split=split_signs)
+                        if e2 < e:
+                            deq = m.astype(np.float64) * 2.0**e + m2.astype(np.float64) * 2.0**e2
+                            rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
+                                                              / max((sc**2).sum(), 1e-300)))
+                            rep2["residual_of"] = cname
+                            groups.append((f"{cname}.lo", m2, e2, rep2))
+                for gname, gmant, gexp, grep in groups:
+                    conns.append(Connection(gname, s, tgt.name, kind, gmant, gexp, delay, cparams, grep,
+                                            fanout(kind, gmant, cparams, tuple(mp.ops[s].out_shape), shape)))
+                    p_, n_ = _row_sums(kind, gmant, shape)
+                    p_, n_ = _shifted_bounds(p_, n_, gexp)
+                    tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
+            if np.any(const != 0):
+                m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
+                                              bits=_bits(weight_bits, f"{tgt.name}.bias"), split=split_signs)
+                conns.append(Connection(f"{tgt.name}.bias", CLOCK, tgt.name, "bias", m, e, d - 1,
+                                        None, rep, fanout("bias", m, None, (1,), shape)))
+                p_, n_ = _shifted_bounds(np.clip(m, 0, None), np.clip(m, None, 0), e)
+                tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
+            bound = int(max(tot_pos.max(initial=0), -tot_neg.min(initial=0)))
+            if bound <= a_max:
+                break
+            vth = int(vth * a_max / bound * 0.99) if role == "neuron" else vth
+        else:
+            raise BackendError(f"loihi2-sim: '{tgt.name}': no scale keeps the worst-case input "
+                               f"within {a_max}")
+        rep = {"vth": vth, "v_threshold": vth << 6 if role == "neuron" else None,
+               "a_in_bound": bound, "a_in_budget": a_max,
+               "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c))}
+        if role == "neuron" and vth < 64:
+            rep["warning"] = (f"vth = {vth}: the worst-case input is about {a_max // max(vth, 1)} times "
+                              "the threshold, so the threshold has few bits; expect a larger "
+                              "deviation from the float network in this layer")
+        pops.append(Population(tgt.name, role, shape, d, vth,
+                               _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
+                               np.asarray(scale_c, np.float64), tuple(conns), False, rep))
+    names = {c.name for p in pops for c in p.conns}
+    for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
+        unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []
+        if unknown:
+            raise BackendError(f"loihi2-sim: {what} names no connection of this graph: {unknown}; "
+                               f"connections: {sorted(names)}")
+    return QuantizedNetwork(g, tuple(pops), tuple(static_ops), depth[targets[-1].name])

@@ -1,0 +1,113 @@
+"""Reports of a run: the quantisation record, the RunResult with resources, latency and energy,
+and their human-readable text."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from ..registry import RunResult
+from .cost import ann_macs, energy, resources
+from .network import QuantizedNetwork
+
+__all__ = ["quantisation_report", "build_result", "format_report"]
+
+
+def quantisation_report(q: QuantizedNetwork) -> dict[str, Any]:
+    """Per population: threshold, scale, depth, and per connection exponent, bits and error."""
+    rep = {}
+    for p in q.populations:
+        rep[p.name] = dict(p.report, depth=p.depth, reset=p.reset, role=p.role,
+                           connections={c.name: dict(c.report, source=c.source, delay=c.delay,
+                                                     kind=c.kind) for c in p.conns})
+    return rep
+
+
+def _merge_runs(results: Sequence[RunResult]) -> dict[str, Any]:
+    """One ``extra`` for several runs of one program: runtime counters summed, per-image energy
+    figures averaged over the images."""
+    ex = dict(results[-1].extra)
+    if len(results) == 1:
+        return ex
+    if "quantisation" in ex:
+        rt = {k: sum(int(r.extra["quantisation"]["runtime"].get(k, 0)) for r in results)
+              for k in ("saturated", "wrapped", "bias_clipped")}
+        ex["quantisation"] = dict(ex["quantisation"], runtime=rt)
+    if "energy" in ex:
+        n = [int(r.outputs.shape[1]) for r in results]
+        e = dict(ex["energy"])
+        for k in ("per_image_J", "synops_per_image", "neuron_updates_per_image", "spikes_per_image",
+                  "ann_macs_per_image", "ann_per_image_J"):
+            e[k] = sum(r.extra["energy"][k] * b for r, b in zip(results, n)) / sum(n)
+        e["ann_over_snn"] = e["ann_per_image_J"] / e["per_image_J"] if e["per_image_J"] else float("inf")
+        ex["energy"] = e
+    return ex
+
+
+def format_report(result: RunResult | Sequence[RunResult]) -> str:
+    """Human-readable text of a loihi2-sim / lava run's ``extra``: quantisation, resources,
+    latency and energy (several runs of one program: counters summed, energy averaged)."""
+    ex = _merge_runs([result] if isinstance(result, RunResult) else list(result))
+    lines = []
+    q = ex.get("quantisation", {})
+    if q:
+        lines.append("quantisation (per population: vth, worst-case a_in within the 16-bit budget; "
+                     "per connection: weight exponent, largest |mantissa| (8-bit; mixed sign: even "
+                     "values), relative RMS rounding error, weights rounded to zero, extra delay):")
+        for name, r in q.get("layers", {}).items():
+            lines.append(f"  {name:<24} depth {r['depth']:>2}  vth {r.get('vth', 0):>6}  "
+                         f"a_in<= {r.get('a_in_bound', '-')}"
+                         + (f"  WARNING: {r['warning']}" if "warning" in r else ""))
+            for cn, c in r["connections"].items():
+                lines.append(f"      <- {cn:<20} {c['kind']:<6} exp {c['exp']:>3}  |m|<={c['mant_max']:>3} "
+                             f"{c['sign_mode'][:5]:<5}  "
+                             f"err {100 * c['rel_error']:.2f}%  zeroed {c['zero_rounded']}  "
+                             f"delay +{c['delay']}")
+        rt = q.get("runtime", {})
+        lines.append(f"  runtime: saturated {rt.get('saturated', 0)}, wrapped {rt.get('wrapped', 0)}, "
+                     f"first-layer bias clipped {rt.get('bias_clipped', 0)} (spike-preserving)")
+    r = ex.get("resources")
+    if r:
+        lines.append(f"resources: {r['neurons']} neurons, {r['synapses']} synapses, "
+                     f"{r['cores']} cores, {r['chips']} chip(s)  [{r['source']}]")
+        for name, l in r["layers"].items():
+            lines.append(f"  {name:<24} neurons {l['neurons']:>7}  synapses {l['synapses_in']:>9}  "
+                         f"fan-in {l['fan_in_mean']:.1f}  fan-out {l.get('fan_out_mean', 0):.1f}  "
+                         f"cores {l['cores']}")
+    lat = ex.get("latency")
+    if lat:
+        lines.append(f"latency: {lat['steps']} steps (T {lat['T']} + pipeline depth {lat['depth']}), "
+                     f"about {lat['seconds'] * 1e3:.3f} ms at {lat['step_seconds'] * 1e6:.0f} us/step "
+                     f"({lat['note']})")
+    e = ex.get("energy")
+    if e:
+        lines.append(f"energy per image: SNN {e['per_image_J'] * 1e6:.3f} uJ "
+                     f"({e['synops_per_image']:.3g} synops, {e['spikes_per_image']:.3g} spikes, "
+                     f"{e['neuron_updates_per_image']:.3g} neuron updates) vs ANN "
+                     f"{e['ann_per_image_J'] * 1e6:.3f} uJ ({e['ann_macs_per_image']:.3g} MACs): "
+                     f"ratio {e['ann_over_snn']:.2f}x")
+        lines.append(f"  ({e['sources']})")
+    return "\n".join(lines)
+
+
+def build_result(q: QuantizedNetwork, out: torch.Tensor, counts: Mapping[str, torch.Tensor],
+                 stats: Any, synops: Mapping[str, float], T: int, B: int, step_seconds: float,
+                 extra: Mapping[str, Any] | None = None) -> RunResult:
+    """Assemble a RunResult with the quantisation, resource, latency and energy reports."""
+    counts = {k: v.reshape(T).float().cpu() for k, v in counts.items()}
+    macs = ann_macs(q.graph, B)
+    total = float(sum(float(c.sum()) for c in counts.values()))
+    steps = T + q.depth
+    ex = {"quantisation": {"layers": quantisation_report(q),
+                           "runtime": {"saturated": int(stats.saturated), "wrapped": int(stats.wrapped),
+                                       "bias_clipped": int(stats.bias_clipped)}},
+          "resources": resources(q),
+          "latency": {"T": T, "depth": q.depth, "steps": steps, "step_seconds": step_seconds,
+                      "seconds": steps * step_seconds,
+                      "note": "per-step time is an assumed order of magnitude, not a measurement"},
+          "energy": energy(q, T, B, synops, total, macs)}
+    ex["static_ops"] = [op.name for op in q.static_ops]
+    if extra:
+        ex.update(extra)
+    return RunResult(outputs=out.cpu(), spikes=counts, synops=dict(synops), macs=macs, extra=ex)

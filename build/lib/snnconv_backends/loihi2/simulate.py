@@ -1,0 +1,229 @@
+"""Execution of a quantised network: the off-chip encoder, the first layer's bias currents, and
+the batched, bit-exact neuron and synapse updates (:func:`run_quantized`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .chip import LOIHI
+from .network import Connection, Population, QuantizedNetwork
+from .ops import apply_op, convolve
+
+__all__ = ["static_eval", "bias_current", "RuntimeCounters", "run_quantized", "connection_synops"]
+
+_V_MAX = 2 ** (LOIHI["uv_bits"] - 1)  # 2**23
+
+
+def static_eval(q: QuantizedNetwork, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Float32 values of the static ops (the off-chip encoder) on a batch ``x``."""
+    g = q.graph
+    vals: dict[str, torch.Tensor] = {g.ops[0].name: x}
+    for op in q.static_ops:
+        inp = None
+        for i in op.inputs:
+            inp = vals[i] if inp is None else inp + vals[i]
+        vals[op.name] = apply_op(op, inp.reshape(inp.shape[0], *op.in_shape), bias=True)
+    return vals
+
+
+def bias_current(z: torch.Tensor, pop: Population) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """First-layer input ``z`` ``[B, N]`` (float) -> (bias mantissa, bias exponent, clipped count).
+
+    ``v`` units: ``round(z * scale) = mant << exp``, ``|mant| <= 4095``, ``0 <= exp <= 7`` chosen
+    per neuron. Values beyond ``4095 << 7`` (about twice the threshold) are clipped: a static
+    input of at least one threshold makes the neuron spike at every step in both reset modes,
+    so the clipping leaves the spikes unchanged; it is counted all the same.
+    """
+    s = torch.as_tensor(pop.neuron_scale(), dtype=torch.float64, device=z.device)
+    val = z.double() * s
+    mmax, emax = LOIHI["bias_mant_max"], LOIHI["bias_exp_max"]
+    mag = val.abs()
+    exp = torch.zeros_like(val, dtype=torch.int32)
+    for k in range(emax):  # the smallest exponent whose rounded mantissa fits
+        exp += (torch.round(mag * 2.0**-k) > mmax).to(torch.int32)
+    mant = torch.round(torch.ldexp(val, -exp.double()))
+    clipped = int((mant.abs() > mmax).sum())
+    mant = mant.clamp(-mmax, mmax).to(torch.int32)
+    return mant, exp, clipped
+
+
+# Execution runs on float32 tensors holding integers: every value is an integer of magnitude
+# below 2**24 (|v| < 2**23, |u| <= 2**21, partial synaptic sums <= 2**23 by the compile-time
+# bound), so float32 arithmetic is exact, and faster than integer tensors on CPUs.
+
+
+def _shift(a: torch.Tensor, e: int) -> torch.Tensor:
+    """``a << e`` (``e >= 0``) or the arithmetic ``a >> -e`` (a floor), on integer-valued floats."""
+    if e > 0:
+        return a * float(2**e)
+    if e < 0:
+        return torch.floor(a * 2.0**e)
+    return a
+
+
+def _exact(y: torch.Tensor, recompute) -> torch.Tensor:
+    """Guard against a library algorithm that is not exact on integers (Winograd, FFT): if the
+    first rows of ``y`` are not integral, everything is recomputed in float64 and rounded."""
+    head = y[:64]
+    if head.numel() and bool((head != torch.round(head)).any()):
+        return torch.round(recompute()).to(y.dtype)
+    return y
+
+
+class RuntimeCounters:
+    """Saturations, wraps and clipped first-layer biases counted during a run."""
+
+    def __init__(self):
+        self.saturated = 0
+        self.wrapped = 0
+        self.bias_clipped = 0
+
+
+def _apply_conn(c: Connection, s: torch.Tensor, src_shape, tgt_shape, cache: dict) -> torch.Tensor:
+    """The current ``u = a << 6`` of connection ``c`` (``a = (W s) << e``, a floor for
+    ``e < 0``) for spikes ``s`` ``[TB, *src_shape]`` (0/1 float32) -> ``[TB, N]``.
+
+    For ``e >= 0`` the shifts are folded into the weights (``m * 2**(e + 6)``; every partial sum
+    stays below ``2**21``); for ``e < 0`` the floor must see the whole sum.
+    """
+    TB = s.shape[0]
+    key = (c.name, c.target, s.device)
+    fold = c.exp >= 0
+    if key not in cache:
+        m = c.mant.astype(np.float64) * (2.0 ** (c.exp + LOIHI["act_shift"]) if fold else 1.0)
+        if c.kind == "matrix":
+            cache[key] = torch.as_tensor(m.T, dtype=torch.float32, device=s.device).contiguous()
+        else:
+            cache[key] = torch.as_tensor(m, dtype=torch.float32, device=s.device)
+    w = cache[key]
+    if c.kind == "conv":
+        y = _exact(convolve(s, w, c.conv), lambda: convolve(s.double(), w.double(), c.conv))
+    elif c.kind == "matrix":
+        flat = s.reshape(TB, -1)
+        y = _exact(flat @ w, lambda: flat.double() @ w.double())
+    else:  # diag
+        y = s.reshape(TB, -1) * w
+    y = y.reshape(TB, -1)
+    if fold:
+        return y
+    return torch.floor(y * 2.0**c.exp).mul_(float(2 ** LOIHI["act_shift"]))
+
+
+def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor | None, T: int,
+                 B: int, stats: RuntimeCounters, record: bool):
+    """Run ``T`` steps of ``pop``: returns (spikes ``[T, B, N]`` float32 0/1, voltages int32 or
+    None). ``a_in``: the current ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
+    ``bias``: ``[B, N]``."""
+    n = pop.size
+    dev = (a_in if a_in is not None else bias).device
+    if a_in is None:
+        u = torch.zeros(T, B, n, dtype=torch.float32, device=dev)
+    else:
+        u = a_in.reshape(T, B, n)
+        bound = pop.report.get("a_in_bound")
+        if bound is None or (bound + 1) << LOIHI["act_shift"] > _V_MAX:
+            # Lava's wrap of the 24-bit current (AbstractPyLifModelFixed.subthr_dynamics); the
+            # compile-time bound makes this unreachable for networks made by quantize()
+            ui = u.to(torch.int64)
+            over, under = ui > _V_MAX, ui <= -_V_MAX
+            stats.wrapped += int(over.sum() + under.sum())
+            w = torch.where(over, ui - 2 * _V_MAX, ui)
+            u = torch.where(w <= -_V_MAX, ui + 2 * _V_MAX, w).to(torch.float32)
+    if bias is not None:
+        u = u + bias.reshape(1, B, n).to(torch.float32)
+    lo, hi = float(-_V_MAX + 1), float(_V_MAX - 1)
+    if pop.role == "readout":
+        v = u.clamp(lo, hi)
+        stats.saturated += int((v != u).sum())
+        return None, v.to(torch.int32)
+    vth = float(pop.vth << LOIHI["vth_shift"])
+    if isinstance(pop.v_init, np.ndarray):
+        v = torch.as_tensor(pop.v_init, dtype=torch.float32, device=dev).expand(B, n).clone()
+    else:
+        v = torch.full((B, n), float(pop.v_init), dtype=torch.float32, device=dev)
+    spikes = torch.empty(T, B, n, dtype=torch.float32, device=dev)
+    volts = torch.empty(T, B, n, dtype=torch.int32, device=dev) if record else None
+    hard = pop.reset == "zero"
+    for t in range(T):
+        v.add_(u[t])
+        vmin, vmax = torch.aminmax(v)
+        if float(vmin) < lo or float(vmax) > hi:  # 24-bit saturation (rare): clip and count
+            stats.saturated += int(((v < lo) | (v > hi)).sum())
+            v.clamp_(lo, hi)
+        torch.gt(v, vth, out=spikes[t])
+        if hard:  # v - v * s: exact on integer-valued floats (s is 0 or 1)
+            v.addcmul_(v, spikes[t], value=-1.0)
+        else:
+            v.sub_(spikes[t], alpha=vth)
+        if record:
+            volts[t] = v.to(torch.int32)
+    return spikes, volts
+
+
+def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool = False):
+    """Run ``q`` on a static batch ``x`` ``[B, *input_shape]`` for ``T`` steps of every layer.
+
+    Returns ``(outputs [T, B, *out_shape], counts {pop: [T]}, spikes {pop: [T, B, N]} and
+    voltages {pop: [T, B, N]} (both only with ``record``), stats, synops {connection: float})``.
+    Times are each population's own steps: the population at depth d runs them at chip steps
+    d+1 .. d+T; before, it holds its initial state (no input has arrived).
+    """
+    B = x.shape[0]
+    vals = static_eval(q, x.float())
+    spikes: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    volts: dict[str, torch.Tensor] = {}
+    stats = RuntimeCounters()
+    synops: dict[str, float] = {}
+    per_neuron: dict[str, torch.Tensor] = {}   # spikes per source neuron, summed over T and B
+    cache: dict = {}
+    left: dict[str, int] = {}
+    for p in q.populations:
+        for c in p.conns:
+            left[c.source] = left.get(c.source, 0) + 1
+    shapes = {p.name: p.shape for p in q.populations}
+    for p in q.populations:
+        bias = a_in = None
+        if p.static:
+            z = None
+            for i in q.graph.op(p.name).inputs:
+                z = vals[i] if z is None else z + vals[i]
+            mant, exp, clipped = bias_current(z.reshape(B, -1), p)
+            stats.bias_clipped += clipped
+            bias = mant << exp
+        for c in p.conns:
+            if c.kind == "bias":
+                a = _shift(torch.as_tensor(c.mant, dtype=torch.float32, device=x.device), c.exp)
+                a = (a * float(2 ** LOIHI["act_shift"])).reshape(1, -1).expand(T * B, -1)
+                synops[c.name] = synops.get(c.name, 0.0) + float(T * B) * float(c.fanout.sum())
+            else:
+                src = spikes[c.source]
+                a = _apply_conn(c, src.reshape(T * B, *shapes[c.source]), shapes[c.source],
+                                p.shape, cache)
+                synops[c.name] = synops.get(c.name, 0.0) + connection_synops(c, per_neuron[c.source])
+                left[c.source] -= 1
+                if left[c.source] == 0 and not record:
+                    del spikes[c.source]
+            a_in = a if a_in is None else a_in + a
+        s, v = _neuron_loop(p, a_in, bias, T, B, stats, record)
+        if s is not None:
+            spikes[p.name] = s
+            by_step = s.reshape(T, B, -1).sum(1)           # [T, N]
+            counts[p.name] = by_step.sum(1)
+            per_neuron[p.name] = by_step.sum(0)
+        if v is not None:
+            volts[p.name] = v
+    r = q.readout
+    out = volts[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64,
+                                                   device=x.device)
+    out = out.float().reshape(T, B, *q.graph.output_shape)
+    if not record:
+        spikes, volts = {}, {}
+    return out, counts, spikes, volts, stats, synops
+
+
+def connection_synops(c: Connection, per_neuron: torch.Tensor) -> float:
+    """Synaptic operations of ``c`` given its source's spike count per neuron ``[N_source]``."""
+    f = torch.as_tensor(c.fanout, dtype=torch.float64, device=per_neuron.device)
+    return float((per_neuron.reshape(-1).double() * f).sum())

@@ -1,0 +1,178 @@
+"""The backend registry: what runs a NIR graph, found by name.
+
+Built-in backends are a table ``name -> "module:Class"`` imported lazily (a backend whose
+dependencies are missing costs nothing until it is asked for); third parties add theirs through
+the entry-point group ``snnconv.backends`` (an entry point names a :class:`Backend` subclass or
+instance). Built-in names win over entry points of the same name.
+
+    >>> from snnconv_backends import available, get
+    >>> available()                          # {"cpu": (True, ""), "gpu": (False, "no CUDA device"), ...}
+    >>> result = get("cpu").compile(graph).run(x, T=8)
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from snnconv.errors import BackendError
+
+__all__ = ["Backend", "Program", "RunResult", "BUILTINS", "ENTRY_POINT_GROUP", "available", "get",
+           "names"]
+
+#: Built-in backends, imported only when asked for.
+BUILTINS: dict[str, str] = {
+    "cpu": "snnconv_backends.cpu:CPUBackend",
+    "gpu": "snnconv_backends.gpu:GPUBackend",
+    "loihi2-sim": "snnconv_backends.loihi2:Loihi2SimBackend",
+    "lava": "snnconv_backends.lava:LavaBackend",
+}
+
+#: The entry-point group third-party backends register in (``pyproject.toml``:
+#: ``[project.entry-points."snnconv.backends"] mine = "my_pkg.backend:MyBackend"``).
+ENTRY_POINT_GROUP = "snnconv.backends"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one run of a compiled graph gives.
+
+    Attributes:
+        outputs: per-step readout ``[T, B, *out_shape]``; its mean over T is the prediction.
+        spikes: neuron op name -> ``[T]`` spike counts (summed over the batch and the neurons).
+        synops: layer name -> synaptic operations (accumulates) over the whole run: for each
+            layer fed by spikes, the sum over steps of (input spikes x fan-out).
+        macs: layer name -> multiply-accumulates the ANN does for the same batch (once, not x T).
+        extra: backend-specific records (quantisation, resources, energy, threshold ties...).
+    """
+
+    outputs: torch.Tensor
+    spikes: dict[str, torch.Tensor]
+    synops: dict[str, float]
+    macs: dict[str, float]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prediction(self) -> torch.Tensor:
+        """The readout averaged over time, ``[B, *out_shape]``."""
+        return self.outputs.mean(0)
+
+
+class Program(abc.ABC):
+    """A graph compiled for one backend; :meth:`run` may be called many times."""
+
+    @abc.abstractmethod
+    def run(self, x: torch.Tensor, T: int) -> RunResult:
+        """Run ``T`` steps on ``x``: a static batch ``[B, ...]`` (direct encoding) or ``[T, B, ...]``.
+
+        Raises:
+            BackendError: ``x`` has the wrong shape or dtype, or ``T < 1``.
+        """
+
+
+class Backend(abc.ABC):
+    """One executor of NIR graphs (stateless; one instance per backend)."""
+
+    #: The registry name ("cpu", "gpu", ...).
+    name: str = ""
+
+    def availability(self) -> tuple[bool, str]:
+        """``(usable here?, why not)``; the reason is ``""`` when usable."""
+        return True, ""
+
+    @abc.abstractmethod
+    def compile(self, graph: Any, **options: Any) -> Program:
+        """Check ``graph`` (a ``nir.NIRGraph``) and prepare it to run.
+
+        Raises:
+            BackendError: a node or an option this backend does not support (named), or a
+                malformed graph.
+        """
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    found = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep)
+    return found
+
+
+def names() -> list[str]:
+    """Every backend name known here: the built-ins, then third parties' (sorted)."""
+    extra = sorted(n for n in _entry_points() if n not in BUILTINS)
+    return list(BUILTINS) + extra
+
+
+def _instantiate(name: str, obj: Any, where: str) -> Backend:
+    if isinstance(obj, type) and issubclass(obj, Backend):
+        obj = obj()
+    if not isinstance(obj, Backend):
+        raise BackendError(
+            f"backend {name!r} ({where}) is a {type(obj).__name__}, not a "
+            "snnconv_backends.Backend subclass or instance; register a Backend subclass")
+    if not obj.name:
+        obj.name = name
+    return obj
+
+
+def _load(name: str) -> Backend:
+    """Import backend ``name`` (BackendError when unknown or its module cannot be imported)."""
+    if name in BUILTINS:
+        target = BUILTINS[name]
+        module, _, attr = target.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except ImportError as exc:
+            raise BackendError(f"backend {name!r} is not installed: importing {target} failed "
+                               f"({type(exc).__name__}: {exc})") from exc
+        except AttributeError as exc:
+            raise BackendError(f"backend {name!r}: {module} has no {attr}") from exc
+        return _instantiate(name, obj, target)
+    eps = _entry_points()
+    if name not in eps:
+        raise BackendError(
+            f"unknown backend {name!r}; known: {', '.join(names())}. Third-party backends "
+            f"register a Backend subclass in the entry-point group {ENTRY_POINT_GROUP!r}.")
+    ep = eps[name]
+    try:
+        obj = ep.load()
+    except Exception as exc:  # a third party's import error, whatever it is
+        raise BackendError(f"backend {name!r}: loading entry point {ep.value!r} failed "
+                           f"({type(exc).__name__}: {exc})") from exc
+    return _instantiate(name, obj, f"entry point {ep.value}")
+
+
+def available() -> dict[str, tuple[bool, str]]:
+    """Every known backend -> ``(usable here?, why not)``; never raises."""
+    out: dict[str, tuple[bool, str]] = {}
+    for name in names():
+        try:
+            backend = _load(name)
+            ok, reason = backend.availability()
+            out[name] = (bool(ok), "" if ok else str(reason))
+        except BackendError as exc:
+            out[name] = (False, str(exc))
+        except Exception as exc:  # a broken availability() must not hide the others
+            out[name] = (False, f"availability check failed: {type(exc).__name__}: {exc}")
+    return out
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``, ready to compile graphs.
+
+    Raises:
+        BackendError: no backend has this name (the message lists those that exist), or it
+            cannot run here (the message says why).
+    """
+    if not isinstance(name, str):
+        raise BackendError(f"a backend name is a string, got {type(name).__name__}")
+    backend = _load(name)
+    ok, reason = backend.availability()
+    if not ok:
+        raise BackendError(f"backend {name!r} is not usable here: {reason}")
+    return backend
