@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("snnconv.pipeline", "snnconv.fold", "snnconv.qcfs", "snnconv.replace", "snnconv.network",
           "snnconv.calibration", "snnconv.finetune", "snnconv.nir_io", "snnconv.health", "snnconv.guards",
           "snnconv.graph")
-#: What of snnconv a backend may load: the package itself, its errors, its energy figures and
-#: the IF neuron (stage-free).
-ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy", "snnconv.neuron"}
+#: What of snnconv a backend may load: the package itself, its errors, its energy figures, the
+#: NIR encoding and the IF neuron (stage-free).
+ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy", "snnconv.neuron", "snnconv.nirformat"}
 
 MODULES = ["snnconv_backends", "snnconv_backends.registry", "snnconv_backends.nirgraph",
            "snnconv_backends.engine", "snnconv_backends.cpu", "snnconv_backends.gpu",

@@ -50,13 +50,13 @@ import nir
 import numpy as np
 
 from snnconv.errors import NIRError
+from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARE, FORMAT_VERSION, MODULE_KEY, OP_KEY, RESETS,
+                               SUM_OP, fire_threshold)
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 
 KINDS = ("input", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d", "flatten",
          "scale", "sum", "neuron", "output")
-RESETS = ("subtract", "zero")
-FORMAT_VERSION = 1  # graph metadata "snnconv_format"
 
 _SUPPORTED = ("Input, Output, Conv1d, Conv2d, Affine, Linear, AvgPool2d, SumPool2d, Flatten, "
               "Scale, Identity, IF (r=1, v_reset=0) and the I/Threshold/Scale(-theta) neuron")
@@ -221,17 +221,9 @@ def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np
     return np.ascontiguousarray(per[:, 0], dtype=np.float32)
 
 
-def fire_threshold(theta: np.ndarray, v_init: np.ndarray) -> np.ndarray:
-    """The Threshold of a subtractive neuron whose integrator starts at 0: ``theta * (1 -
-    v_init)`` in float32 (``theta / 2`` exactly for ``v_init = 1/2``). Writer and reader both
-    compute it here, so the file's value is checked bit for bit."""
-    theta = np.asarray(theta, dtype=np.float32)
-    return (theta * (np.float32(1) - np.asarray(v_init, dtype=np.float32))).astype(np.float32)
-
-
 def _check_neuron_meta(where: str, meta: Mapping[str, Any], reset: str, v_init: float,
                        required: bool) -> None:
-    expected = {"reset": reset, "v_init": v_init, "compare": ">="}
+    expected = {"reset": reset, "v_init": v_init, "compare": COMPARE}
     for key, want in expected.items():
         if key not in meta:
             if required:
@@ -598,7 +590,7 @@ def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
                     for n, k, s, p in zip(incoming[1:], kernel, stride, padding))
         params = {"kernel_size": kernel, "stride": stride, "padding": padding}
         if kind == "avgpool2d":
-            adaptive = meta.get("snnconv_module") == "AdaptiveAvgPool2d"
+            adaptive = meta.get(MODULE_KEY) == ADAPTIVE_AVGPOOL
             if adaptive and not (stride == kernel and padding == (0, 0) and all(
                     n == k * o for n, k, o in zip(incoming[1:], kernel, out))):
                 raise NIRError(f"node '{name}': marked AdaptiveAvgPool2d but kernel {kernel}, stride "
@@ -624,7 +616,7 @@ def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
         scale = _array(node.scale, name, "scale")
         if scale.ndim == 0:
             raise NIRError(f"node '{name}': a Scale needs an array of the signal's shape")
-        if meta.get("snnconv_op") == "sum":
+        if meta.get(OP_KEY) == SUM_OP:
             if (scale != 1).any():
                 raise NIRError(f"node '{name}': marked as a sum node but its scale is not all ones")
             return "sum", {}, scale.shape, scale.shape

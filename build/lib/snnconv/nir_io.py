@@ -44,13 +44,15 @@ import torch.nn as nn
 from .errors import NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
+from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SUM_OP, fire_threshold,
+                        graph_metadata, neuron_metadata, v_init_metadata)
 from .network import SpikingNetwork, check_T
 from .neuron import IFNeuron, Scale, TimeExpand
 from .replace import insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
 
-NIR_FORMAT_VERSION = 1
+NIR_FORMAT_VERSION = FORMAT_VERSION
 
 _PASS_MODULES = (TimeExpand, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _ADDS = (operator.add, torch.add)
@@ -123,7 +125,7 @@ class _Exporter:
         return self.value[n.name]
 
     def sum_node(self, base: str, sources: tuple[str, ...], shape: tuple[int, ...]) -> str:
-        return self.add(base, nir.Scale(np.ones(shape, np.float32), metadata={"snnconv_op": "sum"}),
+        return self.add(base, nir.Scale(np.ones(shape, np.float32), metadata={OP_KEY: SUM_OP}),
                         sources)
 
     def unsupported(self, n: fx.Node, why: str = "") -> NIRError:
@@ -230,15 +232,13 @@ class _Exporter:
     def neuron(self, base: str, mod: IFNeuron, srcs: tuple[str, ...], shape: tuple[int, ...]) -> str:
         reset = getattr(mod, "reset", "subtract")
         theta = mod.theta.detach()
-        kind = "per_channel" if theta.dim() == 1 else "per_layer"
         if theta.dim() == 1 and (not shape or shape[0] != theta.numel()):
             raise NIRError(f"IF neuron '{base}' has {theta.numel()} per-channel thresholds but its "
                            f"input has shape {shape}")
         full = _full(theta, shape)
         self.resets.add(reset)
         if reset == "zero":
-            meta = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": ">=",
-                    "threshold": kind}
+            meta = neuron_metadata("zero", 0.0, theta.dim() == 1)
             node = nir.IF(r=np.ones(shape, np.float32), v_threshold=full,
                           v_reset=np.zeros(shape, np.float32), metadata=meta)
             return self.add(base, node, srcs)
@@ -249,13 +249,9 @@ class _Exporter:
             raise NIRError(f"IF neuron '{base}' has {v0.numel()} per-channel initial membranes but "
                            f"its input has shape {shape}")
         # v_init 0.5 (QCFS's shift) as a number; calibrated ones as a list (per layer or channel)
-        v_meta = 0.5 if v0.dim() == 0 and float(v0) == 0.5 else v0.reshape(-1).tolist()
-        meta = {"snnconv_neuron": "if", "reset": "subtract", "v_init": v_meta, "compare": ">=",
-                "threshold": kind}
+        meta = neuron_metadata("subtract", v_init_metadata(v0.numpy()), theta.dim() == 1)
         x = self.add(base, nir.I(r=np.ones(shape, np.float32), metadata=meta), srcs)
         # fires when v[t] - v_init >= theta - theta * v_init (the integrator starts at 0)
-        from snnconv_backends.nirgraph import fire_threshold
-
         fire = self.add(f"{x}_fire", nir.Threshold(fire_threshold(full, _full(v0, shape))))
         reset_node = self.add(f"{x}_reset", nir.Scale(-full))
         self.edges += [(x, fire), (fire, reset_node), (reset_node, x)]
@@ -292,7 +288,7 @@ class _Exporter:
                                       "windows (only sizes that divide the input map to AvgPool2d)")
         kernel = np.array([i // o for i, o in zip(in_shape[1:], out_shape[1:])])
         return nir.AvgPool2d(kernel_size=kernel, stride=kernel.copy(), padding=np.array([0, 0]),
-                             metadata={"snnconv_module": "AdaptiveAvgPool2d"})
+                             metadata={MODULE_KEY: ADAPTIVE_AVGPOOL})
 
     def flatten(self, n: fx.Node, base: str, start: Any, end: Any, in_shape: tuple[int, ...],
                 srcs: tuple[str, ...]) -> str:
@@ -349,8 +345,6 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
     Raises:
         NIRError: no input shape is known, or a module / fx node has no NIR form (named).
     """
-    from snnconv_backends.nirgraph import parse
-
     if not isinstance(snn, SpikingNetwork):
         raise NIRError(f"export_nir takes a SpikingNetwork (from snnconv.convert), got "
                        f"{type(snn).__name__}")
@@ -371,13 +365,11 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
         raise NIRError("the network mixes subtractive and hard-reset neurons; NIR export needs one "
                        "reset mode")
     reset = next(iter(ex.resets)) if ex.resets else "subtract"
-    metadata = {"producer": "snnconv", "snnconv_format": NIR_FORMAT_VERSION, "T": int(snn.T),
-                "reset": reset, "encoding": "direct", "readout": "mean_over_T"}
+    metadata = graph_metadata(snn.T, reset)
     try:
         graph = nir.NIRGraph(nodes=ex.nodes, edges=ex.edges, metadata=metadata)
     except (ValueError, AssertionError, KeyError) as exc:
         raise NIRError(f"nir {nir.__version__} rejects the exported graph: {exc}") from exc
-    parse(graph)  # the strict reader must accept what we write
     return graph
 
 
