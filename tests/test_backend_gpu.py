@@ -65,8 +65,8 @@ def test_threshold_ties_are_counted():
     one = np.ones((1, 1), np.float32)
     nodes = {"input": nir.Input(np.array([1])), "fc": nir.Affine(weight=one, bias=np.zeros(1, np.float32)),
              "n": nir.IF(r=np.ones(1, np.float32), v_threshold=np.ones(1, np.float32),
-                         v_reset=np.zeros(1, np.float32)),
-             "output": nir.Output(np.array([1]))}
+                         v_reset=np.zeros(1, np.float32), metadata={"compare": ">="}),
+             "output": nir.Output(np.array([1]))}  # fires on h >= 1 (without it: NIR's h > 1)
     graph = nir.NIRGraph(nodes=nodes, edges=[("input", "fc"), ("fc", "n"), ("n", "output")],
                          metadata={"reset": "zero"}, type_check=False)
     r = GPUBackend().compile(graph, device="cpu", count_ties=True).run(torch.full((3, 1), 0.5), 4)

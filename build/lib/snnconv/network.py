@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, DataError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
 from .neuron import IFNeuron, Scale, TimeExpand, neurons
@@ -88,6 +88,12 @@ class SpikingNetwork(nn.Module):
                 m.T = value
 
     def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        shape = self.meta.get("input_shape") if isinstance(self.meta, dict) else None
+        if isinstance(x, torch.Tensor) and shape is not None and x.dim() != len(shape) + 1:
+            raise DataError(f"the network takes a static batch [B, {', '.join(map(str, shape))}] "
+                            f"(presented at each of the T steps); got an input of shape "
+                            f"{tuple(x.shape)}. A sequence [T, B, ...] runs on a backend: "
+                            "snnconv.backends.get('cpu').compile(export_nir(snn)).run(x)")
         parts = [x]
         old = self.T
         self.T = T

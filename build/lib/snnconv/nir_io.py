@@ -30,6 +30,7 @@ Reading goes through the strict reader :func:`snnconv_backends.nirgraph.parse`.
 from __future__ import annotations
 
 import io
+import keyword
 import operator
 import os
 import re
@@ -44,8 +45,9 @@ import torch.nn as nn
 from .errors import NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
-from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SUM_OP, fire_threshold,
-                        graph_metadata, neuron_metadata, v_init_metadata)
+from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SCALE_OP,
+                        SOURCE_VERSION_KEY, SUM_OP, fire_threshold, graph_metadata, neuron_metadata,
+                        spec_threshold, v_init_metadata)
 from .network import SpikingNetwork, check_T
 from .neuron import IFNeuron, Scale, TimeExpand
 from .replace import insert_time_expand, unique_name
@@ -89,6 +91,18 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
+_RESERVED = frozenset(dir(nn.Module())) | {"self", "x"}
+
+
+def _attr(name: str) -> str:
+    """A module attribute name for the NIR node ``name``: node names are data, so a keyword
+    (``if``, ``class``), a leading digit or a name nn.Module already uses gets a prefix."""
+    safe = _safe(name) or "node"
+    if keyword.iskeyword(safe) or safe[0].isdigit() or safe in _RESERVED or safe.startswith("_"):
+        safe = f"n_{safe}"
+    return safe
+
+
 class _Exporter:
     def __init__(self, snn: SpikingNetwork, shapes: dict[str, tuple[int, ...]]):
         self.snn = snn
@@ -98,6 +112,10 @@ class _Exporter:
         self.edges: list[tuple[str, str]] = []
         self.value: dict[str, tuple[str, ...]] = {}  # fx node -> NIR nodes whose sum it is
         self.resets: set[str] = set()
+        # identity shortcuts of a hard-reset network are written as diagonal 1x1 maps, which
+        # readers without a Scale mapping (spikingjelly) run exactly
+        self.hard = {getattr(m, "reset", "subtract") for m in snn.net.modules()
+                     if isinstance(m, IFNeuron)} == {"zero"}
 
     # --- helpers ---
     def shape(self, n: fx.Node) -> tuple[int, ...]:
@@ -171,7 +189,7 @@ class _Exporter:
         elif isinstance(mod, IFNeuron):
             self.value[n.name] = (self.neuron(base, mod, srcs, out_shape),)
         elif isinstance(mod, Scale):
-            self.value[n.name] = (self.add(base, nir.Scale(_full(mod.theta, out_shape)), srcs),)
+            self.value[n.name] = (self.add(base, self.scale(mod, out_shape), srcs),)
         elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
             self.value[n.name] = (self.add(base, self.conv(n, mod, in_shape), srcs),)
         elif isinstance(mod, nn.Linear):
@@ -239,7 +257,7 @@ class _Exporter:
         self.resets.add(reset)
         if reset == "zero":
             meta = neuron_metadata("zero", 0.0, theta.dim() == 1)
-            node = nir.IF(r=np.ones(shape, np.float32), v_threshold=full,
+            node = nir.IF(r=np.ones(shape, np.float32), v_threshold=spec_threshold(full),
                           v_reset=np.zeros(shape, np.float32), metadata=meta)
             return self.add(base, node, srcs)
         if reset != "subtract":
@@ -251,11 +269,29 @@ class _Exporter:
         # v_init 0.5 (QCFS's shift) as a number; calibrated ones as a list (per layer or channel)
         meta = neuron_metadata("subtract", v_init_metadata(v0.numpy()), theta.dim() == 1)
         x = self.add(base, nir.I(r=np.ones(shape, np.float32), metadata=meta), srcs)
-        # fires when v[t] - v_init >= theta - theta * v_init (the integrator starts at 0)
-        fire = self.add(f"{x}_fire", nir.Threshold(fire_threshold(full, _full(v0, shape))))
+        # fires when v[t] - v_init >= theta - theta * v_init (the integrator starts at 0), i.e.
+        # on v[t] - v_init > the float32 just below it (NIR's comparison)
+        fire = self.add(f"{x}_fire", nir.Threshold(spec_threshold(fire_threshold(full, _full(v0, shape)))))
         reset_node = self.add(f"{x}_reset", nir.Scale(-full))
         self.edges += [(x, fire), (fire, reset_node), (reset_node, x)]
         return fire
+
+    def scale(self, mod: Scale, shape: tuple[int, ...]) -> nir.NIRNode:
+        """A Scale node, or in a hard-reset network (when the scale is per layer or per channel)
+        the same map as a 1x1 convolution or a linear map with a diagonal weight."""
+        full = _full(mod.theta, shape)
+        if not self.hard or len(shape) not in (1, 3):
+            return nir.Scale(full)
+        diag = full.reshape(shape[0], -1)
+        if not (diag == diag[:, :1]).all():
+            return nir.Scale(full)
+        weight = np.diag(diag[:, 0]).astype(np.float32)
+        meta = {OP_KEY: SCALE_OP}
+        if len(shape) == 1:
+            return nir.Linear(weight=weight, metadata=meta)
+        return nir.Conv2d(input_shape=tuple(int(s) for s in shape[1:]), weight=weight[:, :, None, None],
+                          stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
+                          bias=np.zeros(shape[0], np.float32), metadata=meta)
 
     def conv(self, n: fx.Node, mod: nn.Module, in_shape: tuple[int, ...]) -> nir.NIRNode:
         if mod.padding_mode != "zeros":
@@ -429,7 +465,7 @@ def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
     return None  # input, output, sum
 
 
-def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
+def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> SpikingNetwork:
     """A :class:`SpikingNetwork` that computes ``graph`` exactly (bit for bit what was exported).
 
     The network has the modules ``convert`` produces (Conv/Linear/AvgPool/Flatten/Scale/
@@ -439,13 +475,18 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
     Args:
         graph: a ``nir.NIRGraph`` that :func:`snnconv_backends.nirgraph.parse` accepts.
         T: time steps; default the T recorded in the graph's metadata, else 8.
+        dt: the time step the graph is read at (an integrator with resistance ``r`` must have
+            ``r * dt = 1``; spikingjelly's default export has ``r = 1e4``: ``dt=1e-4``).
+
+    Node names are data: each module's attribute name is the node's name made a Python
+    identifier (a keyword such as ``if`` gets a prefix), unique within the network.
 
     Raises:
         NIRError: the graph is not one snnconv can run exactly (named node or edge).
     """
     from snnconv_backends.nirgraph import parse
 
-    parsed = parse(graph)
+    parsed = parse(graph, dt=dt)
     T = (parsed.T or 8) if T is None else T
     check_T(T)
     T = int(T)
@@ -467,7 +508,7 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
         if mod is None:  # a sum node
             env[op.name] = value
             continue
-        target = unique_name(_safe(op.name) or "node", used)
+        target = unique_name(_attr(op.name), used)
         root.add_module(target, mod)
         env[op.name] = fx_graph.call_module(target, (value,))
     gm = fx.GraphModule(root, fx_graph, "SpikingGraph")
@@ -536,10 +577,12 @@ def _check_file(path: str) -> None:
                        f"{type(exc).__name__}: {exc}") from exc
 
 
-def load_nir(path: str | os.PathLike) -> nir.NIRGraph:
+def load_nir(path: str | os.PathLike, *, dt: float = 1.0) -> nir.NIRGraph:
     """Read a NIR file strictly, as data (HDF5; nothing from the file is executed).
 
-    Returns the ``nir.NIRGraph``; it has passed :func:`snnconv_backends.nirgraph.parse`.
+    Returns the ``nir.NIRGraph``; it has passed :func:`snnconv_backends.nirgraph.parse` at
+    time step ``dt``. Its metadata records the nir version that wrote the file
+    (``nir_file_version``), which decides what an old file's IF means.
 
     Raises:
         NIRError: a missing, truncated, non-HDF5 or non-NIR file, or a graph snnconv cannot
@@ -547,15 +590,19 @@ def load_nir(path: str | os.PathLike) -> nir.NIRGraph:
     """
     from snnconv_backends.nirgraph import parse
 
+    from nir.serialization import read_version
+
     path = os.fspath(path)
     _check_file(path)
     try:
         graph = nir.read(path)
+        # the nir release that wrote the file: IF meant subtraction before v_reset existed
+        graph.metadata = {**(graph.metadata or {}), SOURCE_VERSION_KEY: read_version(path)}
     except Exception as exc:  # nir raises ValueError, KeyError, AssertionError, OSError
         raise NIRError(f"{path}: nir {nir.__version__} cannot read it: {type(exc).__name__}: "
                        f"{exc}") from exc
     try:
-        parse(graph)
+        parse(graph, dt=dt)
     except NIRError as exc:
         raise NIRError(f"{path}: {exc}") from exc
     return graph

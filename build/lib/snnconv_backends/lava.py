@@ -29,6 +29,7 @@ from snnconv.errors import BackendError
 
 from . import loihi2
 from .loihi2.simulate import connection_synops, static_eval
+from .cpu import parse_graph
 from .registry import Backend, Program, RunResult
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
@@ -36,7 +37,8 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
-            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1}
+            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1,
+            "dt": 1.0}
 
 
 def lava_python() -> Path:
@@ -231,5 +233,5 @@ class LavaBackend(Backend):
             raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
         opts = dict(_OPTIONS)
         opts.update(options)
-        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"]),
+        return LavaProgram(loihi2.quantize(parse_graph(graph, self.name, opts["dt"]), split_signs=bool(opts["split_signs"]),
                                            weight_groups=opts["weight_groups"]), opts)

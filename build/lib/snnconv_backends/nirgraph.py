@@ -50,8 +50,20 @@ import nir
 import numpy as np
 
 from snnconv.errors import NIRError
-from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARE, FORMAT_VERSION, MODULE_KEY, OP_KEY, RESETS,
-                               SUM_OP, fire_threshold)
+from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARES, FORMAT_VERSION, FORMAT_VERSIONS, MODULE_KEY,
+                               NEURON_KEY, OP_KEY, RESETS, SCALE_OP, SOURCE_VERSION_KEY, SPEC_COMPARE,
+                               SUM_OP, V_RESET_SINCE, engine_threshold, fire_threshold,
+                               integration_gain, predates_v_reset, spec_threshold)
+
+from .nirvalues import array as _array
+from .nirvalues import conv_params as _conv_params
+from .nirvalues import diagonal_scale as _diagonal_scale
+from .nirvalues import integer as _int
+from .nirvalues import integers as _ints
+from .nirvalues import meta as _meta
+from .nirvalues import shape as _shape
+from .nirvalues import type_shape as _type_shape
+from .nirvalues import window_out as _window_out
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 
@@ -59,7 +71,7 @@ KINDS = ("input", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2
          "scale", "sum", "neuron", "output")
 
 _SUPPORTED = ("Input, Output, Conv1d, Conv2d, Affine, Linear, AvgPool2d, SumPool2d, Flatten, "
-              "Scale, Identity, IF (r=1, v_reset=0) and the I/Threshold/Scale(-theta) neuron")
+              "Scale, Identity, IF (r * dt = 1, v_reset = 0) and the I/Threshold/Scale(-theta) neuron")
 
 
 @dataclass(frozen=True)
@@ -113,95 +125,6 @@ class ParsedGraph:
         return tuple(op for op in self.ops if op.kind == "neuron")
 
 
-# --- small readers ---------------------------------------------------------------------------
-
-def _plain(value: Any) -> Any:
-    """Metadata as plain python: bytes -> str, numpy scalars -> python scalars."""
-    if isinstance(value, bytes):
-        return value.decode("utf8", errors="replace")
-    if isinstance(value, np.ndarray) and value.dtype.kind in "SO" and value.ndim == 0:
-        return _plain(value.item())
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        return value.item()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return value
-
-
-def _meta(node: Any) -> dict[str, Any]:
-    meta = getattr(node, "metadata", None)
-    return _plain(meta) if isinstance(meta, dict) else {}
-
-
-def _array(value: Any, where: str, what: str, ndim: int | None = None) -> np.ndarray:
-    """``value`` as a finite float32 array (NIRError naming ``where``/``what`` otherwise)."""
-    if value is None:
-        raise NIRError(f"node '{where}': {what} is missing")
-    try:
-        arr = np.asarray(value)
-    except Exception as exc:  # noqa: BLE001 (anything that is not array-like)
-        raise NIRError(f"node '{where}': {what} is not an array ({exc})") from exc
-    if arr.dtype.kind not in "fiub":
-        raise NIRError(f"node '{where}': {what} has dtype {arr.dtype}, not a number")
-    arr = arr.astype(np.float32)
-    if ndim is not None and arr.ndim != ndim:
-        raise NIRError(f"node '{where}': {what} has shape {arr.shape}, expected {ndim} dimensions")
-    if not np.isfinite(arr).all():
-        raise NIRError(f"node '{where}': {what} holds {int((~np.isfinite(arr)).sum())} NaN/inf value(s)")
-    arr.setflags(write=False)
-    return arr
-
-
-def _int(value: Any, where: str, what: str, minimum: int | None = None) -> int:
-    arr = np.asarray(value)
-    if arr.size != 1 or arr.dtype.kind not in "iuf" or float(arr.reshape(-1)[0]) != int(arr.reshape(-1)[0]):
-        raise NIRError(f"node '{where}': {what} must be one integer, got {value!r}")
-    out = int(arr.reshape(-1)[0])
-    if minimum is not None and out < minimum:
-        raise NIRError(f"node '{where}': {what} must be >= {minimum}, got {out}")
-    return out
-
-
-def _ints(value: Any, n: int, where: str, what: str, minimum: int = 0) -> tuple[int, ...]:
-    """An int or ``n`` ints as an ``n``-tuple."""
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iuf" or arr.size not in (1, n) or arr.ndim > 1:
-        raise NIRError(f"node '{where}': {what} must be an integer or {n} integers, got {value!r}")
-    flat = [float(v) for v in arr.reshape(-1)]
-    if any(v != int(v) or v < minimum for v in flat):
-        raise NIRError(f"node '{where}': {what} must hold integers >= {minimum}, got {value!r}")
-    vals = tuple(int(v) for v in flat)
-    return vals * n if len(vals) == 1 else vals
-
-
-def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
-    if value is None:
-        raise NIRError(f"node '{where}': {what} is missing")
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iuf" or arr.ndim > 1 or arr.size == 0:
-        raise NIRError(f"node '{where}': {what} is not a shape: {value!r}")
-    shape = tuple(int(v) for v in arr.reshape(-1))
-    if any(s < 1 or s != v for s, v in zip(shape, arr.reshape(-1))):
-        raise NIRError(f"node '{where}': {what} must hold positive integers, got {value!r}")
-    return shape
-
-
-def _type_shape(types: Any, key: str, where: str) -> tuple[int, ...] | None:
-    if not isinstance(types, dict) or types.get(key) is None:
-        return None
-    return _shape(types[key], where, f"{key} type")
-
-
-def _window_out(n: int, k: int, s: int, p: int, d: int, where: str) -> int:
-    out = (n + 2 * p - d * (k - 1) - 1) // s + 1
-    if out < 1:
-        raise NIRError(f"node '{where}': a window of {k} (stride {s}, padding {p}, dilation {d}) "
-                       f"does not fit an input of size {n}")
-    return out
-
-
 def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np.ndarray:
     """A neuron threshold of the neuron's full shape as shape ``()`` or ``(C,)``."""
     if full.size == 0:
@@ -221,16 +144,31 @@ def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np
     return np.ascontiguousarray(per[:, 0], dtype=np.float32)
 
 
+def _compare(where: str, meta: Mapping[str, Any], required: bool) -> str:
+    """The comparison a neuron node states (NIR's ``>`` where it states none)."""
+    if "compare" not in meta:
+        if required:
+            raise NIRError(
+                f"node '{where}': neuron metadata lacks 'compare'. The I/Threshold/Scale pattern "
+                "is read as snnconv's subtractive IF only when the integrator's metadata says so")
+        return SPEC_COMPARE
+    got = meta["compare"]
+    if got not in COMPARES:
+        raise NIRError(f"node '{where}': neuron metadata compare={got!r}; snnconv reads "
+                       f"{' or '.join(map(repr, COMPARES))}")
+    return got
+
+
 def _check_neuron_meta(where: str, meta: Mapping[str, Any], reset: str, v_init: float,
                        required: bool) -> None:
-    expected = {"reset": reset, "v_init": v_init, "compare": COMPARE}
+    expected = {"reset": reset, "v_init": v_init}
     for key, want in expected.items():
         if key not in meta:
             if required:
                 raise NIRError(
                     f"node '{where}': neuron metadata lacks {key!r} (expected {want!r}). The "
                     "I/Threshold/Scale pattern is read as snnconv's subtractive IF only when the "
-                    "integrator's metadata says so (NIR's Threshold alone fires on '>')")
+                    "integrator's metadata says so (NIR's Threshold alone has no reset)")
             continue
         got = meta[key]
         same = (abs(float(got) - want) == 0.0) if isinstance(want, float) and isinstance(got, (int, float)) \
@@ -238,6 +176,17 @@ def _check_neuron_meta(where: str, meta: Mapping[str, Any], reset: str, v_init: 
         if not same:
             raise NIRError(f"node '{where}': neuron metadata {key}={got!r}, but snnconv reads this "
                            f"node only with {key}={want!r}")
+
+
+def _check_gain(name: str, r: np.ndarray, dt: float, what: str) -> None:
+    """Refuse an integrator whose per-step gain ``r * dt`` is not 1 (snnconv integrates once)."""
+    gain = integration_gain(r, dt)
+    if (gain != 1).any():
+        bad = float(np.asarray(r, np.float64).reshape(-1)[int(np.argmax((gain != 1).reshape(-1)))])
+        raise NIRError(f"node '{name}': {what} with r = {bad!r} at dt = {dt!r} integrates "
+                       f"r * dt = {bad * dt!r} per step; snnconv's neurons integrate their input "
+                       f"once per step (r * dt = 1). Read the graph with dt = 1 / r "
+                       f"(dt={1.0 / bad if bad else float('inf')!r})")
 
 
 # --- the parser --------------------------------------------------------------------------------
@@ -285,18 +234,40 @@ def _edges(graph: Any) -> list[tuple[str, str]]:
     return edges
 
 
-def parse(graph: "nir.NIRGraph") -> ParsedGraph:
+def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
     """Read ``graph`` strictly: ops in topological order, shapes checked, neurons exact.
+
+    A neuron node means what NIR's spec says (``IF`` fires on ``v > v_threshold`` and resets to
+    ``v_reset``) unless snnconv's metadata states otherwise (see :mod:`snnconv.nirformat`); the
+    ops' ``theta`` is always the threshold compared with ``>=``.
+
+    Args:
+        graph: the graph.
+        dt: the time step it is read at (NIR is continuous time): an integrator ``I`` or ``IF``
+            with resistance ``r`` integrates ``r * dt`` of its input per step, which must be 1.
+            snnconv's files have ``r = 1`` (``dt = 1``), spikingjelly's default ``r = 1e4``.
 
     Raises:
         NIRError: naming the node or edge, for an unknown node type, a dangling or duplicate
             edge, inconsistent shapes, a cycle other than the subtractive neuron's reset loop,
             a missing or repeated Input/Output, a non-positive threshold, neurons that are not
-            exactly snnconv's IF (``r != 1``, a reset value or initial state it does not
-            implement) or mixed reset modes.
+            exactly snnconv's IF (``r * dt != 1``, a reset value or initial state it does not
+            implement), mixed reset modes, an IF of a file older than ``v_reset`` (it resets by
+            subtraction in absolute units) or a format version this reader does not know.
     """
     if not isinstance(graph, nir.NIRGraph):
         raise NIRError(f"expected a nir.NIRGraph, got {type(graph).__name__}")
+    if isinstance(dt, bool) or not isinstance(dt, (int, float, np.floating)) \
+            or not math.isfinite(float(dt)) or dt <= 0:
+        raise NIRError(f"dt must be a positive finite number (the time step), got {dt!r}")
+    dt = float(dt)
+    metadata = _meta(graph)
+    fmt = metadata.get("snnconv_format")
+    if fmt is not None and fmt not in FORMAT_VERSIONS:
+        raise NIRError(f"graph metadata snnconv_format={fmt!r}: this snnconv reads formats "
+                       f"{FORMAT_VERSIONS} (a newer snnconv wrote it?)")
+    source_version = metadata.get(SOURCE_VERSION_KEY)
+    legacy = predates_v_reset(source_version)
     nodes = getattr(graph, "nodes", None)
     if not isinstance(nodes, dict) or not nodes:
         raise NIRError("the NIR graph has no nodes")
@@ -335,9 +306,7 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
         per_channel = {"per_channel": True, "per_layer": False}.get(meta.get("threshold"))
         if kind == "integrator":
             r = _array(node.r, name, "r")
-            if (r != 1).any():
-                raise NIRError(f"node '{name}': integrator with r != 1; snnconv's neurons integrate "
-                               "their input once per step (r = 1 = 1/dt)")
+            _check_gain(name, r, dt, "an integrator")
             fire = outs[name]
             if len(fire) != 1 or kinds[fire[0]] != "threshold":
                 raise NIRError(
@@ -359,6 +328,7 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
             calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
             _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
                                "subtract", 0.5, required=True)
+            compare = _compare(name, meta, required=True)
             scale = _array(nodes[reset].scale, reset, "scale")
             threshold = _array(nodes[fire].threshold, fire, "threshold")
             if not (scale.shape == threshold.shape == r.shape):
@@ -380,8 +350,12 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
                                    f"{v0.shape}")
                 v0 = v0.astype(np.float32)
             v_full = np.broadcast_to(v0.reshape(v0.shape + (1,) * (len(r.shape) - v0.ndim)), r.shape)
-            if not np.array_equal(threshold, fire_threshold(theta_full, v_full)):
+            expected = fire_threshold(theta_full, v_full)
+            if compare == ">":
+                expected = spec_threshold(expected)
+            if not np.array_equal(threshold, expected):
                 raise NIRError(f"node '{fire}': threshold must be exactly theta * (1 - v_init) "
+                               f"{'(one float32 step below it, compared with >)' if compare == '>' else ''}"
                                f"(theta = -scale of '{reset}', v_init from the metadata: "
                                f"{'calibrated' if calibrated else '1/2'}); it is not")
             neuron_params[name] = {"theta": _theta_compact(theta_full, name, per_channel),
@@ -397,14 +371,22 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
             if not (r.shape == v_th.shape == v_reset.shape):
                 raise NIRError(f"node '{name}': IF parameter shapes disagree: r {r.shape}, "
                                f"v_threshold {v_th.shape}, v_reset {v_reset.shape}")
-            if (r != 1).any():
-                raise NIRError(f"node '{name}': IF with r != 1; snnconv reads IF nodes with r = 1 "
-                               "(= 1/dt, one integration per step)")
+            if legacy and NEURON_KEY not in meta:
+                raise NIRError(
+                    f"node '{name}': the file was written by nir {source_version}, before IF had "
+                    f"v_reset (nir {'.'.join(map(str, V_RESET_SINCE))}); its IF resets by "
+                    "subtraction (v - v_threshold), which nir's reader turns into v_reset = 0 "
+                    "without a word. snnconv runs subtraction only in units of the threshold "
+                    "(the I/Threshold/Scale pattern), so it refuses this node rather than change "
+                    "its meaning. Re-export the network with nir >= 1.0.6 (stating v_reset)")
+            _check_gain(name, r, dt, "an IF")
             if (v_reset != 0).any():
                 raise NIRError(f"node '{name}': IF with v_reset != 0; snnconv's hard-reset neuron "
                                "resets to 0")
             _check_neuron_meta(name, meta, "zero", 0.0, required=False)
-            neuron_params[name] = {"theta": _theta_compact(v_th, name, per_channel), "reset": "zero"}
+            compare = _compare(name, meta, required=False)
+            neuron_params[name] = {"theta": _theta_compact(engine_threshold(v_th, compare), name,
+                                                           per_channel), "reset": "zero"}
             neuron_shapes[name] = r.shape
     for name, kind in kinds.items():
         if kind == "threshold" and name not in hidden:
@@ -481,7 +463,6 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
                       in_shape=in_shape, out_shape=shape))
 
     # --- graph-level facts ---
-    metadata = _meta(graph)
     resets = {op.params["reset"]: op.name for op in ops if op.kind == "neuron"}
     if len(resets) > 1:
         raise NIRError(f"mixed reset modes: neuron '{resets['subtract']}' resets by subtraction, "
@@ -504,54 +485,6 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
                        reset=reset, T=T, metadata=MappingProxyType(metadata))
 
 
-def _conv_params(name: str, node: Any, nd: int, incoming: tuple[int, ...] | None):
-    weight = _array(node.weight, name, "weight", ndim=2 + nd)
-    c_out, c_in_g, *kernel = weight.shape
-    groups = _int(node.groups, name, "groups", minimum=1)
-    if c_out % groups:
-        raise NIRError(f"node '{name}': {c_out} output channels are not divisible by groups={groups}")
-    bias = node.bias
-    bias = np.zeros(c_out, np.float32) if bias is None else _array(bias, name, "bias")
-    if bias.shape != (c_out,):
-        raise NIRError(f"node '{name}': bias has shape {bias.shape}, expected ({c_out},)")
-    stride = _ints(node.stride, nd, name, "stride", minimum=1)
-    dilation = _ints(node.dilation, nd, name, "dilation", minimum=1)
-    padding = node.padding
-    if isinstance(padding, bytes):
-        padding = padding.decode()
-    if isinstance(padding, str):
-        if padding == "valid":
-            padding = (0,) * nd
-        elif padding == "same" and all(s == 1 for s in stride) and all(
-                d * (k - 1) % 2 == 0 for d, k in zip(dilation, kernel)):
-            padding = tuple(d * (k - 1) // 2 for d, k in zip(dilation, kernel))
-        else:
-            raise NIRError(f"node '{name}': padding {padding!r} with stride {stride} and kernel "
-                           f"{tuple(kernel)} has no symmetric integer padding")
-    else:
-        padding = _ints(padding, nd, name, "padding")
-    declared = node.input_shape
-    spatial = None
-    if declared is not None:
-        spatial = _ints(declared, nd, name, "input_shape", minimum=1)
-    if incoming is not None:
-        if len(incoming) != nd + 1:
-            raise NIRError(f"node '{name}': a {nd}-d convolution needs a (C, {'H, W' if nd == 2 else 'N'}) "
-                           f"input; it receives {incoming}")
-        if spatial is not None and tuple(incoming[1:]) != spatial:
-            raise NIRError(f"node '{name}': input_shape {spatial} disagrees with the incoming shape "
-                           f"{incoming}")
-        spatial = tuple(incoming[1:])
-    if spatial is None:
-        raise NIRError(f"node '{name}': no input_shape and no incoming shape")
-    in_shape = (c_in_g * groups, *spatial)
-    out = tuple(_window_out(n, k, s, p, d, name)
-                for n, k, s, p, d in zip(spatial, kernel, stride, padding, dilation))
-    params = {"weight": weight, "bias": bias, "stride": stride, "padding": padding,
-              "dilation": dilation, "groups": groups}
-    return params, in_shape, (c_out, *out)
-
-
 def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
              neuron: dict[str, Any] | None, neuron_shape: tuple[int, ...] | None):
     """(kind, params, in_shape, out_shape) of one node."""
@@ -568,6 +501,8 @@ def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
         return kind, {}, shape, shape
     if kind in ("conv1d", "conv2d"):
         params, in_shape, shape = _conv_params(name, node, 1 if kind == "conv1d" else 2, incoming)
+        if meta.get(OP_KEY) == SCALE_OP:
+            return _diagonal_scale(name, params, in_shape, shape)
         return kind, params, in_shape, shape
     if kind in ("affine", "linear"):
         weight = _array(node.weight, name, "weight", ndim=2)
@@ -577,6 +512,8 @@ def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
             if bias.shape != (weight.shape[0],):
                 raise NIRError(f"node '{name}': bias has shape {bias.shape}, expected ({weight.shape[0]},)")
             params["bias"] = bias
+        if meta.get(OP_KEY) == SCALE_OP:
+            return _diagonal_scale(name, params, (weight.shape[1],), (weight.shape[0],))
         return kind, params, (weight.shape[1],), (weight.shape[0],)
     if kind in ("avgpool2d", "sumpool2d"):
         kernel = _ints(node.kernel_size, 2, name, "kernel_size", minimum=1)

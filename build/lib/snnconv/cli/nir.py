@@ -154,8 +154,8 @@ def _cmd_run(args) -> int:
     from ..nir_io import from_nir, load_nir
 
     try:
-        graph = load_nir(args.file)
-        program = backends.get(args.backend).compile(graph, **_backend_options(args.option))
+        graph = load_nir(args.file, dt=args.dt)
+        program = backends.get(args.backend).compile(graph, dt=args.dt, **_backend_options(args.option))
         dataset = _run_dataset(args.data, args.data_root)
         if args.limit:
             dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
@@ -163,7 +163,7 @@ def _cmd_run(args) -> int:
         if T is None:
             raise SnnconvError(f"{args.file} records no T; give --T")
         correct = torch.zeros(int(T), dtype=torch.float64)
-        reference = from_nir(graph)
+        reference = from_nir(graph, dt=args.dt)
         refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
         n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
         chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
@@ -191,7 +191,7 @@ def _cmd_run(args) -> int:
     T = int(T)
     from snnconv_backends.nirgraph import parse
 
-    sizes = {op.name: op.out_shape for op in parse(graph).ops if op.kind == "neuron"}
+    sizes = {op.name: op.out_shape for op in parse(graph, dt=args.dt).ops if op.kind == "neuron"}
     print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
           f"{seconds:.2f} s ({n * T / max(seconds, 1e-9):.0f} image-steps/s)")
     print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
@@ -289,6 +289,9 @@ def add_run(sub, pa: dict) -> None:
     # one T, not the shared --T's list: the run reports the accuracy at every t = 1..T
     p.add_argument("--T", type=int, help="time steps (default: the T recorded in the file)")
     p.add_argument("--batch", type=int, default=256, help="images per backend call (default 256)")
+    p.add_argument("--dt", type=float, default=1.0,
+                   help="the time step the file is read at (default 1; a neuron integrates r * dt "
+                        "of its input per step, which must be 1: --dt 1e-4 for r = 1e4)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="a backend option, e.g. --option dtype=float64 (repeatable)")
 
