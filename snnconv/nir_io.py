@@ -465,7 +465,8 @@ def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
     return None  # input, output, sum
 
 
-def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> SpikingNetwork:
+def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
+             compare: str | None = None) -> SpikingNetwork:
     """A :class:`SpikingNetwork` that computes ``graph`` exactly (bit for bit what was exported).
 
     The network has the modules ``convert`` produces (Conv/Linear/AvgPool/Flatten/Scale/
@@ -477,6 +478,8 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> S
         T: time steps; default the T recorded in the graph's metadata, else 8.
         dt: the time step the graph is read at (an integrator with resistance ``r`` must have
             ``r * dt = 1``; spikingjelly's default export has ``r = 1e4``: ``dt=1e-4``).
+        compare: the comparison of IF nodes that state none (default NIR's ``">"``; ``">="``
+            reproduces a producer that simulates ``>=``, such as spikingjelly, at ties).
 
     Node names are data: each module's attribute name is the node's name made a Python
     identifier (a keyword such as ``if`` gets a prefix), unique within the network.
@@ -486,7 +489,7 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> S
     """
     from snnconv_backends.nirgraph import parse
 
-    parsed = parse(graph, dt=dt)
+    parsed = parse(graph, dt=dt, compare=compare)
     T = (parsed.T or 8) if T is None else T
     check_T(T)
     T = int(T)

@@ -225,3 +225,15 @@ def test_spikingjelly_runs_our_hard_reset_resnet_with_identity_shortcuts(tmp_pat
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
     again = from_nir(load_nir(path))
     assert torch.equal(again.run(x, T=8), ours)
+
+
+def test_a_reader_option_reproduces_a_producer_that_fires_on_equality():
+    """spikingjelly and sinabs simulate v >= v_threshold against their files' NIR meaning."""
+    graph = _if_chain(1.0, weight=0.5)
+    x = torch.ones(1, 1)
+    assert from_nir(graph, T=4, compare=">=").run(x).reshape(-1).tolist() == [0, 1, 0, 1]
+    assert backends.get("cpu").compile(graph, compare=">=").run(x, 4).outputs.reshape(-1).tolist() == [0, 1, 0, 1]
+    stated = _if_chain(1.0, weight=0.5, metadata={"compare": ">"})  # what a node states wins
+    assert from_nir(stated, T=4, compare=">=").run(x).reshape(-1).tolist() == [0, 0, 1, 0]
+    with pytest.raises(NIRError, match="compare must be"):
+        parse(graph, compare="=>")

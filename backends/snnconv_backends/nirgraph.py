@@ -144,14 +144,14 @@ def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np
     return np.ascontiguousarray(per[:, 0], dtype=np.float32)
 
 
-def _compare(where: str, meta: Mapping[str, Any], required: bool) -> str:
-    """The comparison a neuron node states (NIR's ``>`` where it states none)."""
+def _compare(where: str, meta: Mapping[str, Any], required: bool, default: str) -> str:
+    """The comparison a neuron node states (``default`` where it states none)."""
     if "compare" not in meta:
         if required:
             raise NIRError(
                 f"node '{where}': neuron metadata lacks 'compare'. The I/Threshold/Scale pattern "
                 "is read as snnconv's subtractive IF only when the integrator's metadata says so")
-        return SPEC_COMPARE
+        return default
     got = meta["compare"]
     if got not in COMPARES:
         raise NIRError(f"node '{where}': neuron metadata compare={got!r}; snnconv reads "
@@ -234,7 +234,7 @@ def _edges(graph: Any) -> list[tuple[str, str]]:
     return edges
 
 
-def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
+def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None) -> ParsedGraph:
     """Read ``graph`` strictly: ops in topological order, shapes checked, neurons exact.
 
     A neuron node means what NIR's spec says (``IF`` fires on ``v > v_threshold`` and resets to
@@ -246,6 +246,9 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
         dt: the time step it is read at (NIR is continuous time): an integrator ``I`` or ``IF``
             with resistance ``r`` integrates ``r * dt`` of its input per step, which must be 1.
             snnconv's files have ``r = 1`` (``dt = 1``), spikingjelly's default ``r = 1e4``.
+        compare: the comparison of ``IF`` nodes that state none: ``None`` (NIR's ``">"``), or
+            ``">="`` for files whose producer simulates ``v >= v_threshold`` against the spec
+            (spikingjelly, sinabs), to reproduce that producer's own simulation at ties.
 
     Raises:
         NIRError: naming the node or edge, for an unknown node type, a dangling or duplicate
@@ -261,6 +264,9 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
             or not math.isfinite(float(dt)) or dt <= 0:
         raise NIRError(f"dt must be a positive finite number (the time step), got {dt!r}")
     dt = float(dt)
+    compare_default = SPEC_COMPARE if compare is None else compare
+    if compare_default not in COMPARES:
+        raise NIRError(f"compare must be None or one of {COMPARES}, got {compare!r}")
     metadata = _meta(graph)
     fmt = metadata.get("snnconv_format")
     if fmt is not None and fmt not in FORMAT_VERSIONS:
@@ -328,7 +334,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
             calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
             _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
                                "subtract", 0.5, required=True)
-            compare = _compare(name, meta, required=True)
+            compare = _compare(name, meta, required=True, default=SPEC_COMPARE)
             scale = _array(nodes[reset].scale, reset, "scale")
             threshold = _array(nodes[fire].threshold, fire, "threshold")
             if not (scale.shape == threshold.shape == r.shape):
@@ -384,7 +390,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
                 raise NIRError(f"node '{name}': IF with v_reset != 0; snnconv's hard-reset neuron "
                                "resets to 0")
             _check_neuron_meta(name, meta, "zero", 0.0, required=False)
-            compare = _compare(name, meta, required=False)
+            compare = _compare(name, meta, required=False, default=compare_default)
             neuron_params[name] = {"theta": _theta_compact(engine_threshold(v_th, compare), name,
                                                            per_channel), "reset": "zero"}
             neuron_shapes[name] = r.shape
