@@ -46,8 +46,8 @@ from .errors import NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
 from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SCALE_OP,
-                        SOURCE_VERSION_KEY, SUM_OP, fire_threshold, graph_metadata, neuron_metadata,
-                        spec_threshold, v_init_metadata)
+                        SOURCE_VERSION_KEY, SUM_OP, NEURON_KEY, fire_threshold, graph_metadata,
+                        legacy_if_reason, neuron_metadata, predates_v_reset, spec_threshold, v_init_metadata)
 from .network import SpikingNetwork, check_T
 from .neuron import IFNeuron, Scale, TimeExpand
 from .replace import insert_time_expand, unique_name
@@ -580,6 +580,18 @@ def _check_file(path: str) -> None:
                        f"{type(exc).__name__}: {exc}") from exc
 
 
+def _check_version(path: str, version: str) -> None:
+    """Refuse, before nir's reader fills in ``v_reset = 0``, an IF of a file older than v_reset."""
+    import h5py
+
+    if not predates_v_reset(version):
+        return
+    with h5py.File(path, "r") as f:
+        for name, node in f["node"]["nodes"].items():
+            if node["type"][()] == b"IF" and NEURON_KEY not in node.get("metadata", {}):
+                raise NIRError(f"{path}: {legacy_if_reason(name, version)}")
+
+
 def load_nir(path: str | os.PathLike, *, dt: float = 1.0) -> nir.NIRGraph:
     """Read a NIR file strictly, as data (HDF5; nothing from the file is executed).
 
@@ -597,6 +609,7 @@ def load_nir(path: str | os.PathLike, *, dt: float = 1.0) -> nir.NIRGraph:
 
     path = os.fspath(path)
     _check_file(path)
+    _check_version(path, read_version(path))
     try:
         graph = nir.read(path)
         # the nir release that wrote the file: IF meant subtraction before v_reset existed

@@ -51,7 +51,7 @@ __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE",
            "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
            "spec_threshold", "engine_threshold", "neuron_metadata", "graph_metadata",
-           "v_init_metadata", "predates_v_reset", "integration_gain"]
+           "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain"]
 
 #: graph metadata key "snnconv_format": the version written now
 FORMAT_VERSION = 2
@@ -142,6 +142,16 @@ def predates_v_reset(version: Any) -> bool | None:
     if m is None:
         return None
     return tuple(int(g) for g in m.groups()) < V_RESET_SINCE
+
+
+def legacy_if_reason(node: str, version: str) -> str:
+    """Why an ``IF`` node of a file written by nir ``version`` (before ``v_reset``) is refused."""
+    return (f"node '{node}': the file was written by nir {version}, before IF had v_reset (nir "
+            f"{'.'.join(map(str, V_RESET_SINCE))}); its IF resets by subtraction (v - v_threshold), "
+            "which nir's reader turns into v_reset = 0 without a word. snnconv runs subtraction "
+            "only in units of the threshold (the I/Threshold/Scale pattern), so it refuses this "
+            "node rather than change its meaning. Re-export the network with nir >= 1.0.6 "
+            "(stating v_reset)")
 
 
 def integration_gain(r: np.ndarray, dt: float) -> np.ndarray:

@@ -52,8 +52,9 @@ import numpy as np
 from snnconv.errors import NIRError
 from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARES, FORMAT_VERSION, FORMAT_VERSIONS, MODULE_KEY,
                                NEURON_KEY, OP_KEY, RESETS, SCALE_OP, SOURCE_VERSION_KEY, SPEC_COMPARE,
-                               SUM_OP, V_RESET_SINCE, engine_threshold, fire_threshold,
-                               integration_gain, predates_v_reset, spec_threshold)
+                               SUM_OP, engine_threshold, fire_threshold,
+                               integration_gain, legacy_if_reason, predates_v_reset,
+                               spec_threshold)
 
 from .nirvalues import array as _array
 from .nirvalues import conv_params as _conv_params
@@ -378,13 +379,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
                 raise NIRError(f"node '{name}': IF parameter shapes disagree: r {r.shape}, "
                                f"v_threshold {v_th.shape}, v_reset {v_reset.shape}")
             if legacy and NEURON_KEY not in meta:
-                raise NIRError(
-                    f"node '{name}': the file was written by nir {source_version}, before IF had "
-                    f"v_reset (nir {'.'.join(map(str, V_RESET_SINCE))}); its IF resets by "
-                    "subtraction (v - v_threshold), which nir's reader turns into v_reset = 0 "
-                    "without a word. snnconv runs subtraction only in units of the threshold "
-                    "(the I/Threshold/Scale pattern), so it refuses this node rather than change "
-                    "its meaning. Re-export the network with nir >= 1.0.6 (stating v_reset)")
+                raise NIRError(legacy_if_reason(name, source_version))
             _check_gain(name, r, dt, "an IF")
             if (v_reset != 0).any():
                 raise NIRError(f"node '{name}': IF with v_reset != 0; snnconv's hard-reset neuron "
