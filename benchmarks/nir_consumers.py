@@ -214,7 +214,9 @@ def side(lib: str, root: Path) -> None:
     warnings.filterwarnings("ignore")
     out = root / lib
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"export": {}, "consume": {}}
+    import importlib.metadata as md
+
+    report: dict = {"export": {}, "consume": {}, "versions": {p: md.version(p) for p in (lib, "nir")}}
     exports = _side_export(lib)
     while True:
         try:
@@ -248,7 +250,8 @@ def side(lib: str, root: Path) -> None:
                 np.save(out / f"consume_{path.stem}_B{B}.npy", theirs.detach().numpy())
                 report["consume"][key] = "ran"
             except Exception as exc:  # noqa: BLE001 (a refusal or crash is the result)
-                report["consume"][key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                first = str(exc).splitlines()[0][:160] if str(exc) else ""
+                report["consume"][key] = f"{type(exc).__name__}: {first}"
     (out / "report.json").write_text(json.dumps(report, indent=1))
 
 
@@ -368,9 +371,13 @@ def main() -> None:
             for how, (verdict, detail) in read_theirs(lib, path).items():
                 rows.append((lib, f"{path.stem} -> snnconv ({how})", verdict, detail))
             if args.fixtures:
-                Path(args.fixtures).mkdir(parents=True, exist_ok=True)
+                fixtures = Path(args.fixtures)
+                fixtures.mkdir(parents=True, exist_ok=True)
                 for suffix in (".nir", ".npz"):
-                    shutil.copy(path.with_suffix(suffix), Path(args.fixtures) / path.with_suffix(suffix).name)
+                    shutil.copy(path.with_suffix(suffix), fixtures / path.with_suffix(suffix).name)
+                (fixtures / f"{path.stem}.json").write_text(json.dumps(
+                    {"library": lib, "versions": rep["versions"], "read": _reading(path.stem),
+                     "command": "benchmarks/nir_consumers.py --fixtures tests/fixtures/nir"}, indent=1) + "\n")
         for key, status in rep["consume"].items():
             stem, b = key.split(" B=")
             if status != "ran":

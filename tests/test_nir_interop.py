@@ -93,7 +93,8 @@ def test_our_files_state_the_spec_comparison_and_read_back_exactly(reset):
         node = graph.nodes[name.replace(".", "_")]
         assert node.metadata["compare"] == COMPARE == ">"
         if reset == "zero":  # the IF's threshold is one float32 step below theta
-            assert np.array_equal(node.v_threshold, spec_threshold(np.full(node.v_threshold.shape, theta.numpy())))
+            full = np.full(node.v_threshold.shape, theta.numpy())
+            assert np.array_equal(node.v_threshold, spec_threshold(full))
         assert np.array_equal(parse(graph).op(name.replace(".", "_")).params["theta"], theta.numpy())
 
 
@@ -232,7 +233,8 @@ def test_a_reader_option_reproduces_a_producer_that_fires_on_equality():
     graph = _if_chain(1.0, weight=0.5)
     x = torch.ones(1, 1)
     assert from_nir(graph, T=4, compare=">=").run(x).reshape(-1).tolist() == [0, 1, 0, 1]
-    assert backends.get("cpu").compile(graph, compare=">=").run(x, 4).outputs.reshape(-1).tolist() == [0, 1, 0, 1]
+    cpu = backends.get("cpu").compile(graph, compare=">=")
+    assert cpu.run(x, 4).outputs.reshape(-1).tolist() == [0, 1, 0, 1]
     stated = _if_chain(1.0, weight=0.5, metadata={"compare": ">"})  # what a node states wins
     assert from_nir(stated, T=4, compare=">=").run(x).reshape(-1).tolist() == [0, 0, 1, 0]
     with pytest.raises(NIRError, match="compare must be"):

@@ -190,5 +190,6 @@ class CPUBackend(Backend):
             raise BackendError(f"backend 'cpu': threads must be None or an integer >= 1, got {threads!r}")
         if opts["neuron"] not in _NEURON:
             raise BackendError(f"backend 'cpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
-        return compile_parsed(parse_graph(graph, self.name, opts["dt"], opts["compare"]), dtype=dtype, chunk_size=chunk,
+        parsed = parse_graph(graph, self.name, opts["dt"], opts["compare"])
+        return compile_parsed(parsed, dtype=dtype, chunk_size=chunk,
                               threads=threads, neuron=opts["neuron"])

@@ -178,7 +178,8 @@ class GPUBackend(Backend):
             if not tol >= 0:
                 raise BackendError(f"backend 'gpu': tie_tolerance must be >= 0, got {tol}")
             neuron = "loop"
-        plan = Plan(parse_graph(graph, self.name, opts["dt"], opts["compare"]), device=device, dtype=dtype, backend=self.name,
+        parsed = parse_graph(graph, self.name, opts["dt"], opts["compare"])
+        plan = Plan(parsed, device=device, dtype=dtype, backend=self.name,
                     neuron_loop=compiled_loop if neuron == "compiled" else None,
                     neuron_dtype=torch.float32, tie_tolerance=tol)
         return GPUProgram(plan, chunk_size=chunk, deterministic=bool(opts["deterministic"]),

@@ -5,19 +5,27 @@ order, with batch-free shapes checked on every edge and the neurons rebuilt with
 discrete-time meaning. It never guesses: whatever it cannot read exactly is refused with
 :class:`snnconv.errors.NIRError` naming the node or edge.
 
-Neurons (both with ``theta`` per layer, shape ``()``, or per channel, shape ``(C,)``)::
+Neurons (both with ``theta`` per layer, shape ``()``, or per channel, shape ``(C,)``; ``theta``
+is always the threshold compared with ``>=``)::
 
-    reset "subtract" (three standard nodes: X = I(r=1), X_fire = Threshold(theta/2),
-    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X):
+    reset "subtract" (three standard nodes: X = I(r * dt = 1), X_fire = Threshold(t),
+    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X, t = theta/2 compared as X's
+    metadata states: ">=" in format 1, ">" with t = nextafter(theta/2, 0) in format 2):
         h[t] = v[t-1] + x[t] / theta;  s[t] = h[t] >= 1;  v[t] = h[t] - s[t];  v[0] = 1/2
-    reset "zero" (one node X = IF(r=1, v_threshold=theta, v_reset=0)):
+    reset "zero" (one node X = IF(r * dt = 1, v_threshold, v_reset=0)): NIR's IF, firing on
+    v > v_threshold (theta = nextafter(v_threshold, inf)) unless its metadata says ">="
+    (format 1: theta = v_threshold):
         h[t] = v[t-1] + x[t];  s[t] = h[t] >= theta;  v[t] = h[t] * (1 - s[t]);  v[0] = 0
+
+An IF of a file older than v_reset (graph metadata ``nir_file_version`` below 1.0.6, recorded
+by ``load_nir``) resets by subtraction in absolute units and is refused with that reason.
 
 The subtractive pattern is collapsed into one ``"neuron"`` op named ``X``; consumers of
 ``X_fire`` read ``X``'s spikes, and the reset edge is not an input. A node with several incoming
 edges receives their sum, in edge order (``((a + b) + c)``). An ``Identity`` node, or a ``Scale``
 of ones marked ``metadata["snnconv_op"] == "sum"`` (nir 1.0.8 cannot write ``Identity`` to a
-file), becomes a ``"sum"`` op.
+file), becomes a ``"sum"`` op; a diagonal 1x1 ``Conv2d`` or ``Linear`` marked ``"scale"`` a
+``"scale"`` op.
 
 Op kinds and their ``params`` (numpy float32 arrays; python ints and tuples):
 
