@@ -239,3 +239,62 @@ def test_a_reader_option_reproduces_a_producer_that_fires_on_equality():
     assert from_nir(stated, T=4, compare=">=").run(x).reshape(-1).tolist() == [0, 0, 1, 0]
     with pytest.raises(NIRError, match="compare must be"):
         parse(graph, compare="=>")
+
+
+# --- every NIR 1.0.8 node type: read, written or refused -------------------------------------
+
+def _hard_if(shape, theta=1.0):
+    meta = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": ">="}
+    return nir.IF(r=np.ones(shape, np.float32), v_threshold=np.full(shape, theta, np.float32),
+                  v_reset=np.zeros(shape, np.float32), metadata=meta)
+
+
+def test_conv1d_and_sum_pooling_are_read_and_written_exactly():
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((4, 2, 3)).astype(np.float32)
+    w2 = rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+    graphs = {
+        "conv1d": ({"input": nir.Input(np.array([2, 10])),
+                    "c": nir.Conv1d(input_shape=10, weight=w1, stride=1, padding=1, dilation=1, groups=1,
+                                    bias=np.zeros(4, np.float32)),
+                    "n": _hard_if((4, 10)), "f": nir.Flatten(input_type={"input": np.array([4, 10])},
+                                                             start_dim=0, end_dim=-1),
+                    "o": nir.Linear(weight=rng.standard_normal((3, 40)).astype(np.float32)),
+                    "output": nir.Output(np.array([3]))},
+                   [("input", "c"), ("c", "n"), ("n", "f"), ("f", "o"), ("o", "output")], (2, 10)),
+        "sumpool2d": ({"input": nir.Input(np.array([2, 6, 6])),
+                       "c": nir.Conv2d(input_shape=(6, 6), weight=w2, stride=1, padding=1, dilation=1,
+                                       groups=1, bias=np.zeros(4, np.float32)),
+                       "n": _hard_if((4, 6, 6)),
+                       "p": nir.SumPool2d(kernel_size=np.array([2, 2]), stride=np.array([2, 2]),
+                                          padding=np.array([0, 0])),
+                       "output": nir.Output(np.array([4, 3, 3]))},
+                      [("input", "c"), ("c", "n"), ("n", "p"), ("p", "output")], (2, 6, 6)),
+    }
+    for kind, (nodes, edges, shape) in graphs.items():
+        graph = nir.NIRGraph(nodes=nodes, edges=edges, type_check=False)
+        x = torch.rand(3, *shape) * 2
+        snn = from_nir(graph, T=4)
+        again = export_nir(snn)
+        assert [o.kind for o in parse(again).ops] == [o.kind for o in parse(graph).ops]
+        assert kind in {o.kind for o in parse(again).ops}
+        ours = snn.run(x)
+        assert ours.abs().sum() > 0
+        assert torch.equal(from_nir(again).run(x), ours)
+        assert torch.equal(backends.get("cpu").compile(again).run(x, 4).outputs, ours)
+
+
+@pytest.mark.parametrize("node, match", [
+    (nir.Delay(delay=np.ones(4, np.float32)), "type Delay"),
+    (nir.CubaLI(tau_syn=np.ones(4, np.float32), tau_mem=np.ones(4, np.float32), r=np.ones(4, np.float32),
+                v_leak=np.zeros(4, np.float32)), "type CubaLI,"),
+    (nir.Threshold(np.ones(4, np.float32)), "Threshold outside"),
+    (nir.I(r=np.ones(4, np.float32)), "an I node must feed exactly one Threshold"),
+    (nir.NIRGraph(nodes={"i": nir.Input(np.array([4])), "o": nir.Output(np.array([4]))},
+                  edges=[("i", "o")], type_check=False), "is a nested NIRGraph"),
+])
+def test_node_types_without_an_exact_meaning_are_refused_by_name(node, match):
+    nodes = {"input": nir.Input(np.array([4])), "x": node, "output": nir.Output(np.array([4]))}
+    graph = nir.NIRGraph(nodes=nodes, edges=[("input", "x"), ("x", "output")], type_check=False)
+    with pytest.raises(NIRError, match=f"node 'x'.*{match}"):
+        parse(graph)
