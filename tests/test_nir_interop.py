@@ -137,17 +137,31 @@ def test_dt_is_a_parameter_of_reading():
         parse(graph, dt=0)
 
 
-def test_run_command_takes_dt(tmp_path):
+def test_run_command_takes_dt(tmp_path, digits_data, capsys):
     from snnconv.cli import main
 
+    rng = np.random.default_rng(0)
+    nodes = {"input": nir.Input(np.array([1, 8, 8])),
+             "flat": nir.Flatten(input_type={"input": np.array([1, 8, 8])}, start_dim=0, end_dim=-1),
+             "fc": nir.Affine(weight=rng.standard_normal((16, 64)).astype(np.float32) / 4,
+                              bias=np.zeros(16, np.float32)),
+             "n": nir.IF(r=np.full(16, 1e4, np.float32), v_threshold=np.ones(16, np.float32),
+                         v_reset=np.zeros(16, np.float32)),
+             "out": nir.Linear(weight=rng.standard_normal((10, 16)).astype(np.float32)),
+             "output": nir.Output(np.array([10]))}
+    graph = nir.NIRGraph(nodes=nodes, edges=[("input", "flat"), ("flat", "fc"), ("fc", "n"), ("n", "out"),
+                                             ("out", "output")], type_check=False)
     path = tmp_path / "sj.nir"
-    nir.write(path, _if_chain(1.0, r=1e4, weight=0.5))
+    nir.write(path, graph)
     with pytest.raises(NIRError, match=r"r \* dt"):
         load_nir(path)
-    assert parse(load_nir(path, dt=1e-4), dt=1e-4).reset == "zero"
-    parser_help = pytest.raises(SystemExit)
-    with parser_help:
-        main(["run", "--help"])
+    argv = ["run", str(path), "--data", "digits", "--T", "4", "--limit", "40"]
+    assert main(argv) == 2 and "r * dt" in capsys.readouterr().err
+    assert main(argv + ["--dt", "1e-4"]) == 0
+    x, y = digits_data[1].tensors
+    r = backends.get("cpu").compile(load_nir(path, dt=1e-4), dt=1e-4).run(x[:40], 4)
+    acc = 100 * float((r.outputs.mean(0).argmax(1) == y[:40]).float().mean())
+    assert f"accuracy (mean readout over T=4): {acc:.2f}%" in capsys.readouterr().out
 
 
 # --- files older than v_reset -----------------------------------------------------------------
