@@ -1,18 +1,24 @@
 """Stage 5: a SpikingNetwork to and from NIR (nir 1.0.8), with exact spiking semantics.
 
-Encoding (graph metadata ``{"producer": "snnconv", "snnconv_format": 1, "T": T, "reset": ...,
-"encoding": "direct", "readout": "mean_over_T"}``; every shape batch-free):
+Encoding (graph metadata ``{"producer": "snnconv", "snnconv_format": 2, "T": T, "reset": ...,
+"encoding": "direct", "readout": "mean_over_T"}``; every shape batch-free; the full text, for
+other consumers, is docs/nir_subtractive_reset.md). Every threshold is written one float32
+step below theta (:func:`snnconv.nirformat.spec_threshold`), so that NIR's ``v > v_threshold``
+is snnconv's ``v >= theta`` exactly; the neurons' metadata states ``compare=">"``.
 
 - ``reset="subtract"`` (snnconv's default IF): three standard nodes per neuron site ``X``:
   ``X = I(r=1)`` (an integrator in absolute units that starts at 0), ``X_fire =
-  Threshold(theta/2)`` and ``X_reset = Scale(-theta)``, with edges ``... -> X``, ``X -> X_fire``,
-  ``X_fire -> X_reset`` and ``X_reset -> X`` (the reset, delivered at the next step). With
-  ``w = theta * (v - 1/2)`` this is ``v[0] = 1/2``, ``h = v + x/theta``, fire on ``h >= 1``,
-  subtract 1: snnconv's neuron step for step. ``X``'s metadata records ``reset="subtract"``,
-  ``v_init=0.5`` (in units of theta) and ``compare=">="`` (NIR's Threshold alone fires on ``>``);
-  consumers read the spikes from ``X_fire``.
-- ``reset="zero"``: one ``IF(r=1, v_threshold=theta, v_reset=0)`` node per site, metadata
-  ``reset="zero"``, ``v_init=0.0``, ``compare=">="`` (spikingjelly's ``IFNode(v_reset=0.)``).
+  Threshold(nextafter(theta/2, 0))`` and ``X_reset = Scale(-theta)``, with edges ``... -> X``,
+  ``X -> X_fire``, ``X_fire -> X_reset`` and ``X_reset -> X`` (the reset, delivered at the next
+  step). With ``w = theta * (v - 1/2)`` this is ``v[0] = 1/2``, ``h = v + x/theta``, fire on
+  ``h >= 1``, subtract 1: snnconv's neuron step for step. ``X``'s metadata records
+  ``reset="subtract"`` and ``v_init=0.5`` (in units of theta); consumers read the spikes from
+  ``X_fire``.
+- ``reset="zero"``: one ``IF(r=1, v_threshold=nextafter(theta, 0), v_reset=0)`` node per site,
+  metadata ``reset="zero"``, ``v_init=0.0``: NIR's own IF, and spikingjelly's
+  ``IFNode(v_reset=0.)`` but for a membrane exactly at ``nextafter(theta, 0)``. Identity
+  shortcuts are written as 1x1 convolutions (or linear maps) with a diagonal weight, marked
+  ``snnconv_op="scale"`` (exact; spikingjelly has no ``Scale`` mapping).
 - Layers: Conv1d/Conv2d (bias always written, zeros if none), Affine (Linear with bias) or
   Linear, AvgPool2d (an ``AdaptiveAvgPool2d`` becomes ``AvgPool2d`` with kernel = stride =
   input/output and ``metadata["snnconv_module"] = "AdaptiveAvgPool2d"``, since torch rounds the
@@ -24,7 +30,9 @@ Encoding (graph metadata ``{"producer": "snnconv", "snnconv_format": 1, "T": T, 
 - The first layers see the static input at every step (direct encoding); the readout does not
   spike and its per-step values are averaged over T (the graph's documented convention).
 
-Reading goes through the strict reader :func:`snnconv_backends.nirgraph.parse`.
+Reading goes through the strict reader :func:`snnconv_backends.nirgraph.parse`: a node means
+what NIR's spec says unless snnconv's metadata states otherwise (format 1 files: ``compare=">="``
+with theta itself), at a time step ``dt`` chosen by the reader (``r * dt = 1``).
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ import torch.nn as nn
 from .errors import NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
-from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SCALE_OP,
-                        SOURCE_VERSION_KEY, SUM_OP, fire_threshold, graph_metadata, neuron_metadata,
-                        spec_threshold, v_init_metadata)
+from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, NEURON_KEY, OP_KEY, SCALE_OP,
+                        SOURCE_VERSION_KEY, SUM_OP, fire_threshold, graph_metadata, legacy_if_reason,
+                        neuron_metadata, predates_v_reset, spec_threshold, v_init_metadata)
 from .network import SpikingNetwork, check_T
 from .neuron import IFNeuron, Scale, TimeExpand
 from .replace import insert_time_expand, unique_name
@@ -465,7 +473,8 @@ def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
     return None  # input, output, sum
 
 
-def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> SpikingNetwork:
+def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
+             compare: str | None = None) -> SpikingNetwork:
     """A :class:`SpikingNetwork` that computes ``graph`` exactly (bit for bit what was exported).
 
     The network has the modules ``convert`` produces (Conv/Linear/AvgPool/Flatten/Scale/
@@ -477,6 +486,8 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> S
         T: time steps; default the T recorded in the graph's metadata, else 8.
         dt: the time step the graph is read at (an integrator with resistance ``r`` must have
             ``r * dt = 1``; spikingjelly's default export has ``r = 1e4``: ``dt=1e-4``).
+        compare: the comparison of IF nodes that state none (default NIR's ``">"``; ``">="``
+            reproduces a producer that simulates ``>=``, such as spikingjelly, at ties).
 
     Node names are data: each module's attribute name is the node's name made a Python
     identifier (a keyword such as ``if`` gets a prefix), unique within the network.
@@ -486,7 +497,7 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> S
     """
     from snnconv_backends.nirgraph import parse
 
-    parsed = parse(graph, dt=dt)
+    parsed = parse(graph, dt=dt, compare=compare)
     T = (parsed.T or 8) if T is None else T
     check_T(T)
     T = int(T)
@@ -577,6 +588,18 @@ def _check_file(path: str) -> None:
                        f"{type(exc).__name__}: {exc}") from exc
 
 
+def _check_version(path: str, version: str) -> None:
+    """Refuse, before nir's reader fills in ``v_reset = 0``, an IF of a file older than v_reset."""
+    import h5py
+
+    if not predates_v_reset(version):
+        return
+    with h5py.File(path, "r") as f:
+        for name, node in f["node"]["nodes"].items():
+            if node["type"][()] == b"IF" and NEURON_KEY not in node.get("metadata", {}):
+                raise NIRError(f"{path}: {legacy_if_reason(name, version)}")
+
+
 def load_nir(path: str | os.PathLike, *, dt: float = 1.0) -> nir.NIRGraph:
     """Read a NIR file strictly, as data (HDF5; nothing from the file is executed).
 
@@ -594,6 +617,7 @@ def load_nir(path: str | os.PathLike, *, dt: float = 1.0) -> nir.NIRGraph:
 
     path = os.fspath(path)
     _check_file(path)
+    _check_version(path, read_version(path))
     try:
         graph = nir.read(path)
         # the nir release that wrote the file: IF meant subtraction before v_reset existed

@@ -36,11 +36,12 @@ _OPTIONS = {
     "neuron": "loop",       # "loop": in-place torch ops; "compiled": one fused kernel per neuron
                             # layer through torch.compile (needs a C++ compiler; compiles once)
     "dt": 1.0,              # the time step the graph is read at (r * dt = 1; nirgraph.parse)
+    "compare": None,        # IF nodes stating no comparison: None (NIR's ">") or ">="
 }
 _NEURON = ("loop", "compiled")
 
 
-def parse_graph(graph: Any, backend: str, dt: Any = 1.0):
+def parse_graph(graph: Any, backend: str, dt: Any = 1.0, compare: Any = None):
     import nir
 
     from .nirgraph import parse
@@ -49,7 +50,7 @@ def parse_graph(graph: Any, backend: str, dt: Any = 1.0):
         raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
                            " (read a file with nir.read or snnconv.nir_io.load_nir)")
     try:
-        return parse(graph, dt=dt)
+        return parse(graph, dt=dt, compare=compare)
     except NIRError as exc:  # what the strict reader refuses, no executor can run
         raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 
@@ -161,7 +162,8 @@ class CPUBackend(Backend):
     chunk; keep SpikingNetwork's 256 for bit identity), ``threads``, ``neuron`` ("loop", or
     "compiled": a fused torch.compile kernel per neuron layer, several times faster once
     compiled, same bits), ``dt`` (the time step the graph is read at, default 1: NIR is
-    continuous time and an integrator with resistance ``r`` needs ``r * dt = 1``).
+    continuous time and an integrator with resistance ``r`` needs ``r * dt = 1``), ``compare``
+    (the comparison of IF nodes that state none: None, NIR's ``">"``, or ``">="``).
     """
 
     name = "cpu"
@@ -188,5 +190,6 @@ class CPUBackend(Backend):
             raise BackendError(f"backend 'cpu': threads must be None or an integer >= 1, got {threads!r}")
         if opts["neuron"] not in _NEURON:
             raise BackendError(f"backend 'cpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
-        return compile_parsed(parse_graph(graph, self.name, opts["dt"]), dtype=dtype, chunk_size=chunk,
+        parsed = parse_graph(graph, self.name, opts["dt"], opts["compare"])
+        return compile_parsed(parsed, dtype=dtype, chunk_size=chunk,
                               threads=threads, neuron=opts["neuron"])

@@ -45,6 +45,7 @@ _OPTIONS = {
     "count_ties": False,       # count membranes within tie_tolerance of the threshold (uses the loop)
     "tie_tolerance": 1e-6,     # relative to the threshold
     "dt": 1.0,                 # the time step the graph is read at (r * dt = 1; nirgraph.parse)
+    "compare": None,           # IF nodes stating no comparison: None (NIR's ">") or ">="
 }
 _NEURON = ("auto", "compiled", "loop")
 
@@ -177,7 +178,8 @@ class GPUBackend(Backend):
             if not tol >= 0:
                 raise BackendError(f"backend 'gpu': tie_tolerance must be >= 0, got {tol}")
             neuron = "loop"
-        plan = Plan(parse_graph(graph, self.name, opts["dt"]), device=device, dtype=dtype, backend=self.name,
+        parsed = parse_graph(graph, self.name, opts["dt"], opts["compare"])
+        plan = Plan(parsed, device=device, dtype=dtype, backend=self.name,
                     neuron_loop=compiled_loop if neuron == "compiled" else None,
                     neuron_dtype=torch.float32, tie_tolerance=tol)
         return GPUProgram(plan, chunk_size=chunk, deterministic=bool(opts["deterministic"]),

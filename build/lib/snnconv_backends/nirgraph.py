@@ -5,19 +5,27 @@ order, with batch-free shapes checked on every edge and the neurons rebuilt with
 discrete-time meaning. It never guesses: whatever it cannot read exactly is refused with
 :class:`snnconv.errors.NIRError` naming the node or edge.
 
-Neurons (both with ``theta`` per layer, shape ``()``, or per channel, shape ``(C,)``)::
+Neurons (both with ``theta`` per layer, shape ``()``, or per channel, shape ``(C,)``; ``theta``
+is always the threshold compared with ``>=``)::
 
-    reset "subtract" (three standard nodes: X = I(r=1), X_fire = Threshold(theta/2),
-    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X):
+    reset "subtract" (three standard nodes: X = I(r * dt = 1), X_fire = Threshold(t),
+    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X, t = theta/2 compared as X's
+    metadata states: ">=" in format 1, ">" with t = nextafter(theta/2, 0) in format 2):
         h[t] = v[t-1] + x[t] / theta;  s[t] = h[t] >= 1;  v[t] = h[t] - s[t];  v[0] = 1/2
-    reset "zero" (one node X = IF(r=1, v_threshold=theta, v_reset=0)):
+    reset "zero" (one node X = IF(r * dt = 1, v_threshold, v_reset=0)): NIR's IF, firing on
+    v > v_threshold (theta = nextafter(v_threshold, inf)) unless its metadata says ">="
+    (format 1: theta = v_threshold):
         h[t] = v[t-1] + x[t];  s[t] = h[t] >= theta;  v[t] = h[t] * (1 - s[t]);  v[0] = 0
+
+An IF of a file older than v_reset (graph metadata ``nir_file_version`` below 1.0.6, recorded
+by ``load_nir``) resets by subtraction in absolute units and is refused with that reason.
 
 The subtractive pattern is collapsed into one ``"neuron"`` op named ``X``; consumers of
 ``X_fire`` read ``X``'s spikes, and the reset edge is not an input. A node with several incoming
 edges receives their sum, in edge order (``((a + b) + c)``). An ``Identity`` node, or a ``Scale``
 of ones marked ``metadata["snnconv_op"] == "sum"`` (nir 1.0.8 cannot write ``Identity`` to a
-file), becomes a ``"sum"`` op.
+file), becomes a ``"sum"`` op; a diagonal 1x1 ``Conv2d`` or ``Linear`` marked ``"scale"`` a
+``"scale"`` op.
 
 Op kinds and their ``params`` (numpy float32 arrays; python ints and tuples):
 
@@ -52,8 +60,9 @@ import numpy as np
 from snnconv.errors import NIRError
 from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARES, FORMAT_VERSION, FORMAT_VERSIONS, MODULE_KEY,
                                NEURON_KEY, OP_KEY, RESETS, SCALE_OP, SOURCE_VERSION_KEY, SPEC_COMPARE,
-                               SUM_OP, V_RESET_SINCE, engine_threshold, fire_threshold,
-                               integration_gain, predates_v_reset, spec_threshold)
+                               SUM_OP, engine_threshold, fire_threshold,
+                               integration_gain, legacy_if_reason, predates_v_reset,
+                               spec_threshold)
 
 from .nirvalues import array as _array
 from .nirvalues import conv_params as _conv_params
@@ -144,14 +153,14 @@ def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np
     return np.ascontiguousarray(per[:, 0], dtype=np.float32)
 
 
-def _compare(where: str, meta: Mapping[str, Any], required: bool) -> str:
-    """The comparison a neuron node states (NIR's ``>`` where it states none)."""
+def _compare(where: str, meta: Mapping[str, Any], required: bool, default: str) -> str:
+    """The comparison a neuron node states (``default`` where it states none)."""
     if "compare" not in meta:
         if required:
             raise NIRError(
                 f"node '{where}': neuron metadata lacks 'compare'. The I/Threshold/Scale pattern "
                 "is read as snnconv's subtractive IF only when the integrator's metadata says so")
-        return SPEC_COMPARE
+        return default
     got = meta["compare"]
     if got not in COMPARES:
         raise NIRError(f"node '{where}': neuron metadata compare={got!r}; snnconv reads "
@@ -234,7 +243,7 @@ def _edges(graph: Any) -> list[tuple[str, str]]:
     return edges
 
 
-def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
+def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None) -> ParsedGraph:
     """Read ``graph`` strictly: ops in topological order, shapes checked, neurons exact.
 
     A neuron node means what NIR's spec says (``IF`` fires on ``v > v_threshold`` and resets to
@@ -246,6 +255,9 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
         dt: the time step it is read at (NIR is continuous time): an integrator ``I`` or ``IF``
             with resistance ``r`` integrates ``r * dt`` of its input per step, which must be 1.
             snnconv's files have ``r = 1`` (``dt = 1``), spikingjelly's default ``r = 1e4``.
+        compare: the comparison of ``IF`` nodes that state none: ``None`` (NIR's ``">"``), or
+            ``">="`` for files whose producer simulates ``v >= v_threshold`` against the spec
+            (spikingjelly, sinabs), to reproduce that producer's own simulation at ties.
 
     Raises:
         NIRError: naming the node or edge, for an unknown node type, a dangling or duplicate
@@ -261,6 +273,9 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
             or not math.isfinite(float(dt)) or dt <= 0:
         raise NIRError(f"dt must be a positive finite number (the time step), got {dt!r}")
     dt = float(dt)
+    compare_default = SPEC_COMPARE if compare is None else compare
+    if compare_default not in COMPARES:
+        raise NIRError(f"compare must be None or one of {COMPARES}, got {compare!r}")
     metadata = _meta(graph)
     fmt = metadata.get("snnconv_format")
     if fmt is not None and fmt not in FORMAT_VERSIONS:
@@ -328,7 +343,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
             calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
             _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
                                "subtract", 0.5, required=True)
-            compare = _compare(name, meta, required=True)
+            compare = _compare(name, meta, required=True, default=SPEC_COMPARE)
             scale = _array(nodes[reset].scale, reset, "scale")
             threshold = _array(nodes[fire].threshold, fire, "threshold")
             if not (scale.shape == threshold.shape == r.shape):
@@ -372,19 +387,13 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
                 raise NIRError(f"node '{name}': IF parameter shapes disagree: r {r.shape}, "
                                f"v_threshold {v_th.shape}, v_reset {v_reset.shape}")
             if legacy and NEURON_KEY not in meta:
-                raise NIRError(
-                    f"node '{name}': the file was written by nir {source_version}, before IF had "
-                    f"v_reset (nir {'.'.join(map(str, V_RESET_SINCE))}); its IF resets by "
-                    "subtraction (v - v_threshold), which nir's reader turns into v_reset = 0 "
-                    "without a word. snnconv runs subtraction only in units of the threshold "
-                    "(the I/Threshold/Scale pattern), so it refuses this node rather than change "
-                    "its meaning. Re-export the network with nir >= 1.0.6 (stating v_reset)")
+                raise NIRError(legacy_if_reason(name, source_version))
             _check_gain(name, r, dt, "an IF")
             if (v_reset != 0).any():
                 raise NIRError(f"node '{name}': IF with v_reset != 0; snnconv's hard-reset neuron "
                                "resets to 0")
             _check_neuron_meta(name, meta, "zero", 0.0, required=False)
-            compare = _compare(name, meta, required=False)
+            compare = _compare(name, meta, required=False, default=compare_default)
             neuron_params[name] = {"theta": _theta_compact(engine_threshold(v_th, compare), name,
                                                            per_channel), "reset": "zero"}
             neuron_shapes[name] = r.shape
