@@ -67,7 +67,7 @@ class Field:
 _INTS = Field(ndim=(0, 1), size=2)
 _SHAPE = Field(ndim=(1, 1), size=_MAX_RANK)
 _ARRAY = Field()
-_META = Field(text=None)
+_META = Field(text=None, size=2**16)  # one metadata entry: a string, a number or a short list
 
 #: the fields of every NIR type the reader accepts (nir 1.0.8's ``to_dict`` names)
 FIELDS: dict[str, dict[str, Field]] = {
