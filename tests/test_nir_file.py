@@ -193,3 +193,12 @@ def test_a_declared_T_beyond_the_bound_is_refused_at_read_time(tmp_path):
     with pytest.raises(NIRError, match=f"T=1000000000 is above the bound of {MAX_T}.*max_T"):
         load_nir(path)
     assert int(_quiet_load(path, max_T=10**9).metadata["T"]) == 10**9
+
+
+def test_snnconv_run_refuses_a_file_declaring_T_beyond_the_bound(tmp_path, capsys):
+    from snnconv.cli import main
+
+    path = _saved(tmp_path, tiny_graph(T=10**9))
+    assert main(["run", str(path), "--backend", "cpu", "--data", "digits"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "T=1000000000 is above the bound" in err[0]
