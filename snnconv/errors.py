@@ -12,6 +12,7 @@ __all__ = [
     "UnsupportedLayerError",
     "UnsupportedModelError",
     "DataError",
+    "ConfigError",
     "StageOrderError",
     "CheckpointError",
     "NIRError",
@@ -50,6 +51,11 @@ class UnsupportedModelError(SnnconvError):
 
 class DataError(SnnconvError, ValueError):
     """Data (a loader, a batch, a dataset on disk) is missing or unusable."""
+
+
+class ConfigError(SnnconvError, ValueError):
+    """An argument or setting is out of range, of the wrong type, or contradicts another one
+    (a ``ValueError`` too, so that ``except ValueError`` keeps working)."""
 
 
 class StageOrderError(SnnconvError):
