@@ -13,6 +13,7 @@ __all__ = [
     "UnsupportedModelError",
     "DataError",
     "ConfigError",
+    "ResourceError",
     "StageOrderError",
     "CheckpointError",
     "NIRError",
@@ -56,6 +57,11 @@ class DataError(SnnconvError, ValueError):
 class ConfigError(SnnconvError, ValueError):
     """An argument or setting is out of range, of the wrong type, or contradicts another one
     (a ``ValueError`` too, so that ``except ValueError`` keeps working)."""
+
+
+class ResourceError(SnnconvError, MemoryError):
+    """A stage needs more memory than the machine has: refused with the estimate where one is
+    made beforehand, reported with the stage where an allocation failed, and what to lower."""
 
 
 class StageOrderError(SnnconvError):

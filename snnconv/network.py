@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
 from .neuron import IFNeuron, Scale, TimeExpand, neurons
@@ -41,7 +41,7 @@ CHUNK_BYTES = 16 * 2**20
 def check_T(T: Any, name: str = "T (number of time steps)") -> None:
     """Refuse a step count that is not an integer >= 1 (``ValueError`` naming ``name``)."""
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {T!r}")
+        raise ConfigError(f"{name} must be an integer >= 1, got {T!r}")
 
 
 def images_per_chunk(chunk_size: int, T: int, per_image: int) -> int:

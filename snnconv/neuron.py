@@ -26,6 +26,8 @@ import torch
 import torch.nn as nn
 from spikingjelly.activation_based import neuron, surrogate
 
+from .errors import ConfigError
+
 __all__ = ["RESETS", "if_step", "if_sequence", "fire_subtractive_", "fire_zero", "channel_view",
            "IFNeuron", "Scale", "TimeExpand", "neurons"]
 
@@ -61,7 +63,7 @@ def if_step(v: torch.Tensor, x: torch.Tensor, theta: float | torch.Tensor, *, re
         ``x``: any; ``s`` and ``v'``: the broadcast shape of ``v`` and ``x``.
     """
     if reset not in RESETS:
-        raise ValueError(f"IF reset must be one of {RESETS}, got {reset!r}")
+        raise ConfigError(f"IF reset must be one of {RESETS}, got {reset!r}")
     h = v + x
     s = (h >= theta).to(h.dtype) if surrogate_function is None else surrogate_function(h - theta)
     kept = s.detach() if detach_reset else s
@@ -150,15 +152,15 @@ class IFNeuron(nn.Module):
         super().__init__()
         theta = torch.as_tensor(theta, dtype=torch.float32).detach().clone()
         if theta.dim() > 1 or (theta <= 0).any() or not torch.isfinite(theta).all():
-            raise ValueError(f"IF threshold must be positive and finite, shape [] or [C]; got {theta}")
+            raise ConfigError(f"IF threshold must be positive and finite, shape [] or [C]; got {theta}")
         if reset not in RESETS:
-            raise ValueError(f"IF reset must be one of {RESETS}, got {reset!r}")
+            raise ConfigError(f"IF reset must be one of {RESETS}, got {reset!r}")
         default = 0.5 if reset == "subtract" else 0.0
         v_init = torch.as_tensor(default if v_init is None else v_init, dtype=torch.float32).detach().clone()
         if v_init.dim() > 1 or not torch.isfinite(v_init).all():
-            raise ValueError(f"IF v_init must be finite, shape [] or [C]; got {v_init}")
+            raise ConfigError(f"IF v_init must be finite, shape [] or [C]; got {v_init}")
         if reset == "zero" and bool((v_init != 0).any()):
-            raise ValueError("a hard-reset IF neuron starts at v = 0 (NIR's IF has no initial "
+            raise ConfigError("a hard-reset IF neuron starts at v = 0 (NIR's IF has no initial "
                              "membrane); v_init applies to reset='subtract' only")
         self.register_buffer("v_init", v_init)
         self.theta = nn.Parameter(theta, requires_grad=False)
@@ -192,7 +194,7 @@ class IFNeuron(nn.Module):
 
     def _rate(self, x: torch.Tensor) -> torch.Tensor:
         if self.reset != "subtract":
-            raise ValueError("SpikingNetwork.rate() is the QCFS limit of subtractive-reset "
+            raise ConfigError("SpikingNetwork.rate() is the QCFS limit of subtractive-reset "
                              "neurons; this network resets to zero")
         from .qcfs import FloorSTE  # QCFS's floor; imported here, so the step stays stage-free
 
@@ -206,7 +208,7 @@ class IFNeuron(nn.Module):
             return self._rate(x)
         TB = x.shape[0]
         if TB % self.T:
-            raise ValueError(f"IFNeuron got a batch of {TB}, not a multiple of T={self.T}")
+            raise ConfigError(f"IFNeuron got a batch of {TB}, not a multiple of T={self.T}")
         seq = x.reshape(self.T, TB // self.T, *x.shape[1:])
         if not torch.is_grad_enabled():
             return self._inference(seq).reshape(x.shape)

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import NIRError
+from .errors import ConfigError, NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
 from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SUM_OP, fire_threshold,
@@ -497,7 +497,7 @@ def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str |
     from snnconv_backends.nirgraph import parse
 
     if compression not in ("gzip", "lzf", None):
-        raise ValueError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
+        raise ConfigError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
     parse(graph)
     buf = io.BytesIO()
     try:

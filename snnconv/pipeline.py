@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from .calibration import calibrate_bias, calibrate_thresholds
-from .data import generators_kept
+from .data import check_labels, generators_kept
 from .config import ConvertConfig
-from .errors import ConfigError, ConversionError, DataError, UnsupportedModelError
+from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
 from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
@@ -194,17 +194,41 @@ def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, 
     return None
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc)))
+
+
 @contextlib.contextmanager
 def _stage(meta: ConversionMeta, name: str) -> Iterator[StageRecord]:
     record = StageRecord(name)
     start = time.perf_counter()
-    yield record
+    try:
+        yield record
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, ResourceError) or not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ResourceError(
+            f"stage '{name}' ran out of memory ({first[:200]}). Lower the loader's batch size, "
+            "calib_batches (calibration runs min(4, calib_batches) batches together for up to "
+            "2 * T steps) or T, or run on a device with more memory") from exc
     record.seconds = time.perf_counter() - start
     meta.stages.append(record)
 
 
 def _check_weights(model: nn.Module) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise UnsupportedModelError(
+                f"'{name}' is on the meta device (a model built without its weights); load the "
+                "trained state dict (model.load_state_dict(..., assign=True) or model.to_empty() "
+                "then load) before converting")
+        if t.is_floating_point() and t.dtype != torch.float32:
+            raise UnsupportedModelError(
+                f"'{name}' is {t.dtype}; convert() computes in float32 (calibration, the spiking "
+                "network and its files are float32). Pass model.float() (a copy is fine: "
+                "copy.deepcopy(model).float())")
         if t.is_floating_point() and not torch.isfinite(t).all():
             n = (~torch.isfinite(t)).sum().item()
             raise UnsupportedModelError(
@@ -212,7 +236,7 @@ def _check_weights(model: nn.Module) -> None:
                 "Fix the training run (or the checkpoint) that produced these weights.")
 
 
-def _check_batch(gm: nn.Module, x: torch.Tensor, device: torch.device) -> None:
+def _check_batch(gm: nn.Module, x: torch.Tensor, y: torch.Tensor | None, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor):
         raise DataError(f"the loader's inputs are {type(x).__name__}, not tensors")
     if x.is_floating_point() and not torch.isfinite(x).all():
@@ -230,6 +254,8 @@ def _check_batch(gm: nn.Module, x: torch.Tensor, device: torch.device) -> None:
         raise UnsupportedModelError(
             f"the model returns {type(out).__name__} of shape {getattr(out, 'shape', None)}; "
             "convert() expects one [B, classes] tensor")
+    if y is not None:
+        check_labels(y, out.shape[1], where="the conversion loader")
 
 
 class _Health:
@@ -450,10 +476,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         bias_batches = calib[:cfg.bias_batches]
 
         with _stage(meta, "prepare") as rec:
+            _check_weights(model)
             gm = prepare(model)
-            _check_weights(gm)
             gm.to(device)
-            _check_batch(gm, x0, device)
+            _check_batch(gm, x0, y0, device)
             rec.changes = {"input_shape": list(x0.shape),
                            "parameters": sum(p.numel() for p in gm.parameters())}
             health = _Health(calib[:2], device, cfg.on_collapse)

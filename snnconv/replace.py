@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import StageOrderError, UnsupportedModelError
+from .errors import ConfigError, StageOrderError, UnsupportedModelError
 from .graph import call_counts, describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
 from .network import SpikingNetwork, check_T
@@ -197,7 +197,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
     """
     check_T(T)
     if reset not in RESETS:
-        raise ValueError(f"reset must be one of {RESETS}, got {reset!r}")
+        raise ConfigError(f"reset must be one of {RESETS}, got {reset!r}")
     T = int(T)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before IF replacement")

@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import StageOrderError
+from ..errors import ConfigError, StageOrderError
 from ..graph import call_counts, capture, module_of, prepare
 from ..network import SpikingNetwork, check_T
 from ..neuron import IFNeuron, Scale, TimeExpand, channel_view
@@ -138,10 +138,10 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     check_T(T)
     factors = tuple(float(k) for k in factors)
     if not factors or not all(0 < k < float("inf") for k in factors) or 1.0 not in factors:
-        raise ValueError(f"factors must be positive and finite and include 1.0 (the unchanged "
+        raise ConfigError(f"factors must be positive and finite and include 1.0 (the unchanged "
                          f"neuron); got {factors}")
     if rescale and per_channel:
-        raise ValueError("rescale=True fits one output scale per layer; use it with "
+        raise ConfigError("rescale=True fits one output scale per layer; use it with "
                          "per_channel=False, or pass rescale=False for per-channel factors")
     batches = calibration_batches(loader, num_batches, "threshold calibration loader")
     out = copy.deepcopy(snn)
