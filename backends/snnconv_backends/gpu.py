@@ -44,6 +44,7 @@ _OPTIONS = {
     "chunk_size": 0,           # time-folded samples per chunk (0: the whole batch at once)
     "count_ties": False,       # count membranes within tie_tolerance of the threshold (uses the loop)
     "tie_tolerance": 1e-6,     # relative to the threshold
+    "dt": 1.0,                 # the time step of reading (leaky neurons: forward Euler at dt)
 }
 _NEURON = ("auto", "compiled", "loop")
 
@@ -176,7 +177,7 @@ class GPUBackend(Backend):
             if not tol >= 0:
                 raise BackendError(f"backend 'gpu': tie_tolerance must be >= 0, got {tol}")
             neuron = "loop"
-        plan = Plan(parse_graph(graph, self.name), device=device, dtype=dtype, backend=self.name,
+        plan = Plan(parse_graph(graph, self.name, opts["dt"]), device=device, dtype=dtype, backend=self.name,
                     neuron_loop=compiled_loop if neuron == "compiled" else None,
                     neuron_dtype=torch.float32, tie_tolerance=tol)
         return GPUProgram(plan, chunk_size=chunk, deterministic=bool(opts["deterministic"]),
