@@ -219,3 +219,30 @@ def test_a_bad_dt_is_refused(dt):
     node, _, _ = lif_case()
     with pytest.raises(NIRError, match="dt must be a positive"):
         parse(_graph(node, 3), dt=dt)
+
+
+def test_the_fine_tuning_stage_trains_a_leaky_network_read_from_nir():
+    """snnconv.finetune (BPTT through T steps) runs on a from_nir LIF/CubaLIF/LI network and
+    changes its weights; the caller's network is left as it was."""
+    import snnconv
+
+    snn = from_nir(_net(seed=2), T=4)
+    before = {k: v.clone() for k, v in snn.state_dict().items()}
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(48, 2, 6, 6, generator=g) * 2, torch.randint(0, 4, (48,), generator=g)
+    tuned, history = snnconv.finetune(snn, [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)],
+                                      epochs=1, progress=False)
+    assert np.isfinite(history[-1]["loss"])
+    assert all(torch.equal(v, snn.state_dict()[k]) for k, v in before.items())
+    assert not torch.equal(tuned.state_dict()["net.fc1.weight"], before["net.fc1.weight"])
+
+
+def test_a_leaky_graph_survives_a_file_round_trip(tmp_path):
+    """save_nir / load_nir keep every parameter: the same outputs on the cpu backend."""
+    from snnconv.nir_io import load_nir, save_nir
+
+    g = _net(seed=3)
+    save_nir(g, tmp_path / "leaky.nir")
+    back = load_nir(tmp_path / "leaky.nir")
+    x = torch.randn(5, 2, 6, 6, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_cpu(back, x), _cpu(g, x))
