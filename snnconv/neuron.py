@@ -23,6 +23,11 @@ at the reading's ``dt`` and started from the zero state; per step, in this order
     s[t] = 1 if h[t] > v_threshold else 0                             (NIR's strict comparison)
     v[t] = v_reset if s[t] else h[t]                                  (LI: v[t] = h[t], no spike)
 
+computed as ``h = v + k_mem * (v_leak - v) + g_in * x`` and ``i' = i - k_syn * i + g_syn * x``
+with the input gains ``g_in = dt/tau * r`` and ``g_syn = dt/tau_syn * w_in`` multiplied once in
+float64 (:class:`LeakyParams`): a file written with ``r = tau/dt`` (snntorch, norse) has a gain
+of exactly 1.
+
 This module imports no conversion stage at import time, so that executors outside the
 converter (``snnconv_backends``) may use the step.
 """
@@ -281,18 +286,19 @@ class LeakyParams:
     """The discrete-time coefficients of a leaky neuron (forward Euler at ``dt``).
 
     Every field broadcasts against the neuron's input ``[b, *shape]`` (the executors keep the
-    node's full batch-free shape). ``k_mem = dt / tau_mem`` (``tau`` for LIF and LI),
-    ``k_syn = dt / tau_syn`` (CubaLIF only). ``v_threshold`` and ``v_reset`` are ``None`` for
-    LI, ``k_syn`` and ``w_in`` for LIF and LI.
+    node's full batch-free shape). ``k_mem = dt / tau_mem`` (``tau`` for LIF and LI), the
+    membrane's input gain ``g_in = k_mem * r``; CubaLIF only: ``k_syn = dt / tau_syn`` and the
+    current's input gain ``g_syn = k_syn * w_in``. ``v_threshold`` and ``v_reset`` are ``None``
+    for LI.
     """
 
     k_mem: torch.Tensor
-    r: torch.Tensor
+    g_in: torch.Tensor
     v_leak: torch.Tensor
     v_threshold: torch.Tensor | None = None
     v_reset: torch.Tensor | None = None
     k_syn: torch.Tensor | None = None
-    w_in: torch.Tensor | None = None
+    g_syn: torch.Tensor | None = None
 
     def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> "LeakyParams":
         """The same coefficients as tensors of ``dtype`` on ``device``."""
@@ -319,13 +325,16 @@ def lif_step(v: torch.Tensor, x: torch.Tensor, p: LeakyParams, *,
     """One step of NIR's ``LIF``, ``tau dv/dt = (v_leak - v) + r I``, forward Euler at ``dt``.
 
     .. math::
-        h = v + k_{mem} ((v_{leak} - v) + r x), \\quad s = [h > v_{threshold}], \\quad
+        h = v + k_{mem} (v_{leak} - v) + g_{in} x, \\quad s = [h > v_{threshold}], \\quad
         v' = (1 - s) h + s \\, v_{reset}
+
+    with ``k_mem = dt / tau`` and ``g_in = dt / tau * r``: forward Euler of
+    ``tau dv/dt = (v_leak - v) + r x``.
 
     Args:
         v: the membrane after the previous step (0 before the first).
         x: the input of this step.
-        p: the coefficients (``k_mem = dt / tau``).
+        p: the coefficients.
         surrogate_function: ``None`` (no gradient through the spike), or a spikingjelly
             surrogate applied to ``h - v_threshold`` (forward: NIR's strict ``>``).
         detach_reset: no gradient through the spike in the reset.
@@ -336,7 +345,7 @@ def lif_step(v: torch.Tensor, x: torch.Tensor, p: LeakyParams, *,
     Shape:
         ``x``: ``[b, *shape]``; ``s`` and ``v'``: the same.
     """
-    h = v + p.k_mem * ((p.v_leak - v) + p.r * x)
+    h = v + p.k_mem * (p.v_leak - v) + p.g_in * x
     return _fire(h, p, surrogate_function, detach_reset)
 
 
@@ -347,21 +356,24 @@ def cubalif_step(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, p: L
     new current, then the spike and the reset (Loihi's and Lava's order).
 
     .. math::
-        i' = i + k_{syn} (w_{in} x - i), \\quad h = v + k_{mem} ((v_{leak} - v) + r i'), \\quad
+        i' = i - k_{syn} i + g_{syn} x, \\quad h = v + k_{mem} (v_{leak} - v) + g_{in} i', \\quad
         s = [h > v_{threshold}], \\quad v' = (1 - s) h + s \\, v_{reset}
+
+    with ``g_syn = dt/tau_syn * w_in`` and ``g_in = dt/tau_mem * r``: forward Euler of
+    ``tau_syn di/dt = w_in x - i`` and ``tau_mem dv/dt = (v_leak - v) + r i``.
 
     Args:
         state: ``(i, v)`` after the previous step (both 0 before the first).
         x: the input of this step.
-        p: the coefficients (``k_syn = dt / tau_syn``, ``k_mem = dt / tau_mem``).
+        p: the coefficients.
         surrogate_function, detach_reset: as :func:`lif_step`.
 
     Returns:
         ``(s, (i', v'))``.
     """
     i, v = state
-    i = i + p.k_syn * (p.w_in * x - i)
-    h = v + p.k_mem * ((p.v_leak - v) + p.r * i)
+    i = i - p.k_syn * i + p.g_syn * x
+    h = v + p.k_mem * (p.v_leak - v) + p.g_in * i
     s, v = _fire(h, p, surrogate_function, detach_reset)
     return s, (i, v)
 
@@ -370,9 +382,9 @@ def li_step(v: torch.Tensor, x: torch.Tensor, p: LeakyParams) -> torch.Tensor:
     """One step of NIR's ``LI`` (a non-spiking leaky readout): its output is the membrane.
 
     .. math::
-        v' = v + k_{mem} ((v_{leak} - v) + r x)
+        v' = v + k_{mem} (v_{leak} - v) + g_{in} x
     """
-    return v + p.k_mem * ((p.v_leak - v) + p.r * x)
+    return v + p.k_mem * (p.v_leak - v) + p.g_in * x
 
 
 def leaky_sequence(kind: str, seq: Sequence[torch.Tensor], p: LeakyParams, **step) -> torch.Tensor:

@@ -246,3 +246,15 @@ def test_a_leaky_graph_survives_a_file_round_trip(tmp_path):
     back = load_nir(tmp_path / "leaky.nir")
     x = torch.randn(5, 2, 6, 6, generator=torch.Generator().manual_seed(3))
     assert torch.equal(_cpu(back, x), _cpu(g, x))
+
+
+def test_a_file_with_r_equal_to_tau_over_dt_has_an_input_gain_of_exactly_one():
+    """snntorch and norse write LIF with tau = dt / (1 - beta) and r = tau / dt: read at their
+    dt, the input enters the membrane unscaled (g_in = dt/tau * r is multiplied once, in float64)."""
+    dt = 1e-4
+    beta = np.linspace(0.05, 0.99, 50)
+    tau = dt / (1 - beta)
+    node = nir.LIF(tau=tau, r=tau / dt, v_leak=np.zeros(50), v_threshold=np.ones(50), v_reset=np.zeros(50))
+    p = parse(_graph(node, 50), dt=dt).op("n").params
+    assert (p["g_in"] == 1).all()
+    assert np.array_equal(p["k_mem"], (1 - beta).astype(np.float32))

@@ -6,11 +6,14 @@ meaning of each step is :mod:`snnconv.neuron`'s :func:`~snnconv.neuron.lif_step`
 :func:`~snnconv.neuron.cubalif_step` and :func:`~snnconv.neuron.li_step`, from the zero
 state)::
 
-    lif      k_mem = dt / tau, r, v_leak, v_threshold, v_reset      (spikes on v > v_threshold)
-    cubalif  k_mem = dt / tau_mem, k_syn = dt / tau_syn, r, v_leak, v_threshold, v_reset, w_in
-    li       k_mem = dt / tau, r, v_leak                            (outputs its membrane)
+    lif      k_mem = dt/tau, g_in = dt/tau * r, v_leak, v_threshold, v_reset   (spikes on v > v_threshold)
+    cubalif  k_mem = dt/tau_mem, g_in = dt/tau_mem * r, k_syn = dt/tau_syn, g_syn = dt/tau_syn * w_in,
+             v_leak, v_threshold, v_reset
+    li       k_mem = dt/tau, g_in = dt/tau * r, v_leak                         (outputs its membrane)
 
-``dt / tau`` is computed in float64 and rounded once to float32; a value above 1 (``dt``
+Each coefficient is computed in float64 and rounded once to float32 (a file written with
+``r = tau / dt``, as snntorch and norse write them, has ``g_in = 1`` exactly); a ``dt / tau``
+above 1 (``dt``
 larger than a time constant, where the Euler decay factor ``1 - dt / tau`` turns negative)
 is refused, as are non-positive time constants and NaN/inf values.
 """
@@ -90,8 +93,11 @@ def read_leaky(name: str, node: Any, kind: str, dt: float) -> tuple[str, dict[st
                            f"min {float(t.min())!r}); forward Euler's decay 1 - dt/{tau} would be "
                            "negative. Read the graph with the dt its producer used (e.g. dt=1e-4 "
                            "for snntorch and norse exports)")
-        params["k_syn" if tau == "tau_syn" else "k_mem"] = k
-    params.update({f: raw[f] for f in fields if f not in taus})
+        if tau == "tau_syn":
+            params["k_syn"], params["g_syn"] = k, k * raw["w_in"]
+        else:
+            params["k_mem"], params["g_in"] = k, k * raw["r"]
+    params.update({f: raw[f] for f in fields if f not in taus + ("r", "w_in")})
     out = {}
     for k, v in params.items():
         a = np.ascontiguousarray(v, dtype=np.float32)

@@ -109,7 +109,7 @@ def leaky_spec(op: Any, static: bool, role: str) -> LeakySpec:
                                "potential and resets to 0")
     k_mem = _uniform(p["k_mem"], name, "dt / tau")
     dv = _decay(k_mem, name, "dt / tau", 0)
-    gain = k_mem * _per_channel(p["r"], name, "r")
+    gain = _per_channel(p["g_in"], name, "r")  # dt/tau * r
     du, a_max = 4095, LOIHI["a_in_max"]
     report = {"dt_over_tau": k_mem, "dv": dv, "decay_error_v": dv / 4096 - k_mem}
     if op.kind == "cubalif":
@@ -119,8 +119,7 @@ def leaky_spec(op: Any, static: bool, role: str) -> LeakySpec:
             raise BackendError(f"loihi2-sim: CubaLIF '{name}' is fed by the static first layer, whose "
                                "input enters the membrane as a bias current, past the synaptic "
                                f"current; that is exact only with tau_syn = dt (here dt/tau_syn = {k_syn!r})")
-        w_in = _per_channel(p["w_in"], name, "w_in")
-        gain = gain * k_syn * w_in
+        gain = gain * _per_channel(p["g_syn"], name, "w_in")  # dt/tau_syn * w_in
         # |u| <= 64 * a_in * 4096 / (du + 1) must not wrap (<= 2**23)
         a_max = min(a_max, _V_MAX * (du + 1) // (64 * 4096))
         report.update({"dt_over_tau_syn": k_syn, "du": du, "decay_error_u": (du + 1) / 4096 - k_syn})
