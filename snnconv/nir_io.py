@@ -443,7 +443,8 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> S
     Args:
         graph: a ``nir.NIRGraph`` that :func:`snnconv_backends.nirgraph.parse` accepts.
         T: time steps; default the T recorded in the graph's metadata, else 8.
-        dt: the time step of reading (leaky neurons: forward Euler at ``dt``).
+        dt: the time step the graph is read at (an integrator with resistance ``r`` must have
+            ``r * dt = 1``; spikingjelly's default export has ``r = 1e4``: ``dt=1e-4``).
 
     Raises:
         NIRError: the graph is not one snnconv can run exactly (named node or edge).

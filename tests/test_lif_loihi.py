@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import snnconv  # noqa: F401  (imports snnconv_backends in the supported order)
-from snnconv.errors import BackendError, NIRError
+from snnconv.errors import BackendError
 from snnconv.nir_io import from_nir
 from snnconv_backends.cpu import CPUBackend
 from snnconv_backends.gpu import GPUBackend
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import CLOCK, LOIHI, Loihi2SimBackend, bias_current, quantize
+from snnconv_backends.nirgraph import parse
 
 from _lif_nets import chip_cubalif, chip_li, chip_lif, chip_net, fixed_point_error
 
@@ -73,10 +74,10 @@ def test_dt_is_a_parameter_of_reading_on_the_chip():
     """tau in seconds read with dt=1e-4: the same decays and the same spikes."""
     g, x, want = chip_lif()
     g.nodes["n"].tau = g.nodes["n"].tau * np.float32(1e-4)
-    q = quantize(g, dt=1e-4)
+    q = quantize(parse(g, dt=1e-4))
     assert q.population("n").dv == 2048 and q.population("n").du == 4095
     assert torch.equal(_chip(Loihi2SimBackend(), "lif", g, x, dt=1e-4), want)
-    with pytest.raises(NIRError, match=r"dt / tau = .* > 1"):
+    with pytest.raises(BackendError, match=r"dt / tau = .* > 1"):
         Loihi2SimBackend().compile(g)
 
 

@@ -35,7 +35,7 @@ _OPTIONS = {
     "threads": None,        # torch threads during run (None: leave torch's setting)
     "neuron": "loop",       # "loop": in-place torch ops; "compiled": one fused kernel per neuron
                             # layer through torch.compile (needs a C++ compiler; compiles once)
-    "dt": 1.0,              # the time step of reading (leaky neurons: forward Euler at dt)
+    "dt": 1.0,              # the time step the graph is read at (r * dt = 1; nirgraph.parse)
 }
 _NEURON = ("loop", "compiled")
 
@@ -160,7 +160,8 @@ class CPUBackend(Backend):
     Options: ``dtype`` ("float32" or "float64"), ``chunk_size`` (time-folded samples per
     chunk; keep SpikingNetwork's 256 for bit identity), ``threads``, ``neuron`` ("loop", or
     "compiled": a fused torch.compile kernel per neuron layer, several times faster once
-    compiled, same bits).
+    compiled, same bits), ``dt`` (the time step the graph is read at, default 1: NIR is
+    continuous time and an integrator with resistance ``r`` needs ``r * dt = 1``).
     """
 
     name = "cpu"

@@ -44,7 +44,7 @@ _OPTIONS = {
     "chunk_size": 0,           # time-folded samples per chunk (0: the whole batch at once)
     "count_ties": False,       # count membranes within tie_tolerance of the threshold (uses the loop)
     "tie_tolerance": 1e-6,     # relative to the threshold
-    "dt": 1.0,                 # the time step of reading (leaky neurons: forward Euler at dt)
+    "dt": 1.0,                 # the time step the graph is read at (r * dt = 1; nirgraph.parse)
 }
 _NEURON = ("auto", "compiled", "loop")
 
@@ -131,7 +131,7 @@ class GPUProgram(PlanProgram):
 
 class GPUBackend(Backend):
     """CUDA executor (options: dtype, device, deterministic, neuron, chunk_size, count_ties,
-    tie_tolerance; see the module docstring)."""
+    tie_tolerance, dt; see the module docstring and the cpu backend's)."""
 
     name = "gpu"
 

@@ -55,7 +55,7 @@ from snnconv.errors import NIRError
 from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARE, FORMAT_VERSION, MODULE_KEY, OP_KEY, RESETS,
                                SUM_OP, fire_threshold)
 
-from .nirleaky import LEAKY_KINDS, check_dt, read_leaky
+from .nirleaky import LEAKY_KINDS, read_leaky
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 
@@ -294,9 +294,6 @@ def _edges(graph: Any) -> list[tuple[str, str]]:
 def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
     """Read ``graph`` strictly: ops in topological order, shapes checked, neurons exact.
 
-    ``dt``: the time step of reading; leaky neurons (``LIF``, ``CubaLIF``, ``LI``) are
-    discretised by forward Euler at ``dt`` (see :mod:`snnconv_backends.nirleaky`).
-
     Raises:
         NIRError: naming the node or edge, for an unknown node type, a dangling or duplicate
             edge, inconsistent shapes, a cycle other than the subtractive neuron's reset loop,
@@ -306,7 +303,6 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
     """
     if not isinstance(graph, nir.NIRGraph):
         raise NIRError(f"expected a nir.NIRGraph, got {type(graph).__name__}")
-    dt = check_dt(dt)
     nodes = getattr(graph, "nodes", None)
     if not isinstance(nodes, dict) or not nodes:
         raise NIRError("the NIR graph has no nodes")

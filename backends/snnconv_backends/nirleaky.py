@@ -69,7 +69,9 @@ def _field(name: str, node: Any, field: str) -> np.ndarray:
 
 def read_leaky(name: str, node: Any, kind: str, dt: float) -> tuple[str, dict[str, np.ndarray],
                                                                    tuple[int, ...], tuple[int, ...]]:
-    """``(kind, params, in_shape, out_shape)`` of a ``LIF``, ``CubaLIF`` or ``LI`` node."""
+    """``(kind, params, in_shape, out_shape)`` of a ``LIF``, ``CubaLIF`` or ``LI`` node read at
+    time step ``dt``."""
+    dt = check_dt(dt)
     fields, taus = _FIELDS[kind]
     raw = {f: _field(name, node, f) for f in fields}
     shape = raw[fields[0]].shape

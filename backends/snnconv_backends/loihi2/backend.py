@@ -11,6 +11,7 @@ import torch
 
 from snnconv.errors import BackendError
 
+from ..cpu import parse_graph
 from ..registry import Backend, Program, RunResult
 from .chip import STEP_SECONDS
 from .network import QuantizedNetwork
@@ -112,6 +113,6 @@ class Loihi2SimBackend(Backend):
 
     def compile(self, graph: Any, **options: Any) -> Loihi2Program:
         opts = _check_options(self.name, options)
-        return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"],
+        return Loihi2Program(quantize(parse_graph(graph, self.name, opts["dt"]), weight_bits=opts["weight_bits"],
                                       split_signs=bool(opts["split_signs"]),
-                                      weight_groups=opts["weight_groups"], dt=opts["dt"]), opts)
+                                      weight_groups=opts["weight_groups"]), opts)

@@ -153,10 +153,8 @@ def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
 
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
-             weight_groups: int | Mapping[str, int] = 1, dt: float = 1.0) -> QuantizedNetwork:
+             weight_groups: int | Mapping[str, int] = 1) -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
-
-    ``dt``: the time step of reading a graph (leaky neurons; see :mod:`.leaky`).
 
     ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
     mapping connection name -> bits (``"*"``: the others) to measure what the 8-bit budget
@@ -176,7 +174,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             bit budget cannot represent.
         NIRError: the graph is malformed.
     """
-    g = graph if isinstance(graph, ParsedGraph) else parse(graph, dt=dt)
+    g = graph if isinstance(graph, ParsedGraph) else parse(graph)
     mp = Mapper(g)
     readout = g.ops[-1]
     if len(readout.inputs) == 1 and mp.ops[readout.inputs[0]].kind == "li":
