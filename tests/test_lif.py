@@ -258,3 +258,15 @@ def test_a_file_with_r_equal_to_tau_over_dt_has_an_input_gain_of_exactly_one():
     p = parse(_graph(node, 50), dt=dt).op("n").params
     assert (p["g_in"] == 1).all()
     assert np.array_equal(p["k_mem"], (1 - beta).astype(np.float32))
+
+
+def test_a_sequence_input_drives_the_leaky_neurons_step_by_step():
+    """A [T, B, N] input on the cpu backend: LI (dt/tau = 1/2, r = 1) on x = 1, 1, 0, 2, 0, 0:
+    v = 1/2, 3/4, 3/8, 19/16, 19/32, 19/64; LIF (threshold 1) on the same: the tie-free
+    h = 1/2, 3/4, 3/8, 19/16 (spike, v = 0), 0, 0."""
+    x = torch.tensor([1.0, 1.0, 0.0, 2.0, 0.0, 0.0]).reshape(T, 1, 1)
+    li = nir.LI(tau=_a(2), r=_a(1), v_leak=_a(0))
+    lif = nir.LIF(tau=_a(2), r=_a(1), v_leak=_a(0), v_threshold=_a(1), v_reset=_a(0))
+    v = torch.tensor([0.5, 0.75, 0.375, 1.1875, 0.59375, 0.296875]).reshape(T, 1, 1)
+    assert torch.equal(_cpu(_graph(li, 1), x), v)
+    assert torch.equal(_cpu(_graph(lif, 1), x), torch.tensor([0.0, 0, 0, 1, 0, 0]).reshape(T, 1, 1))
