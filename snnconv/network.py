@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
-from .neuron import IFNeuron, Scale, TimeExpand, neurons
+from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
@@ -84,7 +84,7 @@ class SpikingNetwork(nn.Module):
         value = int(value)
         self._T = value
         for m in self.net.modules():
-            if isinstance(m, (IFNeuron, TimeExpand)):
+            if isinstance(m, (IFNeuron, LeakyNeuron, TimeExpand)):
                 m.T = value
 
     def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
