@@ -22,20 +22,19 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .config import MAX_T
 from .digest import UnverifiedFileWarning, content_digest
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
-from .neuron import IFNeuron, Scale, TimeExpand, neurons
+from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "MAX_T", "SpikingNetwork",
-           "check_T", "images_per_chunk", "graph_to_dict", "graph_from_dict"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
+           "images_per_chunk", "graph_to_dict", "graph_from_dict"]
 
 FORMAT = "snnconv.spiking"  # the format's name, written in every file (not a module path)
 #: 2: with a content digest; version 1 files (no digest) are still read, with a warning
 FORMAT_VERSION = 2
-#: the largest T a file (a saved network, a NIR graph's metadata) may declare
-MAX_T = 4096
 
 # Largest value of one chunk, in SpikingNetwork's forward and in bias calibration's lockstep
 # (which keeps every chunk's values alive at once): blocks above glibc's largest mmap threshold
@@ -48,7 +47,7 @@ CHUNK_BYTES = 16 * 2**20
 def check_T(T: Any, name: str = "T (number of time steps)") -> None:
     """Refuse a step count that is not an integer >= 1 (``ValueError`` naming ``name``)."""
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {T!r}")
+        raise ConfigError(f"{name} must be an integer >= 1, got {T!r}")
 
 
 def images_per_chunk(chunk_size: int, T: int, per_image: int) -> int:
@@ -91,7 +90,7 @@ class SpikingNetwork(nn.Module):
         value = int(value)
         self._T = value
         for m in self.net.modules():
-            if isinstance(m, (IFNeuron, TimeExpand)):
+            if isinstance(m, (IFNeuron, LeakyNeuron, TimeExpand)):
                 m.T = value
 
     def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
@@ -211,8 +210,9 @@ class SpikingNetwork(nn.Module):
         Raises:
             FileNotFoundError: no file at ``path``.
             CheckpointError: not a saved network, another format version, a digest that does
-                not match, a T above :data:`MAX_T`, a graph that cannot be rebuilt, or weights
-                that do not match their modules (naming the layer, declared and stored shapes).
+                not match, a T above :data:`snnconv.config.MAX_T`, a graph that cannot be
+                rebuilt, or weights that do not match their modules (naming the layer, declared
+                and stored shapes).
         """
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)

@@ -13,7 +13,8 @@ and builds the ``nir.NIRGraph`` from what it read; it never calls ``nir.read``. 
    a node's fields must share (a bias as long as its weight's rows, an IF's three arrays
    alike), the number of nodes and edges, and the total number of values (caps below,
    overridable per call) are checked on the declared shapes, before a value is read.
-4. The graph metadata's ``T`` is at most ``max_T``.
+4. The graph metadata's ``T`` is at most ``max_T`` (default :data:`snnconv.config.MAX_T`, the
+   bound ``convert`` uses).
 5. Files written by :func:`save_nir` carry ``metadata["snnconv_digest"]``, the
    :func:`snnconv.digest.content_digest` of everything else read from the file: a file whose
    content does not match it is refused. A file without a digest that carries snnconv's
@@ -34,14 +35,14 @@ from typing import Any
 import nir
 import numpy as np
 
+from .config import MAX_T
 from .digest import UnverifiedFileWarning, content_digest
-from .errors import NIRError
+from .errors import ConfigError, NIRError
 from .meta import atomic_write_bytes
-from .network import MAX_T
 from .nirformat import MODULE_KEY, NEURON_KEY, OP_KEY, PRODUCER
 
 __all__ = ["save_nir", "load_nir", "read_nir_tree", "FIELDS", "DIGEST_KEY", "MAX_NODES",
-           "MAX_EDGES", "MAX_VALUES", "MAX_T"]
+           "MAX_EDGES", "MAX_VALUES"]
 
 #: graph metadata key of the content digest written by :func:`save_nir`
 DIGEST_KEY = "snnconv_digest"
@@ -91,9 +92,18 @@ FIELDS: dict[str, dict[str, Field]] = {
     "I": {"r": _ARRAY},
     "IF": {"r": _ARRAY, "v_threshold": _ARRAY, "v_reset": Field(required=False)},
     "Threshold": {"threshold": _ARRAY},
+    "LIF": {"tau": _ARRAY, "r": _ARRAY, "v_leak": _ARRAY, "v_threshold": _ARRAY,
+            "v_reset": Field(required=False)},
+    "CubaLIF": {"tau_syn": _ARRAY, "tau_mem": _ARRAY, "r": _ARRAY, "v_leak": _ARRAY,
+                "v_threshold": _ARRAY, "v_reset": Field(required=False), "w_in": _ARRAY},
+    "LI": {"tau": _ARRAY, "r": _ARRAY, "v_leak": _ARRAY},
 }
 # within a node: (field, the field whose shape it must have); (bias, weight with one row per bias)
-_SAME_SHAPE = {"IF": (("v_threshold", "r"), ("v_reset", "r"))}
+_SAME_SHAPE = {"IF": (("v_threshold", "r"), ("v_reset", "r")),
+               "LIF": (("tau", "r"), ("v_leak", "r"), ("v_threshold", "r"), ("v_reset", "r")),
+               "CubaLIF": tuple((k, "r") for k in ("tau_syn", "tau_mem", "v_leak", "v_threshold",
+                                                    "v_reset")),  # w_in may be one number
+               "LI": (("tau", "r"), ("v_leak", "r"))}
 _ROWS = {"Affine": ("bias", "weight"), "Conv1d": ("bias", "weight"), "Conv2d": ("bias", "weight")}
 
 
@@ -415,14 +425,14 @@ def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str |
 
     Raises:
         NIRError: ``graph`` is not one snnconv reads back exactly, or nir cannot serialise it.
-        ValueError: an unknown ``compression``.
+        ConfigError: an unknown ``compression`` (a ``ValueError`` too).
     """
     import h5py
 
     from snnconv_backends.nirgraph import parse
 
     if compression not in ("gzip", "lzf", None):
-        raise ValueError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
+        raise ConfigError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
     parse(graph)
     meta = {k: v for k, v in (graph.metadata or {}).items() if k != DIGEST_KEY}
     plain = nir.NIRGraph(nodes=graph.nodes, edges=graph.edges, metadata=meta, type_check=False)

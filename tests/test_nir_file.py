@@ -14,7 +14,8 @@ import pytest
 from snnconv.digest import UnverifiedFileWarning
 from snnconv.errors import NIRError
 from snnconv.nir_io import load_nir, save_nir
-from snnconv.nirfile import DIGEST_KEY, MAX_T
+from snnconv.config import MAX_T
+from snnconv.nirfile import DIGEST_KEY
 from _nirfiles import chain_graph, same_graph, tiny_graph
 
 

@@ -16,8 +16,8 @@ from snnconv import models
 from snnconv.digest import UnverifiedFileWarning, content_digest
 from snnconv.errors import CheckpointError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
-from snnconv.network import (FORMAT, FORMAT_VERSION, MAX_T, SpikingNetwork, graph_from_dict,
-                             graph_to_dict)
+from snnconv.config import MAX_T
+from snnconv.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
 from snnconv.neuron import neurons
 
 # --------------------------------------------------------------------------------------------
