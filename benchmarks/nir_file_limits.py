@@ -88,7 +88,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         t = time.perf_counter()
         path = _unused_file(folder, args.unused_gib)
-        results["unused"] = {"declared_gib": args.unused_gib, "file_mib": round(os.path.getsize(path) / 2**20, 2),
+        results["unused"] = {"declared_gib": args.unused_gib,
+                             "file_mib": round(os.path.getsize(path) / 2**20, 2),
                              "write_seconds": round(time.perf_counter() - t, 1), **_measure(path)}
         print("unused", results["unused"], flush=True)
         for n in args.chains:

@@ -62,7 +62,8 @@ def stale_temporaries(path: str | os.PathLike) -> list[str]:
     ``.tmp-<pid>-<random>-<name>`` with a ``<pid>`` that is no longer running on this machine."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    pattern = re.compile(re.escape(_TMP_PREFIX) + r"(\d+)-[0-9a-f]{8}-" + re.escape(os.path.basename(path)) + "$")
+    pattern = re.compile(re.escape(_TMP_PREFIX) + r"(\d+)-[0-9a-f]{8}-"
+                         + re.escape(os.path.basename(path)) + "$")
     try:
         names = os.listdir(folder)
     except OSError:

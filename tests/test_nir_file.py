@@ -96,7 +96,8 @@ def _redirect(path, other, how: str) -> None:
         elif how == "external storage":
             raw = other.with_suffix(".raw")
             raw.write_bytes(np.full(shape, 7.0, dtype).tobytes())
-            group.create_dataset("weight", shape=shape, dtype=dtype, external=[(str(raw), 0, h5py.h5f.UNLIMITED)])
+            group.create_dataset("weight", shape=shape, dtype=dtype,
+                                 external=[(str(raw), 0, h5py.h5f.UNLIMITED)])
         elif how == "virtual":
             layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
             layout[...] = h5py.VirtualSource(str(other), "w", shape=shape)
