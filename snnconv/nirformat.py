@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ConfigError
+
 __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
            "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
@@ -100,10 +102,10 @@ def engine_threshold(threshold: np.ndarray, compare: str) -> np.ndarray:
     float32 for ``">"`` (so ``h >= engine`` is ``h > threshold`` for every float32 ``h``).
 
     Raises:
-        ValueError: ``compare`` is not one of :data:`COMPARES`.
+        ConfigError: ``compare`` is not one of :data:`COMPARES`.
     """
     if compare not in COMPARES:
-        raise ValueError(f"compare {compare!r} is not one of {COMPARES}")
+        raise ConfigError(f"compare {compare!r} is not one of {COMPARES}")
     t = np.asarray(threshold, dtype=np.float32)
     if compare == ">=":
         return t
@@ -119,7 +121,7 @@ def v_init_metadata(v_init: np.ndarray) -> float | list[float]:
 def neuron_metadata(reset: str, v_init: Any, per_channel: bool) -> dict[str, Any]:
     """The metadata of one neuron site (see the module docstring)."""
     if reset not in RESETS:
-        raise ValueError(f"reset {reset!r} is not one of {RESETS}")
+        raise ConfigError(f"reset {reset!r} is not one of {RESETS}")
     return {NEURON_KEY: "if", "reset": reset, "v_init": v_init, "compare": COMPARE,
             "threshold": "per_channel" if per_channel else "per_layer"}
 

@@ -132,7 +132,7 @@ class LavaProgram(Program):
                 arrays[f"p{j}_v_init"] = np.asarray(p.v_init, np.int32)
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
                          "vth": int(p.vth), "v_init": None if per_neuron else int(p.v_init),
-                         "static": bool(p.static), "conns": conns})
+                         "static": bool(p.static), "conns": conns, "du": int(p.du), "dv": int(p.dv)})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
@@ -195,7 +195,7 @@ class LavaProgram(Program):
                     per_neuron = s_win[c.source].reshape(T * B, -1).float().sum(0)
                     synops[c.name] = synops.get(c.name, 0.0) + connection_synops(c, per_neuron)
         r = q.readout
-        out = v_win[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64)
+        out = v_win[r.name].double() / torch.as_tensor(r.membrane_scale(), dtype=torch.float64)
         out = out.float().reshape(T, B, *q.graph.output_shape)
 
         class _NotObserved:

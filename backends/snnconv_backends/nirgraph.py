@@ -43,6 +43,8 @@ flatten         start_dim, end_dim (batch-free, as written in the node)
 scale           scale (the node's full batch-free shape)
 sum             (none)
 neuron          theta (shape ``()`` or ``(C,)``), reset ("subtract" | "zero")
+lif, cubalif,   Euler coefficients at ``dt`` (:mod:`snnconv_backends.nirleaky`)
+li
 ==============  ======================================================================
 """
 
@@ -74,13 +76,16 @@ from .nirvalues import shape as _shape
 from .nirvalues import type_shape as _type_shape
 from .nirvalues import window_out as _window_out
 
+from .nirleaky import LEAKY_KINDS, read_leaky
+
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 
 KINDS = ("input", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d", "flatten",
-         "scale", "sum", "neuron", "output")
+         "scale", "sum", "neuron", "output") + LEAKY_KINDS
 
 _SUPPORTED = ("Input, Output, Conv1d, Conv2d, Affine, Linear, AvgPool2d, SumPool2d, Flatten, "
-              "Scale, Identity, IF (r * dt = 1, v_reset = 0) and the I/Threshold/Scale(-theta) neuron")
+              "Scale, Identity, IF (r * dt = 1, v_reset = 0) and the I/Threshold/Scale(-theta) neuron; "
+              "LIF, CubaLIF, LI")
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,7 @@ _NODE_KINDS: tuple[tuple[type, str], ...] = (
     (nir.SumPool2d, "sumpool2d"), (nir.Flatten, "flatten"), (nir.Scale, "scale"),
     (nir.ir.graph.Identity, "sum"), (nir.I, "integrator"), (nir.Threshold, "threshold"),
     (nir.IF, "if"),
+    (nir.LIF, "lif"), (nir.CubaLIF, "cubalif"), (nir.LI, "li"),
 )
 
 
@@ -462,8 +468,11 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
                     raise NIRError(f"inconsistent shapes into '{name}': edge '{srcs[0]}' -> '{name}' "
                                    f"brings {incoming}, edge '{s}' -> '{name}' brings {out_shape[s]}; "
                                    "summed inputs must have one shape")
-        kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
-                                                 neuron_params.get(name), neuron_shapes.get(name))
+        if kind in LEAKY_KINDS:
+            kind, params, in_shape, shape = read_leaky(name, node, kind, dt)
+        else:
+            kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
+                                                     neuron_params.get(name), neuron_shapes.get(name))
         if incoming is not None and in_shape != incoming:
             raise NIRError(f"inconsistent shapes on edge '{srcs[0]}' -> '{name}': it brings "
                            f"{incoming}, node '{name}' ({type(node).__name__}) takes {in_shape}")
