@@ -42,8 +42,11 @@ LIBS = {"spikingjelly": None, "norse": "nir-eco", "snntorch": "nir-eco", "rockpo
         "sinabs": "nir-sinabs"}
 #: how snnconv reads each library's files: dt (the step their export assumes) and the
 #: comparison their own simulation applies (None: NIR's ">")
+#: norse's IAF ignores dt (r = 1 per step); its LIFBox export writes tau = dt / tau_mem_inv, so
+#: its own decay dt * tau_mem_inv per step is dt' / tau at dt' = dt**2 = 1e-6; snntorch writes
+#: tau = dt / (1 - beta) and r = tau / dt at dt = 1e-4
 READ = {"spikingjelly": {"dt": 1e-4, "compare": ">="}, "norse_if": {"dt": 1.0, "compare": None},
-        "norse_lif": {"dt": 1e-3, "compare": None}, "snntorch": {"dt": 1.0, "compare": None},
+        "norse_lif": {"dt": 1e-6, "compare": None}, "snntorch": {"dt": 1e-4, "compare": None},
         "rockpool": {"dt": 1e-3, "compare": None}, "sinabs": {"dt": 1.0, "compare": ">="}}
 
 
