@@ -380,8 +380,8 @@ def load_nir(path: str | os.PathLike, *, max_nodes: int = MAX_NODES, max_edges: 
 
     Returns:
         the ``nir.NIRGraph``; it has passed :func:`snnconv_backends.nirgraph.parse` at ``dt``.
-        Its metadata records the nir version that wrote the file (``nir_file_version``): an
-        IF of a file older than nir 1.0.6 resets by subtraction and is refused.
+        An IF of a file older than nir 1.0.6 resets by subtraction and is refused; the metadata
+        of such a file records the nir version that wrote it (``nir_file_version``).
 
     Raises:
         NIRError: a missing, truncated, damaged, non-HDF5 or non-NIR file, a file that refers to
@@ -417,7 +417,8 @@ def load_nir(path: str | os.PathLike, *, max_nodes: int = MAX_NODES, max_edges: 
     _check_version(where, tree, version)
     try:
         graph = nir.dict2NIRNode({**tree, "type_check": False})
-        graph.metadata = {**(graph.metadata or {}), SOURCE_VERSION_KEY: version}
+        if predates_v_reset(version):  # what the reader needs to know of an older file's meaning
+            graph.metadata = {**(graph.metadata or {}), SOURCE_VERSION_KEY: version}
     except Exception as exc:  # nir raises ValueError, KeyError, TypeError, AssertionError
         raise NIRError(f"{where}: nir {nir.__version__} cannot build the graph: "
                        f"{type(exc).__name__}: {exc}") from exc

@@ -24,9 +24,10 @@ says: ``v > v_threshold``.
 Files older than the reset value. Up to nir 1.0.5 (files whose ``version`` is below 1.0.6,
 e.g. ``0.2.0`` from nir <= 1.0.4) ``IF`` was documented as resetting by subtraction
 (``v - v_threshold``) and had no ``v_reset``; nir 1.0.8's reader fills in ``v_reset = 0``,
-which would silently turn those networks into reset-to-zero ones. The file reader records the
-file's version under :data:`SOURCE_VERSION_KEY` in the graph metadata, and
-:func:`predates_v_reset` tells the graph reader to apply (or refuse) that older meaning.
+which would silently turn those networks into reset-to-zero ones. The file reader refuses such
+an IF with :func:`legacy_if_reason` and records an older file's version under
+:data:`SOURCE_VERSION_KEY` in the graph metadata, from which :func:`predates_v_reset` tells the
+graph reader to apply (or refuse) that older meaning.
 
 Time step. NIR is continuous time; a reader picks ``dt``. snnconv's neurons integrate their
 input once per step with gain 1, i.e. ``r * dt = 1`` (:func:`integration_gain`): snnconv's own

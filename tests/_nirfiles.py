@@ -7,7 +7,7 @@ from typing import Any
 import nir
 import numpy as np
 
-from snnconv.nirformat import fire_threshold, graph_metadata, neuron_metadata
+from snnconv.nirformat import fire_threshold, graph_metadata, neuron_metadata, spec_threshold
 
 
 def tiny_graph(reset: str = "subtract", T: int = 4, hidden: int = 4) -> nir.NIRGraph:
@@ -25,12 +25,12 @@ def tiny_graph(reset: str = "subtract", T: int = 4, hidden: int = 4) -> nir.NIRG
     if reset == "subtract":
         nodes["n1"] = nir.I(r=np.ones(hidden, np.float32),
                             metadata=neuron_metadata("subtract", 0.5, False))
-        nodes["n1_fire"] = nir.Threshold(fire_threshold(theta, np.float32(0.5)))
+        nodes["n1_fire"] = nir.Threshold(spec_threshold(fire_threshold(theta, np.float32(0.5))))
         nodes["n1_reset"] = nir.Scale(-theta)
         edges += [("fc1", "n1"), ("n1", "n1_fire"), ("n1_fire", "n1_reset"), ("n1_reset", "n1"),
                   ("n1_fire", "fc2")]
     else:
-        nodes["n1"] = nir.IF(r=np.ones(hidden, np.float32), v_threshold=theta,
+        nodes["n1"] = nir.IF(r=np.ones(hidden, np.float32), v_threshold=spec_threshold(theta),
                              v_reset=np.zeros(hidden, np.float32),
                              metadata=neuron_metadata("zero", 0.0, False))
         edges += [("fc1", "n1"), ("n1", "fc2")]
