@@ -1,7 +1,8 @@
 """snnconv's NIR encoding, defined once: the writer (:mod:`snnconv.nir_io`) and the reader every
 executor shares (:mod:`snnconv_backends.nirgraph`) both use these names and functions.
 
-A leaf module (numpy only), so that the backends can import it without loading a stage.
+A leaf module (numpy and snnconv.errors only), so that the backends can import it without loading
+a stage.
 
 Graph metadata: ``{"producer": "snnconv", "snnconv_format": FORMAT_VERSION, "T": T,
 "reset": "subtract" | "zero", "encoding": "direct", "readout": "mean_over_T"}``.
