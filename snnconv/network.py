@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import CheckpointError, UnsupportedModelError
+from .errors import CheckpointError, DataError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
 from .neuron import IFNeuron, Scale, TimeExpand, neurons
@@ -88,6 +88,10 @@ class SpikingNetwork(nn.Module):
                 m.T = value
 
     def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise DataError(f"the input holds {int((~torch.isfinite(x)).sum())} NaN or infinite "
+                            f"value(s) (shape {tuple(x.shape)}); give finite values (check the data "
+                            "and its preprocessing)")
         parts = [x]
         old = self.T
         self.T = T

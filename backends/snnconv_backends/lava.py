@@ -29,7 +29,7 @@ from snnconv.errors import BackendError
 
 from . import loihi2
 from .loihi2.simulate import connection_synops, static_eval
-from .registry import Backend, Program, RunResult
+from .registry import Backend, Program, RunResult, parse_graph
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 
@@ -231,5 +231,5 @@ class LavaBackend(Backend):
             raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
         opts = dict(_OPTIONS)
         opts.update(options)
-        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"]),
+        return LavaProgram(loihi2.quantize(parse_graph(graph, self.name), split_signs=bool(opts["split_signs"]),
                                            weight_groups=opts["weight_groups"]), opts)

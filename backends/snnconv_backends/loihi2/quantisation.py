@@ -10,7 +10,8 @@ import numpy as np
 
 from snnconv.errors import BackendError
 
-from ..nirgraph import ParsedGraph, parse
+from ..nirgraph import ParsedGraph
+from ..registry import parse_graph
 from .chip import CLOCK, FIRST_VTH, LOIHI
 from .mapping import Mapper, chain_kind, compose, fanout, pool_then_conv
 from .network import Connection, Population, QuantizedNetwork, per_neuron_values
@@ -169,10 +170,10 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
 
     Raises:
         BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
-            bit budget cannot represent.
-        NIRError: the graph is malformed.
+            bit budget cannot represent, or a graph the strict reader refuses (a node type it
+            does not run, a malformed graph: the reader's NIRError is the cause).
     """
-    g = graph if isinstance(graph, ParsedGraph) else parse(graph)
+    g = graph if isinstance(graph, ParsedGraph) else parse_graph(graph, "loihi2-sim")
     mp = Mapper(g)
     targets = [op for op in g.ops if op.kind in ("neuron", "output")]
     if not g.neurons:
