@@ -19,10 +19,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import CheckpointError, DataError, UnsupportedModelError
+from .errors import CheckpointError, ConfigError, DataError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
-from .neuron import IFNeuron, Scale, TimeExpand, neurons
+from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
@@ -41,7 +41,7 @@ CHUNK_BYTES = 16 * 2**20
 def check_T(T: Any, name: str = "T (number of time steps)") -> None:
     """Refuse a step count that is not an integer >= 1 (``ValueError`` naming ``name``)."""
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {T!r}")
+        raise ConfigError(f"{name} must be an integer >= 1, got {T!r}")
 
 
 def images_per_chunk(chunk_size: int, T: int, per_image: int) -> int:
@@ -84,7 +84,7 @@ class SpikingNetwork(nn.Module):
         value = int(value)
         self._T = value
         for m in self.net.modules():
-            if isinstance(m, (IFNeuron, TimeExpand)):
+            if isinstance(m, (IFNeuron, LeakyNeuron, TimeExpand)):
                 m.T = value
 
     def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:

@@ -41,13 +41,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import NIRError
+from .errors import ConfigError, NIRError
 from .graph import describe_node, module_of
 from .meta import atomic_write_bytes
 from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SUM_OP, fire_threshold,
                         graph_metadata, neuron_metadata, v_init_metadata)
 from .network import SpikingNetwork, check_T
-from .neuron import IFNeuron, Scale, TimeExpand
+from .neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
 from .replace import insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
@@ -426,10 +426,14 @@ def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
         v0 = p.get("v_init")
         return IFNeuron(theta, T, reset=p["reset"],
                         v_init=None if v0 is None else torch.from_numpy(np.array(v0, dtype=np.float32)))
+    if op.kind in LEAKY_KINDS:  # NIR's LIF, CubaLIF, LI: Euler coefficients at the reading's dt
+        from snnconv_backends.nirleaky import leaky_params
+
+        return LeakyNeuron(op.kind, leaky_params(p), T)
     return None  # input, output, sum
 
 
-def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
+def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> SpikingNetwork:
     """A :class:`SpikingNetwork` that computes ``graph`` exactly (bit for bit what was exported).
 
     The network has the modules ``convert`` produces (Conv/Linear/AvgPool/Flatten/Scale/
@@ -439,13 +443,15 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
     Args:
         graph: a ``nir.NIRGraph`` that :func:`snnconv_backends.nirgraph.parse` accepts.
         T: time steps; default the T recorded in the graph's metadata, else 8.
+        dt: the time step the graph is read at (an integrator with resistance ``r`` must have
+            ``r * dt = 1``; spikingjelly's default export has ``r = 1e4``: ``dt=1e-4``).
 
     Raises:
         NIRError: the graph is not one snnconv can run exactly (named node or edge).
     """
     from snnconv_backends.nirgraph import parse
 
-    parsed = parse(graph)
+    parsed = parse(graph, dt=dt)
     T = (parsed.T or 8) if T is None else T
     check_T(T)
     T = int(T)
@@ -481,7 +487,7 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
 
 
 _NIR_TYPES = {"Input", "Output", "Conv1d", "Conv2d", "Affine", "Linear", "AvgPool2d", "SumPool2d",
-              "Flatten", "Scale", "I", "IF", "Threshold"}
+              "Flatten", "Scale", "I", "IF", "Threshold", "LIF", "CubaLIF", "LI"}
 
 
 def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str | None = "gzip") -> None:
@@ -497,7 +503,7 @@ def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str |
     from snnconv_backends.nirgraph import parse
 
     if compression not in ("gzip", "lzf", None):
-        raise ValueError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
+        raise ConfigError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
     parse(graph)
     buf = io.BytesIO()
     try:

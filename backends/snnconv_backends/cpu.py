@@ -34,7 +34,9 @@ _OPTIONS = {
     "chunk_size": 256,      # time-folded samples per chunk, as SpikingNetwork.chunk_size (0: none)
     "threads": None,        # torch threads during run (None: leave torch's setting)
     "neuron": "loop",       # "loop": in-place torch ops; "compiled": one fused kernel per neuron
-}                           # layer through torch.compile (needs a C++ compiler; compiles once)
+                            # layer through torch.compile (needs a C++ compiler; compiles once)
+    "dt": 1.0,              # the time step the graph is read at (r * dt = 1; nirgraph.parse)
+}
 _NEURON = ("loop", "compiled")
 
 
@@ -144,7 +146,8 @@ class CPUBackend(Backend):
     Options: ``dtype`` ("float32" or "float64"), ``chunk_size`` (time-folded samples per
     chunk; keep SpikingNetwork's 256 for bit identity), ``threads``, ``neuron`` ("loop", or
     "compiled": a fused torch.compile kernel per neuron layer, several times faster once
-    compiled, same bits).
+    compiled, same bits), ``dt`` (the time step the graph is read at, default 1: NIR is
+    continuous time and an integrator with resistance ``r`` needs ``r * dt = 1``).
     """
 
     name = "cpu"
@@ -171,5 +174,5 @@ class CPUBackend(Backend):
             raise BackendError(f"backend 'cpu': threads must be None or an integer >= 1, got {threads!r}")
         if opts["neuron"] not in _NEURON:
             raise BackendError(f"backend 'cpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
-        return compile_parsed(parse_graph(graph, self.name), dtype=dtype, chunk_size=chunk,
+        return compile_parsed(parse_graph(graph, self.name, opts["dt"]), dtype=dtype, chunk_size=chunk,
                               threads=threads, neuron=opts["neuron"])

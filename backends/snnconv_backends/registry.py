@@ -74,10 +74,10 @@ def check_finite(x: torch.Tensor, backend: str) -> None:
                            "data and its preprocessing)")
 
 
-def parse_graph(graph: Any, backend: str):
-    """``graph`` (a ``nir.NIRGraph``) read by the strict reader; what it refuses (a node type or
-    parameter no executor runs, a malformed graph) is a ``BackendError`` naming ``backend``, the
-    reader's ``NIRError`` its cause."""
+def parse_graph(graph: Any, backend: str, dt: Any = 1.0):
+    """``graph`` (a ``nir.NIRGraph``) read by the strict reader at time step ``dt``; what it
+    refuses (a node type or parameter no executor runs, a malformed graph) is a
+    ``BackendError`` naming ``backend``, the reader's ``NIRError`` its cause."""
     import nir
 
     from snnconv.errors import NIRError
@@ -88,7 +88,7 @@ def parse_graph(graph: Any, backend: str):
         raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
                            " (read a file with nir.read or snnconv.nir_io.load_nir)")
     try:
-        return parse(graph)
+        return parse(graph, dt=dt)
     except NIRError as exc:
         raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 

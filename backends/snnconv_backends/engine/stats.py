@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from snnconv.energy import conv_macs, linear_macs
 
+from ..nirleaky import SPIKING
 from .ops import PASS, WEIGHTED, flatten_dims
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _sources(op: Any, by_name: dict[str, Any]) -> list[tuple[str, list[Any]]]:
 
     def walk(name: str, chain: list[Any]) -> None:
         src = by_name[name]
-        if src.kind == "neuron":
+        if src.kind in SPIKING:
             found.append((src.name, chain))
         elif src.kind in PASS:
             for i in src.inputs:

@@ -11,7 +11,7 @@ import torch
 
 from snnconv.errors import BackendError
 
-from ..registry import Backend, Program, RunResult, check_finite
+from ..registry import Backend, Program, RunResult, check_finite, parse_graph
 from .chip import STEP_SECONDS
 from .network import QuantizedNetwork
 from .quantisation import quantize
@@ -22,7 +22,7 @@ __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
 #: The options of ``loihi2-sim`` and their defaults.
 OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
-           "weight_bits": 8, "split_signs": True, "weight_groups": 1}
+           "weight_bits": 8, "split_signs": True, "weight_groups": 1, "dt": 1.0}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,6 +115,6 @@ class Loihi2SimBackend(Backend):
 
     def compile(self, graph: Any, **options: Any) -> Loihi2Program:
         opts = _check_options(self.name, options)
-        return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"],
+        return Loihi2Program(quantize(parse_graph(graph, self.name, opts["dt"]), weight_bits=opts["weight_bits"],
                                       split_signs=bool(opts["split_signs"]),
                                       weight_groups=opts["weight_groups"]), opts)
