@@ -8,7 +8,9 @@ steps); the result keeps each population's own ``T`` steps, so it compares step 
 ``loihi2-sim``. Membrane voltages and spikes of every population are in ``extra["trace"]``.
 
 Lava is the reference, not the workhorse: it runs one Python process per Lava process and
-expands convolutions into (sparse) weight matrices, so keep networks and batches small.
+expands convolutions into (sparse) weight matrices, so keep networks and batches small. A run
+that ends early (Ctrl-C, SIGTERM in snnconv's CLI, a timeout, the caller killed) stops every
+process Lava started and leaves no shared memory or temporary file behind (:func:`run_worker`).
 """
 
 from __future__ import annotations

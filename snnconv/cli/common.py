@@ -299,7 +299,7 @@ class Heartbeat:
         self.desc, self.total, self.unit = desc, int(total), unit
         self.interval, self.quiet, self.file = float(interval), quiet, file
         self.done = 0
-        self.start = time.monotonic()
+        self.start = self._updated = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -308,18 +308,21 @@ class Heartbeat:
 
     def line(self) -> str:
         """``"32/449 images, 1 min 05 s elapsed, about 12 min left"``."""
-        elapsed = time.monotonic() - self.start
-        text = f"{self.done}/{self.total} {self.unit}, {duration(elapsed)} elapsed"
-        if self.done:
-            text += f", about {duration(elapsed / self.done * (self.total - self.done))} left"
+        now = time.monotonic()
+        text = f"{self.done}/{self.total} {self.unit}, {duration(now - self.start)} elapsed"
+        if self.done:  # at the pace measured up to the last update, less the time since then
+            at_update = self._updated - self.start
+            left = at_update / self.done * (self.total - self.done) - (now - self._updated)
+            text += f", about {duration(max(left, 0.0))} left"
         return text
 
     def update(self, n: int) -> None:
         """``n`` more items done; after the first step, the estimate for the whole loop."""
         first = self.done == 0
         self.done += int(n)
+        self._updated = time.monotonic()
         if first and not self.quiet and self.done < self.total:
-            elapsed = time.monotonic() - self.start
+            elapsed = self._updated - self.start
             whole = elapsed / self.done * self.total
             if whole > self.interval:
                 self._print(f"the first {self.done} {self.unit} took {duration(elapsed)}: about "
