@@ -17,7 +17,9 @@ Counting convention (the usual one in the conversion literature):
 - ``macs`` is what the ANN does in the same layer for the same batch (per image x B, once).
 
 Energy per operation: :data:`~snnconv.energy.E_MAC_PJ` per 32-bit float MAC and
-:data:`~snnconv.energy.E_AC_PJ` per AC (45 nm CMOS, Horowitz, ISSCC 2014). It is an estimate of
+:data:`~snnconv.energy.E_AC_PJ` per AC (45 nm CMOS, Horowitz, ISSCC 2014); the ANN's MACs are
+its synapses (:func:`~snnconv.energy.conv_macs`: padding excluded), and energies compare as
+SNN / ANN. It is an estimate of
 arithmetic only (no memory traffic, no routing); a backend that models a chip reports its own
 numbers in ``RunResult.extra``.
 """
@@ -32,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .data import first_batch
-from .energy import E_AC_PJ, E_MAC_PJ
+from .energy import E_AC_PJ, E_MAC_PJ, conv_macs, linear_macs
 from .metrics import accuracy_by_T
 from .network import SpikingNetwork, check_T
 from .neuron import IFNeuron, TimeExpand, neurons
@@ -75,7 +77,7 @@ class SpikeAnalysis:
     raster: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def energy(self, e_mac_pj: float = E_MAC_PJ, e_ac_pj: float = E_AC_PJ) -> dict[str, float]:
-        """Arithmetic energy per inference (pJ per image): SNN, ANN, and their ratio."""
+        """Arithmetic energy per inference (pJ per image): SNN, ANN, and ``ratio`` = SNN / ANN."""
         snn = (sum(self.static_macs.values()) * e_mac_pj + sum(self.synops.values()) * e_ac_pj) / self.batch
         ann = sum(self.macs.values()) * e_mac_pj / self.batch
         return {"snn_pj": snn, "ann_pj": ann, "ratio": snn / ann if ann else float("nan"),
@@ -107,8 +109,16 @@ def _events(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _macs_per_image(layer: nn.Module, x: torch.Tensor) -> float:
-    """Multiply-accumulates of ``layer`` for one image of the shape of ``x[0]``."""
-    return float(_events(layer, torch.ones_like(x[:1], dtype=torch.float32)))
+    """Multiply-accumulates of ``layer`` for one image of the shape of ``x[0]``: its synapses
+    (:func:`snnconv.energy.conv_macs`, the count every backend reports too)."""
+    if isinstance(layer, nn.Linear):
+        return float(linear_macs(tuple(layer.weight.shape)))
+    padding = layer.padding
+    if isinstance(padding, str):  # "valid" or "same" (torch pads the odd remainder after)
+        total = [d * (k - 1) for d, k in zip(layer.dilation, layer.kernel_size)]
+        padding = [(0, 0) if layer.padding == "valid" else (t // 2, t - t // 2) for t in total]
+    return float(conv_macs(tuple(x.shape[1:]), tuple(layer.weight.shape), layer.stride, padding,
+                           layer.dilation))
 
 
 def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,

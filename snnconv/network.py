@@ -100,6 +100,10 @@ class SpikingNetwork(nn.Module):
                             f"(presented at each of the T steps); got an input of shape "
                             f"{tuple(x.shape)}. A sequence [T, B, ...] runs on a backend: "
                             "snnconv.backends.get('cpu').compile(export_nir(snn)).run(x)")
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise DataError(f"the input holds {int((~torch.isfinite(x)).sum())} NaN or infinite "
+                            f"value(s) (shape {tuple(x.shape)}); give finite values (check the data "
+                            "and its preprocessing)")
         parts = [x]
         old = self.T
         self.T = T

@@ -48,7 +48,7 @@ def test_run_accuracy_is_the_cpu_backend_accuracy(digits_nir, digits_data, capsy
     (["--option", "fast=1"], "no option 'fast'"),
     (["--option", "fast"], "is not KEY=VALUE"),
     (["--data", "fashion_mnist", "--data-root", "/nonexistent"], "Fashion-MNIST"),
-    (["--T", "0"], "T (number of time steps) must be an integer >= 1"),
+    (["--T", "0"], "argument --T: expected an integer >= 1, got '0'"),
 ])
 def test_run_bad_input_exits_2_with_one_line(digits_nir, argv, message, capsys):
     assert main(["run", str(digits_nir), "--limit", "8"] + argv) == 2

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from snnconv.errors import BackendError, NIRError
+from snnconv.errors import BackendError
 
 from .engine import Plan, Stats, check_options, check_T, compiled_loop
-from .registry import Backend, Program, RunResult
+from .registry import Backend, Program, RunResult, parse_graph
 
-__all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed"]
+__all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed", "parse_graph"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -39,20 +39,6 @@ _OPTIONS = {
     "compare": None,        # IF nodes stating no comparison: None (NIR's ">") or ">="
 }
 _NEURON = ("loop", "compiled")
-
-
-def parse_graph(graph: Any, backend: str, dt: Any = 1.0, compare: Any = None):
-    import nir
-
-    from .nirgraph import parse
-
-    if not isinstance(graph, nir.NIRGraph):
-        raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
-                           " (read a file with nir.read or snnconv.nir_io.load_nir)")
-    try:
-        return parse(graph, dt=dt, compare=compare)
-    except NIRError as exc:  # what the strict reader refuses, no executor can run
-        raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 
 
 def dtype_option(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:

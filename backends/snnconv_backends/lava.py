@@ -8,7 +8,9 @@ steps); the result keeps each population's own ``T`` steps, so it compares step 
 ``loihi2-sim``. Membrane voltages and spikes of every population are in ``extra["trace"]``.
 
 Lava is the reference, not the workhorse: it runs one Python process per Lava process and
-expands convolutions into (sparse) weight matrices, so keep networks and batches small.
+expands convolutions into (sparse) weight matrices, so keep networks and batches small. A run
+that ends early (Ctrl-C, SIGTERM in snnconv's CLI, a timeout, the caller killed) stops every
+process Lava started and leaves no shared memory or temporary file behind (:func:`run_worker`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ from snnconv.errors import BackendError
 
 from . import loihi2
 from .loihi2.simulate import connection_synops, static_eval
-from .cpu import parse_graph
-from .registry import Backend, Program, RunResult
+from .registry import Backend, Program, RunResult, parse_graph
 
-__all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
+__all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_group", "WORKER"]
 
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
@@ -84,6 +85,78 @@ def _address_space(gb: float):
         resource.setrlimit(resource.RLIMIT_AS, (n, n))
 
     return limit
+
+
+def run_worker(cmd: list[str], workdir: str, *, timeout: float, grace: float = 10.0,
+               preexec_fn: Any = None) -> tuple[int, str]:
+    """Run the Lava worker ``cmd`` in a session of its own; return ``(exit code, its stderr)``.
+
+    Lava forks one process per Lava process, and their shared memory lives in ``/dev/shm``.
+    However the wait ends early (past ``timeout``: ``BackendError``; Ctrl-C, SIGTERM in
+    snnconv's CLI, any exception: re-raised), the worker's whole process group is stopped
+    first (:func:`stop_group`), so nothing of the run outlives the call. The worker's stdin is
+    a pipe held open for the run: a worker started with ``--exit-with-parent`` ends its group
+    when it closes, so the run also ends if this process is killed outright. Its stderr goes
+    to ``workdir/worker.log``, and its temporary files (multiprocessing's ``pymp-*`` folders)
+    into ``workdir`` (its ``TMPDIR``), which the caller removes.
+    """
+    log = os.path.join(workdir, "worker.log")
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err,
+                                start_new_session=True, preexec_fn=preexec_fn,
+                                env={**os.environ, "TMPDIR": workdir})
+    try:
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            stop_group(proc, grace)
+            raise BackendError(f"lava: the Lava run took more than {exc.timeout:.0f} s; use a "
+                               "smaller batch or network, or a larger timeout= option") from None
+        except BaseException:
+            stop_group(proc, grace)
+            raise
+    finally:
+        proc.stdin.close()
+    with open(log) as f:
+        return code, f.read()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - a member we cannot signal is still there
+        return True
+    return True
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """Stop the worker ``proc`` and every process of its group (its session).
+
+    SIGTERM first: Lava's processes exit and multiprocessing's resource tracker (which ignores
+    SIGTERM) unlinks the shared memory they leave; SIGKILL whatever still runs after ``grace``
+    seconds (or at a second Ctrl-C). Returns once the worker is reaped.
+    """
+    pgid = proc.pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    deadline = time.monotonic() + grace
+    try:
+        while proc.poll() is None or _group_alive(pgid):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:  # past the grace period, or interrupted again
+        if _group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
 
 
 class LavaProgram(Program):
@@ -149,22 +222,12 @@ class LavaProgram(Program):
         with tempfile.TemporaryDirectory(prefix="snnconv-lava-") as tmp:
             job, out = os.path.join(tmp, "job.npz"), os.path.join(tmp, "result.npz")
             np.savez(job, spec=np.array(json.dumps(spec)), **arrays)
-            # a session of its own: on timeout the whole group (Lava forks one process per
-            # Lava process) is killed, not just the worker
             limit = self.options["max_memory_gb"]
-            proc = subprocess.Popen([str(python), str(WORKER), job, out], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                    preexec_fn=None if limit is None else _address_space(float(limit)))
-            try:
-                _, stderr = proc.communicate(timeout=float(self.options["timeout"]))
-            except subprocess.TimeoutExpired as exc:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                raise BackendError(f"lava: the Lava run took more than {exc.timeout:.0f} s; use a "
-                                   "smaller batch or network, or a larger timeout= option") from exc
-            if proc.returncode != 0 or not os.path.exists(out):
-                raise BackendError(f"lava: the Lava worker failed (exit {proc.returncode}):\n"
-                                   f"{stderr.strip()[-2000:]}")
+            code, stderr = run_worker([str(python), str(WORKER), job, out, "--exit-with-parent"], tmp,
+                                      timeout=float(self.options["timeout"]),
+                                      preexec_fn=None if limit is None else _address_space(float(limit)))
+            if code != 0 or not os.path.exists(out):
+                raise BackendError(f"lava: the Lava worker failed (exit {code}): {stderr.strip()[-2000:]}")
             with np.load(out, allow_pickle=False) as res:
                 data = {k: res[k] for k in res.files}
         res = self._result(data, spec, T, x.shape[0], clipped)

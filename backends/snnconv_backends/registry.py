@@ -23,7 +23,7 @@ import torch
 from snnconv.errors import BackendError
 
 __all__ = ["Backend", "Program", "RunResult", "BUILTINS", "ENTRY_POINT_GROUP", "available", "get",
-           "names"]
+           "names", "check_finite", "parse_graph"]
 
 #: Built-in backends, imported only when asked for.
 BUILTINS: dict[str, str] = {
@@ -63,6 +63,37 @@ class RunResult:
         return self.outputs.mean(0)
 
 
+def check_finite(x: torch.Tensor, backend: str) -> None:
+    """Refuse an input holding NaN or infinite values (``BackendError`` with their count and the
+    first one's index): a spiking network would turn them into ordinary-looking outputs."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise BackendError(f"backend {backend!r}: the input holds {int(bad.sum())} NaN or infinite "
+                           f"value(s), the first at index {first}; give finite values (check the "
+                           "data and its preprocessing)")
+
+
+def parse_graph(graph: Any, backend: str, dt: Any = 1.0, compare: Any = None):
+    """``graph`` (a ``nir.NIRGraph``) read by the strict reader at time step ``dt`` (and the
+    IF comparison ``compare``: None, the file's or the spec's; see ``nirgraph.parse``); what it
+    refuses (a node type or parameter no executor runs, a malformed graph) is a
+    ``BackendError`` naming ``backend``, the reader's ``NIRError`` its cause."""
+    import nir
+
+    from snnconv.errors import NIRError
+
+    from .nirgraph import parse
+
+    if not isinstance(graph, nir.NIRGraph):
+        raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
+                           " (read a file with nir.read or snnconv.nir_io.load_nir)")
+    try:
+        return parse(graph, dt=dt, compare=compare)
+    except NIRError as exc:
+        raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
+
+
 class Program(abc.ABC):
     """A graph compiled for one backend; :meth:`run` may be called many times."""
 
@@ -71,7 +102,8 @@ class Program(abc.ABC):
         """Run ``T`` steps on ``x``: a static batch ``[B, ...]`` (direct encoding) or ``[T, B, ...]``.
 
         Raises:
-            BackendError: ``x`` has the wrong shape or dtype, or ``T < 1``.
+            BackendError: ``x`` has the wrong shape or dtype, an empty batch, NaN or infinite
+                values, or ``T < 1``.
         """
 
 
@@ -91,7 +123,7 @@ class Backend(abc.ABC):
 
         Raises:
             BackendError: a node or an option this backend does not support (named), or a
-                malformed graph.
+                malformed graph (never ``NIRError``: see :func:`parse_graph`).
         """
 
 

@@ -7,16 +7,23 @@
     snnconv report runs/d                              one HTML page with every plot
 
 Exit codes: 0 success, 1 a check failed (``check``: BatchNorm remains), 2 a usage or input
-error (one line on stderr, no traceback).
+error, 3 an unexpected error (out of memory, say), 130 interrupted (Ctrl-C), 143 terminated
+(SIGTERM). Every error is one line on stderr, ``snnconv COMMAND: error: ...``, without a
+traceback or terminal escape codes (``SNNCONV_TRACEBACK=1`` shows the traceback of an
+unexpected error). On Ctrl-C or SIGTERM, what a command started (Lava's worker processes,
+temporary files) is cleaned up before it exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import threading
 
 from . import check, convert, evaluate, nir
-from .common import Parser, UsageError, parents
+from .common import Parser, UsageError, one_line, parents
 
 __all__ = ["main", "build_parser"]
 
@@ -36,20 +43,50 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub, pa)
+    parser.commands = sub.choices  # name -> the subcommand's parser
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so that its cleanup runs as for Ctrl-C."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; return its exit code (0 ok, 1 a check failed, 2 usage or input error)."""
+    """Run one command; return its exit code (0 ok, 1 a check failed, 2 usage or input error,
+    3 unexpected error, 130 interrupted, 143 terminated)."""
     from ..errors import SnnconvError
 
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors: argparse prints one line and exits 2
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the subcommand, whose flags they are not
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version (0) or a usage error (argparse printed one line: 2)
+        return exc.code if isinstance(exc.code, int) else 2
+    where = f"snnconv {args.command}"
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return args.func(args)
     except (UsageError, SnnconvError, OSError, ValueError) as exc:
-        print(f"snnconv {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{where}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"{where}: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
-        print(f"snnconv {args.command}: interrupted", file=sys.stderr)
+        print(f"{where}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug, or the machine (out of memory): still one line
+        if os.environ.get("SNNCONV_TRACEBACK"):
+            raise
+        print(f"{where}: error: unexpected {type(exc).__name__}: {one_line(exc)[:500]} "
+              "(SNNCONV_TRACEBACK=1 shows where)", file=sys.stderr)
+        return 3
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)

@@ -2,49 +2,41 @@
 
 from __future__ import annotations
 
-import sys
-
-from .common import add_command, load_model
+from .common import UsageError, add_command, load_model
 
 __all__ = ["add_check"]
 
 
 def _cmd_check(args) -> int:
     from .. import models
-    from ..errors import BatchNormRemainsError, SnnconvError
     from ..fold import fold_batchnorm
     from ..guards import find_batchnorm
 
     in_channels = args.in_channels or 3
     after = " after folding" if args.fold else ""
     targets = []
-    try:
-        if args.zoo:
-            for name in models.names():
-                targets.append((f"zoo:{name}", models.get(name, in_channels=in_channels,
-                                                          num_classes=args.num_classes)))
-        elif args.path:
-            targets.append((args.path, load_model(args.path, args.model, args.num_classes,
-                                                  in_channels, args.trust_pickle)))
+    if args.zoo:
+        for name in models.names():
+            targets.append((f"zoo:{name}", models.get(name, in_channels=in_channels,
+                                                      num_classes=args.num_classes)))
+    elif args.path:
+        targets.append((args.path, load_model(args.path, args.model, args.num_classes,
+                                              in_channels, args.trust_pickle, pickle_flag=True)))
+    else:
+        raise UsageError("give PATH (with --model NAME) or --zoo")
+    failed = False
+    for label, model in targets:
+        if args.fold:
+            model = fold_batchnorm(model)
+        offenders = find_batchnorm(model)
+        if offenders:
+            failed = True
+            print(f"FAIL {label}: {len(offenders)} BatchNorm(s) remain{after}:")
+            for o in offenders:
+                print(f"  - {o}")
         else:
-            print("snnconv check: give PATH (with --model NAME) or --zoo", file=sys.stderr)
-            return 2
-        failed = False
-        for label, model in targets:
-            if args.fold:
-                model = fold_batchnorm(model)
-            offenders = find_batchnorm(model)
-            if offenders:
-                failed = True
-                print(f"FAIL {label}: {len(offenders)} BatchNorm(s) remain{after}:")
-                for o in offenders:
-                    print(f"  - {o}")
-            else:
-                print(f"ok   {label}: no BatchNorm{after}")
-        return 1 if failed else 0
-    except (SnnconvError, BatchNormRemainsError, FileNotFoundError) as exc:
-        print(f"snnconv check: {exc}", file=sys.stderr)
-        return 2
+            print(f"ok   {label}: no BatchNorm{after}")
+    return 1 if failed else 0
 
 
 def add_check(sub, pa: dict) -> None:

@@ -7,17 +7,65 @@ import argparse
 import copy
 import json
 import os
+import re
+import sys
+import threading
+import time
 from typing import Any, Callable
 
 from ..data import DATASETS
 
 __all__ = ["UsageError", "Parser", "FLAGS", "PARENTS", "parents", "add_command", "say", "out_dir",
-           "write_json", "datasets", "loaders", "time_steps", "snn_path", "load_model",
-           "evaluation", "print_accuracy"]
+           "write_json", "datasets", "loaders", "time_steps", "snn_path", "nir_path", "load_model",
+           "evaluation", "print_accuracy", "one_line", "positive_int", "positive_float", "count", "duration",
+           "Heartbeat"]
 
 
 class UsageError(Exception):
     """A command line that cannot be acted on (exit 2, one line on stderr)."""
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def one_line(exc: BaseException | str) -> str:
+    """An error message as one line of plain text: terminal escape codes removed, whitespace
+    (newlines, tabs) collapsed."""
+    return " ".join(_ANSI.sub("", str(exc)).split())
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a time step)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def count(text: str) -> int:
+    """An argparse type: an integer >= 0 (epochs, steps)."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+    return value
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,15 +87,15 @@ FLAGS: dict[str, dict[str, Any]] = {
                    help="dataset (default digits, embedded; synthetic: CIFAR-shaped, made here)"),
     "--data-root": dict(help="folder of the dataset's files (Fashion-MNIST IDX, CIFAR-10)"),
     "--download": dict(action="store_true", help="download the dataset if missing"),
-    "--batch-size": dict(type=int, default=64, help="batch size (default 64)"),
-    "--limit": dict(type=int, help="use only the first N test images"),
-    "--train-limit": dict(type=int, help="use only the first N training images"),
+    "--batch-size": dict(type=positive_int, default=64, help="batch size (default 64)"),
+    "--limit": dict(type=positive_int, help="use only the first N test images"),
+    "--train-limit": dict(type=positive_int, help="use only the first N training images"),
     "--model": dict(help="zoo model name (small_cnn, resnet18, ...; see snnconv check --zoo)"),
-    "--num-classes": dict(type=int, default=10),
-    "--in-channels": dict(type=int, help="input channels (default: from the data, or 3)"),
-    "--T": dict(type=int, nargs="+", default=[1, 2, 4, 8],
+    "--num-classes": dict(type=positive_int, default=10),
+    "--in-channels": dict(type=positive_int, help="input channels (default: from the data, or 3)"),
+    "--T": dict(type=positive_int, nargs="+", default=[1, 2, 4, 8],
                 help="time steps; several values evaluate at each (default 1 2 4 8)"),
-    "--L": dict(type=int, default=None, help="QCFS quantisation levels (default: T)"),
+    "--L": dict(type=positive_int, default=None, help="QCFS quantisation levels (default: T)"),
 }
 
 #: The parents a command picks from: name -> (help group, flags of :data:`FLAGS`).
@@ -150,24 +198,58 @@ def snn_path(path: str, name: str = "snn.pt") -> str:
     return path
 
 
+def nir_path(path: str) -> str:
+    """A NIR file: the file itself, or ``snn.nir`` in a run folder (UsageError otherwise)."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "snn.nir")
+        if os.path.isfile(inside):
+            return inside
+        raise UsageError(f"{path} is a folder without snn.nir; give a NIR file, or a run folder "
+                         f"holding snn.nir (snnconv export {path} writes it)")
+    if not os.path.exists(path):
+        raise UsageError(f"{path} does not exist; give a NIR file (snnconv export writes one)")
+    return path
+
+
 def load_model(path: str, model_name: str | None, num_classes: int, in_channels: int,
-               trust_pickle: bool):
-    """A zoo model with the state dict at ``path``, or (``trust_pickle``) a whole pickled module."""
+               trust_pickle: bool, pickle_flag: bool = False):
+    """A zoo model with the state dict at ``path``, or (``trust_pickle``) a whole pickled module.
+
+    ``pickle_flag``: the command has ``--trust-pickle`` (its messages may point at it).
+    """
+    import pickle
+
     import torch
 
     from .. import models
     from ..errors import SnnconvError
 
+    if not os.path.isfile(path):
+        raise UsageError(f"{path} is a folder, not a saved model" if os.path.isdir(path)
+                         else f"{path} does not exist")
+    trusted = (" (or, for a file you trust, --trust-pickle without --model to unpickle it)"
+               if pickle_flag else "")
     if model_name:
         model = models.get(model_name, num_classes=num_classes, in_channels=in_channels)
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
+        except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+            if found is None:  # not a pickle of objects: a damaged or foreign file
+                raise SnnconvError(f"cannot read {path} as a torch file of tensors (it is damaged "
+                                   "or not a torch.save file)") from None
             raise SnnconvError(
-                f"cannot read {path} as a state dict ({type(exc).__name__}: {exc}). A whole pickled "
-                "module needs --trust-pickle (only for files you trust) and no --model.") from exc
+                f"{path} holds pickled Python objects ({found.group(1)}), not only tensors: a whole "
+                "saved module? It is not unpickled, because that would run code from the file. Save "
+                f"model.state_dict() with torch.save and give that file{trusted}") from None
+        except Exception as exc:
+            raise SnnconvError(f"cannot read {path} as a torch file of tensors ({type(exc).__name__}: "
+                               f"{one_line(exc)[:200]})") from None
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
+        if not isinstance(state, dict):
+            raise SnnconvError(f"{path} holds a {type(state).__name__}, not a state dict of "
+                               f"'{model_name}'; save model.state_dict() with torch.save")
         try:
             model.load_state_dict(state)
         except RuntimeError as exc:
@@ -175,15 +257,14 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
                                f"in_channels={in_channels}): {exc}") from exc
         return model
     if not trust_pickle:
-        raise SnnconvError(
-            f"{path}: give --model NAME (one of {models.names()}) to load a state dict safely, or "
-            "--trust-pickle to unpickle a whole saved module (this runs code from the file).")
+        raise UsageError(f"{path}: give --model NAME (one of {', '.join(models.names())}) to read it "
+                         f"as that model's state dict{trusted}")
     try:
         model = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise
     except Exception as exc:
-        raise SnnconvError(f"cannot unpickle {path} ({type(exc).__name__}: {exc})") from exc
+        raise SnnconvError(f"cannot unpickle {path} ({type(exc).__name__}: {one_line(exc)[:200]})") from None
     if not isinstance(model, torch.nn.Module):
         raise SnnconvError(f"{path} holds a {type(model).__name__}, not an nn.Module")
     return model
@@ -203,3 +284,75 @@ def print_accuracy(args, rows: list[tuple[str, float]]) -> None:
     say(args, f"\n{'':28}accuracy (%)")
     for name, value in rows:
         say(args, f"{name:28}{value:6.2f}")
+
+
+def duration(seconds: float) -> str:
+    """``"45 s"``, ``"3 min 20 s"``, ``"2 h 05 min"``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{max(seconds, 0):.0f} s" if seconds >= 1 else f"{max(seconds, 0):.1f} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+class Heartbeat:
+    """Progress of a long loop on stderr: a line every ``interval`` seconds (from a thread, so a
+    single long step still shows signs of life) and, once the first step is done, how long
+    the whole loop will take, when that is more than ``interval``. Nothing when ``quiet`` or
+    when the loop ends within ``interval``.
+
+        with Heartbeat("lava", total=449, unit="images") as beat:
+            for batch in batches:
+                ...
+                beat.update(len(batch))
+    """
+
+    def __init__(self, desc: str, total: int, *, unit: str = "images", interval: float = 5.0,
+                 quiet: bool = False, file: Any = None):
+        self.desc, self.total, self.unit = desc, int(total), unit
+        self.interval, self.quiet, self.file = float(interval), quiet, file
+        self.done = 0
+        self.start = self._updated = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _print(self, text: str) -> None:
+        print(f"{self.desc}: {text}", file=self.file if self.file is not None else sys.stderr, flush=True)
+
+    def line(self) -> str:
+        """``"32/449 images, 1 min 05 s elapsed, about 12 min left"``."""
+        now = time.monotonic()
+        text = f"{self.done}/{self.total} {self.unit}, {duration(now - self.start)} elapsed"
+        if self.done:  # at the pace measured up to the last update, less the time since then
+            at_update = self._updated - self.start
+            left = at_update / self.done * (self.total - self.done) - (now - self._updated)
+            text += f", about {duration(max(left, 0.0))} left"
+        return text
+
+    def update(self, n: int) -> None:
+        """``n`` more items done; after the first step, the estimate for the whole loop."""
+        first = self.done == 0
+        self.done += int(n)
+        self._updated = time.monotonic()
+        if first and not self.quiet and self.done < self.total:
+            elapsed = self._updated - self.start
+            whole = elapsed / self.done * self.total
+            if whole > self.interval:
+                self._print(f"the first {self.done} {self.unit} took {duration(elapsed)}: about "
+                            f"{duration(whole)} for all {self.total} (--limit N runs fewer)")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._print(self.line())
+
+    def __enter__(self) -> "Heartbeat":
+        if not self.quiet:
+            self._thread = threading.Thread(target=self._beat, name="snnconv-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

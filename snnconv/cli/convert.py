@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import os
 
-from .common import (UsageError, add_command, evaluation, load_model, loaders, out_dir, print_accuracy,
-                     say, snn_path, time_steps, write_json)
+from .common import (UsageError, add_command, count, evaluation, load_model, loaders, out_dir,
+                     positive_int, print_accuracy, say, snn_path, time_steps, write_json)
 
 __all__ = ["add_demo", "add_convert", "add_finetune"]
 
@@ -142,12 +142,12 @@ def add_convert(sub, pa: dict) -> None:
     p = add_command(sub, "convert", "train or load an ANN, convert it to an SNN, evaluate it by T", example,
                     [pa["common"], pa["data"], pa["model"], pa["time"], pa["levels"]], _cmd_convert)
     p.add_argument("--weights", help="a trained state dict of --model (torch.load weights_only)")
-    p.add_argument("--train-epochs", type=int, default=0, help="train --model here for N epochs first")
+    p.add_argument("--train-epochs", type=count, default=0, help="train --model here for N epochs first")
     p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
-    p.add_argument("--finetune-epochs", type=int, default=None,
+    p.add_argument("--finetune-epochs", type=count, default=None,
                    help="BPTT epochs, at most 2000 steps each (default: convert()'s, one at T <= 8; "
                         "0 converts without training)")
-    p.add_argument("--qcfs-epochs", type=int, default=None,
+    p.add_argument("--qcfs-epochs", type=count, default=None,
                    help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
                         "became average pooling)")
     g = p.add_mutually_exclusive_group()
@@ -162,15 +162,15 @@ def add_finetune(sub, pa: dict) -> None:
                     "snnconv finetune runs/d --data digits --T 2 4 8 --train-T 4 --epochs 2",
                     [pa["common"], pa["data"], pa["model"], pa["time"]], _cmd_finetune)
     p.add_argument("snn", help="a saved SNN (snn.pt) or the run folder holding it")
-    p.add_argument("--train-T", type=int, default=4,
+    p.add_argument("--train-T", type=positive_int, default=4,
                    help="the T to fine-tune for (default 4): convert()'s recipe unrolls 2T steps "
                         "and trains the readouts at T/2, T and 2T")
     p.add_argument("--teacher", help="the ANN to distil from, a state dict of --model (default: the "
                                      "run folder's ann.pt where --model is given)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=count, default=1)
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--alpha", type=float, default=4.0,
                    help="ATan surrogate sharpness (default 4)")
     p.add_argument("--freeze-thresholds", action="store_true", help="keep the thresholds fixed")
-    p.add_argument("--max-steps", type=int, help="at most N steps per epoch (default 2000)")
+    p.add_argument("--max-steps", type=positive_int, help="at most N steps per epoch (default 2000)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/finetune/finetune.ckpt")

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 from ..energy import E_AC_PJ, E_MAC_PJ
-from .common import UsageError, add_command, snn_path, write_json
+from .common import Heartbeat, UsageError, add_command, nir_path, positive_float, positive_int, snn_path, write_json
 
 __all__ = ["add_export", "add_inspect", "add_run", "add_backends"]
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -28,25 +23,20 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def _cmd_export(args) -> int:
     """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
-    from ..errors import SnnconvError
     from ..nir_io import export_nir, save_nir
     from ..network import SpikingNetwork
 
-    try:
-        args.network = snn_path(args.network)
-        args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
-        snn = SpikingNetwork.load(args.network)
-        shape = None
-        if args.input_shape:
-            try:
-                shape = tuple(int(v) for v in args.input_shape.split(","))
-            except ValueError:
-                raise SnnconvError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
-        graph = export_nir(snn, input_shape=shape)
-        save_nir(graph, args.out)
-    except (SnnconvError, OSError, UsageError) as exc:
-        print(f"snnconv export: {_one_line(exc)}", file=sys.stderr)
-        return 2
+    args.network = snn_path(args.network)
+    args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
+    shape = None
+    if args.input_shape:
+        try:
+            shape = tuple(int(v) for v in args.input_shape.split(","))
+        except ValueError:
+            raise UsageError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
+    snn = SpikingNetwork.load(args.network)
+    graph = export_nir(snn, input_shape=shape)
+    save_nir(graph, args.out)
     neurons = sum(1 for n in graph.nodes.values() if type(n).__name__ in ("I", "IF"))
     print(f"wrote {args.out}: {len(graph.nodes)} nodes, {len(graph.edges)} edges, {neurons} neuron "
           f"layers, reset={graph.metadata['reset']}, T={graph.metadata['T']}, "
@@ -88,15 +78,11 @@ def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
 
 def _cmd_inspect(args) -> int:
     """``snnconv inspect FILE.nir``: one row per op (node, type, shape, thresholds, parameters)."""
-    from ..errors import SnnconvError
     from ..nir_io import load_nir
 
-    try:
-        graph = load_nir(args.file)
-        rows, totals = _inspect_rows(graph)
-    except (SnnconvError, OSError) as exc:
-        print(f"snnconv inspect: {_one_line(exc)}", file=sys.stderr)
-        return 2
+    args.file = nir_path(args.file)
+    graph = load_nir(args.file)
+    rows, totals = _inspect_rows(graph)
     _print_table([["node", "type", "shape", "theta min / mean / max", "parameters"]] + rows)
     meta = {k: v for k, v in graph.metadata.items()}
     print(f"total: {totals['ops']} ops, {totals['neuron layers']} neuron layers "
@@ -139,6 +125,13 @@ def _backend_options(pairs: list[str]) -> dict:
     return out
 
 
+#: Images per backend call where ``--batch`` is not given: Lava runs one process per Lava
+#: process and reads its monitors value by value, so its batches stay small (a progress line
+#: and an estimate after each).
+BATCH = {"lava": 16}
+DEFAULT_BATCH = 256
+
+
 def _cmd_run(args) -> int:
     """``snnconv run FILE.nir --backend cpu --data digits --T 8``: accuracy, spikes, synops, energy.
 
@@ -153,24 +146,29 @@ def _cmd_run(args) -> int:
     from ..errors import SnnconvError
     from ..nir_io import from_nir, load_nir
 
-    try:
-        graph = load_nir(args.file, dt=args.dt)
-        program = backends.get(args.backend).compile(graph, dt=args.dt, **_backend_options(args.option))
-        dataset = _run_dataset(args.data, args.data_root)
-        if args.limit:
-            dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
-        T = args.T if args.T is not None else graph.metadata.get("T")
-        if T is None:
-            raise SnnconvError(f"{args.file} records no T; give --T")
-        correct = torch.zeros(int(T), dtype=torch.float64)
-        reference = from_nir(graph, dt=args.dt)
-        refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
-        n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
-        chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
-        for x, y in DataLoader(dataset, batch_size=args.batch):
-            r = program.run(x, int(T))
+    args.file = nir_path(args.file)
+    graph = load_nir(args.file, dt=args.dt)
+    program = backends.get(args.backend).compile(graph, dt=args.dt, **_backend_options(args.option))
+    dataset = _run_dataset(args.data, args.data_root)
+    if args.limit:
+        dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+    if len(dataset) == 0:
+        raise SnnconvError(f"the {args.data} test set holds no images")
+    T = args.T if args.T is not None else graph.metadata.get("T")
+    if T is None:
+        raise UsageError(f"{args.file} records no T; give --T")
+    T = int(T)
+    correct = torch.zeros(T, dtype=torch.float64)
+    reference = from_nir(graph, dt=args.dt)
+    refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
+    n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
+    chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
+    batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
+    with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
+        for x, y in DataLoader(dataset, batch_size=batch):
+            r = program.run(x, T)
             # accuracy of the readout averaged over the first t steps, t = 1..T
-            mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, int(T) + 1).view(-1, 1, 1)
+            mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
             correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
             n += len(y)
             seconds += float(r.extra.get("seconds", 0.0))
@@ -181,14 +179,11 @@ def _cmd_run(args) -> int:
             if "quantisation" in r.extra:
                 chip_runs.append(r)
             with torch.no_grad():  # the torch network read back from the same file: the reference
-                refs.append(reference.run(x, T=int(T)).mean(0).argmax(1))
+                refs.append(reference.run(x, T=T).mean(0).argmax(1))
             outputs.append(r.outputs.float().cpu())
             labels.append(y)
             extra = dict(r.extra or {})
-    except (SnnconvError, OSError) as exc:
-        print(f"snnconv run: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    T = int(T)
+            beat.update(len(y))
     from snnconv_backends.nirgraph import parse
 
     sizes = {op.name: op.out_shape for op in parse(graph, dt=args.dt).ops if op.kind == "neuron"}
@@ -205,6 +200,37 @@ def _cmd_run(args) -> int:
         rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
                      " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
     _print_table(rows)
+    e_snn, e_ann = _print_synops(synops, macs, static, n, T)
+    print(f"\nenergy estimate per image (45 nm arithmetic: {E_AC_PJ} pJ per AC, {E_MAC_PJ} pJ per "
+          "MAC, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler; no "
+          f"neuron updates or memory traffic): SNN {e_snn / 1e6:.3f} uJ, ANN {e_ann / 1e6:.3f} uJ, "
+          f"SNN/ANN {e_snn / max(e_ann, 1e-12):.2f}")
+    if chip_runs:
+        from snnconv_backends.loihi2 import format_report
+
+        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
+    from ..analysis import backend_record
+
+    class _Merged:  # the batches as one RunResult-like record
+        pass
+
+    merged = _Merged()
+    merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
+    rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
+                         wall_s=time.perf_counter() - t_start)
+    rec["energy_45nm_per_image_nj"] = {"snn": e_snn / 1e3, "ann": e_ann / 1e3,
+                                       "snn_over_ann": e_snn / max(e_ann, 1e-12)}
+    out = args.out or os.path.dirname(os.path.abspath(args.file))
+    os.makedirs(os.path.join(out, "backends"), exist_ok=True)
+    write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
+    print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
+          f"wrote {os.path.join(out, 'backends', args.backend + '.json')}")
+    return 0
+
+
+def _print_synops(synops: dict, macs: dict, static: set, n: int, T: int) -> tuple[float, float]:
+    """The synaptic operations table (per image); returns the SNN's and the ANN's energy (pJ per
+    image) at :mod:`snnconv.energy`'s figures."""
     print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
     rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
     e_snn = 0.0
@@ -224,31 +250,7 @@ def _cmd_run(args) -> int:
     tot_ac, tot_mac = sum(synops.values()) / n, sum(macs.values()) / n
     rows.append(["total", f"{tot_ac:.4g}", f"{tot_mac:.4g}", f"{tot_ac / max(tot_mac, 1e-9):.3f}"])
     _print_table(rows)
-    e_ann = tot_mac * E_MAC_PJ
-    print(f"\nenergy estimate per image (synaptic arithmetic only; neuron updates and memory "
-          f"traffic not counted): SNN {e_snn / 1e6:.3f} uJ vs ANN {e_ann / 1e6:.3f} uJ "
-          f"({e_snn / max(e_ann, 1e-12):.2f}x), at {E_AC_PJ} pJ per AC and {E_MAC_PJ} pJ per MAC "
-          "(45 nm, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler)")
-    if chip_runs:
-        from snnconv_backends.loihi2 import format_report
-
-        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
-    from ..analysis import backend_record
-
-    class _Merged:  # the batches as one RunResult-like record
-        pass
-
-    merged = _Merged()
-    merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
-    rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
-                         wall_s=time.perf_counter() - t_start)
-    rec["energy_45nm_per_image_nj"] = {"snn": e_snn / 1e3, "ann": e_ann / 1e3}
-    out = args.out or os.path.dirname(os.path.abspath(args.file))
-    os.makedirs(os.path.join(out, "backends"), exist_ok=True)
-    write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
-    print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
-          f"wrote {os.path.join(out, 'backends', args.backend + '.json')}")
-    return 0
+    return e_snn, tot_mac * E_MAC_PJ
 
 
 def _cmd_backends(args) -> int:
@@ -277,19 +279,21 @@ def add_export(sub, pa: dict) -> None:
 def add_inspect(sub, pa: dict) -> None:
     p = add_command(sub, "inspect", "print the nodes, shapes, thresholds and metadata of a NIR file",
                     "snnconv inspect runs/d/snn.nir", [pa["common"]], _cmd_inspect)
-    p.add_argument("file", help="a NIR (HDF5) file")
+    p.add_argument("file", help="a NIR (HDF5) file, or a run folder holding snn.nir")
 
 
 def add_run(sub, pa: dict) -> None:
     p = add_command(sub, "run", "run a NIR file on a backend: accuracy, spikes, synops, energy",
                     "snnconv run runs/d/snn.nir --backend loihi2-sim --data digits --T 8",
                     [pa["common"], pa["test_data"]], _cmd_run)
-    p.add_argument("file", help="a NIR (HDF5) file")
+    p.add_argument("file", help="a NIR (HDF5) file, or a run folder holding snn.nir")
     p.add_argument("--backend", default="cpu", help="cpu, gpu, loihi2-sim, lava (see: snnconv backends)")
     # one T, not the shared --T's list: the run reports the accuracy at every t = 1..T
-    p.add_argument("--T", type=int, help="time steps (default: the T recorded in the file)")
-    p.add_argument("--batch", type=int, default=256, help="images per backend call (default 256)")
-    p.add_argument("--dt", type=float, default=1.0,
+    p.add_argument("--T", type=positive_int, help="time steps (default: the T recorded in the file)")
+    p.add_argument("--batch", type=positive_int,
+                   help=f"images per backend call (default {DEFAULT_BATCH}; lava {BATCH['lava']}). "
+                        "A run longer than a few seconds prints progress on stderr (--quiet: none)")
+    p.add_argument("--dt", type=positive_float, default=1.0,
                    help="the time step the file is read at (default 1; a neuron integrates r * dt "
                         "of its input per step, which must be 1: --dt 1e-4 for r = 1e4)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",

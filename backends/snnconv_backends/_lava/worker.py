@@ -1,7 +1,10 @@
 """Run a quantised snnconv network in Intel's Lava (lava-nc 0.10.0, ``fixed_pt`` models).
 
-Run by the ``lava`` backend as ``.venv-lava/bin/python worker.py JOB.npz RESULT.npz``. Imports
-numpy, scipy (a Lava dependency), lava and the standard library only.
+Run by the ``lava`` backend as ``.venv-lava/bin/python worker.py JOB.npz RESULT.npz
+--exit-with-parent`` in a session of its own. Imports numpy, scipy (a Lava dependency), lava and
+the standard library only. With ``--exit-with-parent``, the end of stdin (the backend's process
+closed the pipe, or died) ends the run: SIGTERM to this process group, Lava's processes
+included (multiprocessing's resource tracker then unlinks their shared memory).
 
 The job (npz): ``spec`` (JSON: steps, batch, populations with their connections) and integer
 arrays: per connection ``c<i>_rows`` / ``c<i>_cols`` / ``c<i>_vals`` (one image's weight
@@ -22,7 +25,10 @@ The result (npz): ``v<j>`` ``[steps, B, N]`` int32 (membrane after reset) and ``
 """
 
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -121,6 +127,20 @@ def _block(rows, cols, vals, n_tgt, n_src, B):
     return sp.block_diag([one] * B, format="csr") if B > 1 else one
 
 
+def exit_with_parent():
+    """End this process group when stdin ends (a thread reads it to its end).
+
+    The thread reads file descriptor 0 itself, never ``sys.stdin``: a forked Lava process
+    closes ``sys.stdin``, which would wait forever for the lock a reading thread holds.
+    """
+    def watch():
+        while os.read(0, 4096):
+            pass
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(job_path, out_path):
     warnings.filterwarnings("ignore", message="Cannot import module")
     t0 = time.time()
@@ -206,4 +226,6 @@ def main(job_path, out_path):
 
 
 if __name__ == "__main__":
+    if "--exit-with-parent" in sys.argv[3:]:
+        exit_with_parent()
     main(sys.argv[1], sys.argv[2])

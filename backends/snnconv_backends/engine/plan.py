@@ -12,6 +12,7 @@ import torch
 from snnconv.errors import BackendError
 
 from ..nirleaky import SPIKING, STATEFUL
+from ..registry import check_finite
 from .kernels import if_loop
 from .leaky import leaky_fn
 from .ops import OP_BUILDERS, RUNNABLE, to_tensor
@@ -192,6 +193,7 @@ class Plan:
                                "[T, B, ...] (a sequence)")
         if shape[-n - 1 if not seq else 1] == 0:
             raise BackendError(f"backend {self.backend!r}: the batch is empty (shape {shape})")
+        check_finite(x, self.backend)
         return x.to(device=self.device, dtype=self.dtype), seq
 
     def run_chunk(self, x: torch.Tensor, T: int, seq: bool, stats: "Stats") -> torch.Tensor:

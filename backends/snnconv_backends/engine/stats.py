@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from snnconv.energy import conv_macs, linear_macs
+
 from ..nirleaky import SPIKING
 from .ops import PASS, WEIGHTED, flatten_dims
 
@@ -82,15 +84,16 @@ def _structural(op: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def macs_per_image(ops: list[Any]) -> dict[str, float]:
-    """Multiply-accumulates of the ANN per weighted op, for one input."""
+    """Multiply-accumulates of the ANN per weighted op, for one input: its synapses
+    (:func:`snnconv.energy.conv_macs`, padding excluded; a linear layer's weights)."""
     macs = {}
     for op in ops:
         p = op.params
         if op.kind in ("conv1d", "conv2d"):
-            w = p["weight"]
-            macs[op.name] = float(math.prod(op.out_shape) * math.prod(w.shape[1:]))
+            macs[op.name] = float(conv_macs(op.in_shape, tuple(p["weight"].shape), p["stride"],
+                                            p["padding"], p["dilation"]))
         elif op.kind in ("affine", "linear"):
-            macs[op.name] = float(math.prod(p["weight"].shape))
+            macs[op.name] = float(linear_macs(tuple(p["weight"].shape)))
     return macs
 
 

@@ -11,8 +11,7 @@ import torch
 
 from snnconv.errors import BackendError
 
-from ..cpu import parse_graph
-from ..registry import Backend, Program, RunResult
+from ..registry import Backend, Program, RunResult, check_finite, parse_graph
 from .chip import STEP_SECONDS
 from .network import QuantizedNetwork
 from .quantisation import quantize
@@ -36,7 +35,7 @@ def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def check_input(q: QuantizedNetwork, x: Any, T: Any, name: str) -> tuple[torch.Tensor, int]:
-    """Validate ``x`` (a static batch ``[B, *input_shape]``) and ``T``."""
+    """Validate ``x`` (a static batch ``[B, *input_shape]``, B >= 1, finite values) and ``T``."""
     if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
         raise BackendError(f"{name}: T must be an integer >= 1, got {T!r}")
     if not isinstance(x, torch.Tensor):
@@ -50,6 +49,9 @@ def check_input(q: QuantizedNetwork, x: Any, T: Any, name: str) -> tuple[torch.T
         raise BackendError(f"{name}: x has shape {tuple(x.shape)}; expected [B, {', '.join(map(str, shape))}]")
     if not x.is_floating_point():
         raise BackendError(f"{name}: x must be floating point, got {x.dtype}")
+    if x.shape[0] == 0:
+        raise BackendError(f"{name}: the batch is empty (shape {tuple(x.shape)}); give at least one input")
+    check_finite(x, name)
     return x, int(T)
 
 

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..engine.stats import macs_per_image
 from ..nirgraph import ParsedGraph
 from .chip import (CLOCK, CORES_PER_CHIP, E_MAC_FP32, E_NEURON_UPDATE, E_SPIKE, E_SYNOP,
                    NEURONS_PER_CORE, SYNAPSES_PER_CORE)
@@ -56,7 +57,8 @@ def resources(q: QuantizedNetwork) -> dict[str, Any]:
 
 def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
            spike_total: float, macs: Mapping[str, float]) -> dict[str, Any]:
-    """Energy per image from synaptic ops, neuron updates and spikes, against the ANN's MACs."""
+    """Energy per image from synaptic ops, neuron updates and spikes, against the ANN's MACs;
+    ``snn_over_ann`` is their ratio, SNN / ANN (:mod:`snnconv.energy`'s convention)."""
     steps = T + q.depth
     neurons = sum(p.size for p in q.populations) + 1
     syn = float(sum(synops.values())) / B
@@ -67,7 +69,7 @@ def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
     e_ann = ann * E_MAC_FP32
     return {"per_image_J": e_snn, "synops_per_image": syn, "neuron_updates_per_image": updates,
             "spikes_per_image": spikes, "ann_macs_per_image": ann, "ann_per_image_J": e_ann,
-            "ann_over_snn": e_ann / e_snn if e_snn > 0 else float("inf"),
+            "snn_over_ann": e_snn / e_ann if e_ann > 0 else float("inf"),
             "figures_pJ": {"synop": E_SYNOP * 1e12, "neuron_update": E_NEURON_UPDATE * 1e12,
                            "spike": E_SPIKE * 1e12, "ann_mac": E_MAC_FP32 * 1e12},
             "sources": "SNN: Davies et al. 2018, IEEE Micro 38(1), Table 2 (Loihi 1; no per-op "
@@ -77,12 +79,6 @@ def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
 
 
 def ann_macs(g: ParsedGraph, B: int) -> dict[str, float]:
-    """Multiply-accumulates of the ANN per weighted op, for a batch of ``B`` images."""
-    out = {}
-    for op in g.ops:
-        if op.kind in ("conv1d", "conv2d"):
-            w = np.asarray(op.params["weight"])
-            out[op.name] = float(np.prod(op.out_shape) * np.prod(w.shape[1:]) * B)
-        elif op.kind in ("affine", "linear"):
-            out[op.name] = float(np.asarray(op.params["weight"]).size * B)
-    return out
+    """Multiply-accumulates of the ANN per weighted op, for a batch of ``B`` images (the count of
+    :func:`snnconv_backends.engine.stats.macs_per_image`, as every backend reports it)."""
+    return {k: v * B for k, v in macs_per_image(list(g.ops)).items()}

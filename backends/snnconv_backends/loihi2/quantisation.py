@@ -10,8 +10,9 @@ import numpy as np
 
 from snnconv.errors import BackendError
 
-from ..nirgraph import ParsedGraph, parse
+from ..nirgraph import ParsedGraph
 from ..nirleaky import SPIKING
+from ..registry import parse_graph
 from .chip import CLOCK, FIRST_VTH, LOIHI
 from .leaky import leaky_spec
 from .mapping import Mapper, chain_kind, compose, fanout, pool_then_conv
@@ -171,10 +172,10 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
 
     Raises:
         BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
-            bit budget cannot represent.
-        NIRError: the graph is malformed.
+            bit budget cannot represent, or a graph the strict reader refuses (a node type it
+            does not run, a malformed graph: the reader's NIRError is the cause).
     """
-    g = graph if isinstance(graph, ParsedGraph) else parse(graph)
+    g = graph if isinstance(graph, ParsedGraph) else parse_graph(graph, "loihi2-sim")
     mp = Mapper(g)
     readout = g.ops[-1]
     if len(readout.inputs) == 1 and mp.ops[readout.inputs[0]].kind == "li":

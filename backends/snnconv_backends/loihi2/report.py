@@ -40,7 +40,7 @@ def _merge_runs(results: Sequence[RunResult]) -> dict[str, Any]:
         for k in ("per_image_J", "synops_per_image", "neuron_updates_per_image", "spikes_per_image",
                   "ann_macs_per_image", "ann_per_image_J"):
             e[k] = sum(r.extra["energy"][k] * b for r, b in zip(results, n)) / sum(n)
-        e["ann_over_snn"] = e["ann_per_image_J"] / e["per_image_J"] if e["per_image_J"] else float("inf")
+        e["snn_over_ann"] = e["per_image_J"] / e["ann_per_image_J"] if e["ann_per_image_J"] else float("inf")
         ex["energy"] = e
     return ex
 
@@ -88,7 +88,7 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
                      f"({e['synops_per_image']:.3g} synops, {e['spikes_per_image']:.3g} spikes, "
                      f"{e['neuron_updates_per_image']:.3g} neuron updates) vs ANN "
                      f"{e['ann_per_image_J'] * 1e6:.3f} uJ ({e['ann_macs_per_image']:.3g} MACs): "
-                     f"ratio {e['ann_over_snn']:.2f}x")
+                     f"SNN/ANN {e['snn_over_ann']:.2f}")
         lines.append(f"  ({e['sources']})")
     return "\n".join(lines)
 
