@@ -429,50 +429,80 @@ def _compact(arr: np.ndarray, where: str, what: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(per[:, 0], dtype=np.float32))
 
 
-def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
-    """The torch module that computes ``op`` exactly as SpikingNetwork does (None: no module)."""
-    p = op.params
-    meta = getattr(node, "metadata", None) or {}
-    if op.kind in ("conv1d", "conv2d"):
-        cls = nn.Conv1d if op.kind == "conv1d" else nn.Conv2d
-        w = torch.from_numpy(np.array(p["weight"], dtype=np.float32))
-        has_bias = meta.get("snnconv_bias") != "none" or bool(np.any(p["bias"] != 0))
-        mod = cls(op.in_shape[0], w.shape[0], tuple(w.shape[2:]), stride=p["stride"],
-                  padding=p["padding"], dilation=p["dilation"], groups=p["groups"], bias=has_bias)
-        with torch.no_grad():
-            mod.weight.copy_(w)
-            if has_bias:
-                mod.bias.copy_(torch.from_numpy(np.array(p["bias"], dtype=np.float32)))
-        return mod
-    if op.kind in ("affine", "linear"):
-        w = torch.from_numpy(np.array(p["weight"], dtype=np.float32))
-        mod = nn.Linear(w.shape[1], w.shape[0], bias=op.kind == "affine")
-        with torch.no_grad():
-            mod.weight.copy_(w)
-            if op.kind == "affine":
-                mod.bias.copy_(torch.from_numpy(np.array(p["bias"], dtype=np.float32)))
-        return mod
-    if op.kind == "avgpool2d":
-        if p["adaptive"]:
-            return nn.AdaptiveAvgPool2d(tuple(op.out_shape[1:]))
-        return nn.AvgPool2d(p["kernel_size"], p["stride"], p["padding"])
-    if op.kind == "sumpool2d":
-        return nn.AvgPool2d(p["kernel_size"], p["stride"], p["padding"], divisor_override=1)
-    if op.kind == "flatten":
-        start, end = p["start_dim"], p["end_dim"]
-        return nn.Flatten(start + 1 if start >= 0 else start, end + 1 if end >= 0 else end)
-    if op.kind == "scale":
-        return Scale(_compact(np.asarray(p["scale"]), op.name, "scale"))
-    if op.kind == "neuron":
-        theta = torch.from_numpy(np.array(p["theta"], dtype=np.float32))
-        v0 = p.get("v_init")
-        return IFNeuron(theta, T, reset=p["reset"],
-                        v_init=None if v0 is None else torch.from_numpy(np.array(v0, dtype=np.float32)))
-    if op.kind in LEAKY_KINDS:  # NIR's LIF, CubaLIF, LI: Euler coefficients at the reading's dt
-        from snnconv_backends.nirleaky import leaky_params
+def _tensor(value: Any) -> torch.Tensor:
+    return torch.from_numpy(np.array(value, dtype=np.float32))
 
-        return LeakyNeuron(op.kind, leaky_params(p), T)
-    return None  # input, output, sum
+
+def _conv_module(op: Any, meta: dict, T: int) -> nn.Module:
+    p = op.params
+    cls = nn.Conv1d if op.kind == "conv1d" else nn.Conv2d
+    w = _tensor(p["weight"])
+    has_bias = meta.get("snnconv_bias") != "none" or bool(np.any(p["bias"] != 0))
+    mod = cls(op.in_shape[0], w.shape[0], tuple(w.shape[2:]), stride=p["stride"],
+              padding=p["padding"], dilation=p["dilation"], groups=p["groups"], bias=has_bias)
+    with torch.no_grad():
+        mod.weight.copy_(w)
+        if has_bias:
+            mod.bias.copy_(_tensor(p["bias"]))
+    return mod
+
+
+def _linear_module(op: Any, meta: dict, T: int) -> nn.Module:
+    w = _tensor(op.params["weight"])
+    mod = nn.Linear(w.shape[1], w.shape[0], bias=op.kind == "affine")
+    with torch.no_grad():
+        mod.weight.copy_(w)
+        if op.kind == "affine":
+            mod.bias.copy_(_tensor(op.params["bias"]))
+    return mod
+
+
+def _avgpool_module(op: Any, meta: dict, T: int) -> nn.Module:
+    p = op.params
+    if p["adaptive"]:
+        return nn.AdaptiveAvgPool2d(tuple(op.out_shape[1:]))
+    return nn.AvgPool2d(p["kernel_size"], p["stride"], p["padding"])
+
+
+def _sumpool_module(op: Any, meta: dict, T: int) -> nn.Module:
+    p = op.params
+    return nn.AvgPool2d(p["kernel_size"], p["stride"], p["padding"], divisor_override=1)
+
+
+def _flatten_module(op: Any, meta: dict, T: int) -> nn.Module:
+    start, end = op.params["start_dim"], op.params["end_dim"]  # batch-free -> batched dims
+    return nn.Flatten(start + 1 if start >= 0 else start, end + 1 if end >= 0 else end)
+
+
+def _scale_module(op: Any, meta: dict, T: int) -> nn.Module:
+    return Scale(_compact(np.asarray(op.params["scale"]), op.name, "scale"))
+
+
+def _if_module(op: Any, meta: dict, T: int) -> nn.Module:
+    v0 = op.params.get("v_init")
+    return IFNeuron(_tensor(op.params["theta"]), T, reset=op.params["reset"],
+                    v_init=None if v0 is None else _tensor(v0))
+
+
+def _leaky_module(op: Any, meta: dict, T: int) -> nn.Module:
+    """NIR's LIF, CubaLIF, LI: Euler coefficients at the reading's dt."""
+    from snnconv_backends.nirleaky import leaky_params
+
+    return LeakyNeuron(op.kind, leaky_params(op.params), T)
+
+
+#: op kind -> the torch module that computes it exactly as SpikingNetwork does (input, output
+#: and sum have none: the graph's placeholder, its return value and an add)
+_MODULES = {"conv1d": _conv_module, "conv2d": _conv_module, "affine": _linear_module,
+            "linear": _linear_module, "avgpool2d": _avgpool_module, "sumpool2d": _sumpool_module,
+            "flatten": _flatten_module, "scale": _scale_module, "neuron": _if_module,
+            **{kind: _leaky_module for kind in LEAKY_KINDS}}
+
+
+def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
+    """The torch module of ``op`` (None: input, output, sum)."""
+    build = _MODULES.get(op.kind)
+    return None if build is None else build(op, getattr(node, "metadata", None) or {}, T)
 
 
 def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
