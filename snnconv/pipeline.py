@@ -20,6 +20,7 @@ import torch.nn as nn
 from .calibration import calibrate_bias, calibrate_thresholds
 from .data import first_batch, generators_kept
 from .errors import ConversionError, DataError, UnsupportedModelError
+from .constructs import rewrite_constructs
 from .fold import fold_graph
 from .graph import prepare
 from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
@@ -313,7 +314,7 @@ def convert(
     percentile: float = 99.9,
     per_channel: bool | None = None,
     calib_batches: int = 10,
-    maxpool: str = "error",
+    maxpool: str = "auto",
     reset: str = "subtract",
     bias_calibration: bool = True,
     bias_calibration_T: int | tuple[int, int] | None = None,
@@ -365,8 +366,11 @@ def convert(
             use the first ``min(4, calib_batches)`` of them, all at once for up to ``2 * T`` steps
             (their memory: a forward of that many batches at ``2 * T``; lower it here, or the
             loader's batch size, on a machine short of memory).
-        maxpool: ``"error"`` (default) refuses max-pooling, which binary spikes cannot compute;
-            ``"avg"`` replaces it by average pooling (a different function: see ``qcfs_epochs``).
+        maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
+            layers up to the first max-pooling that sees only the input, such as a ResNet stem:
+            they run once in analog, exactly; :mod:`snnconv.prefix`) and replaces every later one
+            by average pooling; ``"avg"`` replaces every one (a different function: see
+            ``qcfs_epochs``); ``"error"`` refuses max-pooling, which binary spikes cannot compute.
         qcfs_epochs: epochs of QCFS-aware training of the ANN (needs labels; ``qcfs_train``
             sets the rest). ``None`` (default): where ``maxpool="avg"`` replaced max-pooling,
             576 optimiser steps rounded up to whole epochs of the training split (1 to 64: 16
@@ -522,7 +526,9 @@ def convert(
             gm.to(device)
             _check_batch(gm, x0, device)
             rec.changes = {"input_shape": list(x0.shape),
-                           "parameters": sum(p.numel() for p in gm.parameters())}
+                           "parameters": sum(p.numel() for p in gm.parameters()),
+                           "constructs": rewrite_constructs(gm, (x0.to(device),), maxpool=maxpool)}
+            maxpool = "error" if maxpool == "error" else "avg"  # the prefix's max-pooling is kept
             health = _Health(loader, min(2, calib_batches) if isinstance(calib_batches, int) else 2,
                              device, on_collapse)
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0

@@ -555,6 +555,9 @@ def calibrate_qcfs(
         name = _site_name(node, used)
         src = _relu_input(node)
         inplace = _is_inplace(gm, node)
+        cap = getattr(module_of(gm, node), "cap", None)  # a clipped ReLU (snnconv.clip)
+        if cap is not None:
+            lams[node.name] = lams[node.name].clamp(max=cap)
         site = QCFS(L, lams[node.name]).to(device)
         # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
         # that reads this site's output on the right dimension

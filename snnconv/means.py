@@ -1,0 +1,76 @@
+"""A global mean over the spatial dimensions (``x.mean([2, 3])``) as the average pool it is.
+
+``mean(x, (2, 3))`` of a 4-d tensor is ``flatten(AdaptiveAvgPool2d(1)(x), 1)`` (without the
+flatten for ``keepdim=True``): the same linear map, written with the layers that IF replacement
+scales through and NIR export writes. The pass works on the traced graph in place (give it a
+copy) and needs each site's input rank from an example batch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .graph import capture, describe_node
+
+__all__ = ["rewrite_means"]
+
+#: Pattern as data: (op, target) of a mean, and the argument position of its dims.
+_MEANS = {("call_function", torch.mean): 1, ("call_method", "mean"): 1}
+_POOLS = {4: nn.AdaptiveAvgPool2d, 3: nn.AdaptiveAvgPool1d, 5: nn.AdaptiveAvgPool3d}
+
+
+def _spatial_mean(node: fx.Node, rank: int) -> bool | None:
+    """``keepdim`` of a mean over every dim after the channels of a ``rank``-d input, else None."""
+    pos = _MEANS.get((node.op, node.target))
+    if pos is None or rank not in _POOLS:
+        return None
+    dim = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim")
+    keep = node.args[pos + 1] if len(node.args) > pos + 1 else node.kwargs.get("keepdim", False)
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if "dtype" in node.kwargs or not all(isinstance(d, int) for d in dims):
+        return None
+    if sorted(d % rank for d in dims) != list(range(2, rank)) or not isinstance(keep, bool):
+        return None
+    return keep
+
+
+def rewrite_means(gm: fx.GraphModule, example_inputs: Iterable) -> list[dict]:
+    """Replace every spatial mean of ``gm`` by adaptive average pooling (and a flatten)."""
+    candidates = [n for n in gm.graph.nodes if (n.op, n.target) in _MEANS
+                  and n.args and isinstance(n.args[0], fx.Node)]
+    if not candidates:
+        return []
+    ranks = capture(gm, example_inputs, [n.args[0].name for n in candidates],
+                    reduce=lambda t: t.dim())
+    done = []
+    used = {n for n, _ in gm.named_modules()}
+    for node in candidates:
+        rank = ranks.get(node.args[0].name)
+        keep = _spatial_mean(node, rank) if isinstance(rank, int) else None
+        if keep is None:
+            continue
+        names = []
+        for base in ("pool", "flatten")[: 1 if keep else 2]:
+            name, k = f"{node.name}_{base}", 1
+            while name in used:
+                name, k = f"{node.name}_{base}_{k}", k + 1
+            used.add(name)
+            names.append(name)
+        gm.add_submodule(names[0], _POOLS[rank](1))
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module(names[0], (node.args[0],))
+        if not keep:
+            gm.add_submodule(names[1], nn.Flatten(1))
+            with gm.graph.inserting_after(new):
+                new = gm.graph.call_module(names[1], (new,))
+        node.replace_all_uses_with(new)
+        done.append({"site": describe_node(node), "pool": names[0]})
+        gm.graph.erase_node(node)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
