@@ -1,4 +1,5 @@
-"""A global mean over the spatial dimensions (``x.mean([2, 3])``) as the average pool it is.
+"""A global mean over the spatial dimensions (``x.mean([2, 3])``) as the average pool it is, and
+a functional adaptive average pool (``F.adaptive_avg_pool2d(x, 1)``) as its module.
 
 ``mean(x, (2, 3))`` of a 4-d tensor is ``flatten(AdaptiveAvgPool2d(1)(x), 1)`` (without the
 flatten for ``keepdim=True``): the same linear map, written with the layers that IF replacement
@@ -13,10 +14,15 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .graph import capture, describe_node
 
 __all__ = ["rewrite_means"]
+
+#: Pattern as data: functional adaptive average pools and their modules.
+_ADAPTIVE = {F.adaptive_avg_pool1d: nn.AdaptiveAvgPool1d, F.adaptive_avg_pool2d: nn.AdaptiveAvgPool2d,
+             F.adaptive_avg_pool3d: nn.AdaptiveAvgPool3d}
 
 #: Pattern as data: (op, target) of a mean, and the argument position of its dims.
 _MEANS = {("call_function", torch.mean): 1, ("call_method", "mean"): 1}
@@ -38,15 +44,41 @@ def _spatial_mean(node: fx.Node, rank: int) -> bool | None:
     return keep
 
 
+def _pool_modules(gm: fx.GraphModule) -> list[dict]:
+    """Replace each functional adaptive average pool of ``gm`` by its module."""
+    done = []
+    used = {n for n, _ in gm.named_modules()}
+    for node in list(gm.graph.nodes):
+        cls = _ADAPTIVE.get(node.target) if node.op == "call_function" else None
+        size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
+        if cls is None or not node.args or not isinstance(node.args[0], fx.Node) or size is None:
+            continue
+        name, k = f"{node.name}_pool", 1
+        while name in used:
+            name, k = f"{node.name}_pool_{k}", k + 1
+        used.add(name)
+        gm.add_submodule(name, cls(size))
+        with gm.graph.inserting_after(node):
+            new = gm.graph.call_module(name, (node.args[0],))
+        node.replace_all_uses_with(new)
+        done.append({"site": describe_node(node), "pool": name})
+        gm.graph.erase_node(node)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
 def rewrite_means(gm: fx.GraphModule, example_inputs: Iterable) -> list[dict]:
-    """Replace every spatial mean of ``gm`` by adaptive average pooling (and a flatten)."""
+    """Replace every spatial mean of ``gm`` by adaptive average pooling (and a flatten), and
+    every functional adaptive average pool by its module."""
+    done = _pool_modules(gm)
     candidates = [n for n in gm.graph.nodes if (n.op, n.target) in _MEANS
                   and n.args and isinstance(n.args[0], fx.Node)]
     if not candidates:
-        return []
+        return done
     ranks = capture(gm, example_inputs, [n.args[0].name for n in candidates],
                     reduce=lambda t: t.dim())
-    done = []
     used = {n for n, _ in gm.named_modules()}
     for node in candidates:
         rank = ranks.get(node.args[0].name)

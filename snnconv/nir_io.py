@@ -307,10 +307,13 @@ class _Exporter:
             return nir.Conv1d(input_shape=int(in_shape[1]), weight=weight, stride=int(mod.stride[0]),
                               padding=int(padding[0]), dilation=int(mod.dilation[0]),
                               groups=int(mod.groups), bias=bias, metadata=meta)
-        return nir.Conv2d(input_shape=tuple(int(s) for s in in_shape[1:]), weight=weight,
+        node = nir.Conv2d(input_shape=tuple(int(s) for s in in_shape[1:]), weight=weight,
                           stride=tuple(int(s) for s in mod.stride), padding=tuple(int(p) for p in padding),
                           dilation=tuple(int(d) for d in mod.dilation), groups=int(mod.groups),
                           bias=bias, metadata=meta)
+        # nir 1.0.8 infers the input channels as weight.shape[1], which is in_channels / groups
+        node.input_type = {"input": np.array([int(mod.in_channels), *node.input_type["input"][1:]])}
+        return node
 
     def adaptive(self, n: fx.Node, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> nir.NIRNode:
         if len(in_shape) != 3 or any(i % o for i, o in zip(in_shape[1:], out_shape[1:])):

@@ -1,7 +1,8 @@
 """torchvision's classifiers as a user brings them, for coverage checks and benchmarks.
 
 :data:`RELU_FAMILY` lists the ReLU-family classifiers (each converts, exports to NIR and runs on
-the cpu backend) with the smallest input each accepts at 32 px or more; ``large`` marks those
+the cpu backend) with a small input each accepts (32 px, or the smallest size at which every ``ceil_mode``
+pooling rounds as without it, which NIR's pooling needs); ``large`` marks those
 only the benchmark builds. :data:`NO_IF_FORM` lists classifiers with a construct that has no IF
 form, and the construct. :func:`build` makes one with ``num_classes=10`` and BatchNorm statistics
 from a few random batches (weights as torchvision initialises them).
@@ -34,7 +35,7 @@ RELU_FAMILY: tuple[TVModel, ...] = (
     TVModel("alexnet", size=64),
     TVModel("squeezenet1_0"), TVModel("squeezenet1_1"),
     TVModel("densenet121", large=True),
-    TVModel("googlenet", kwargs=(("aux_logits", False), ("init_weights", True))),
+    TVModel("googlenet", size=45, kwargs=(("aux_logits", False), ("init_weights", True))),
     TVModel("inception_v3", size=75, large=True,
             kwargs=(("aux_logits", False), ("init_weights", True))),
     TVModel("mobilenet_v2"), TVModel("mnasnet0_5"), TVModel("shufflenet_v2_x0_5"),
