@@ -3,7 +3,8 @@
 Each is a pass of its own module (pattern as data, in place on the caller's copy, a report):
 clipped ReLUs become capped ReLU sites (:mod:`snnconv.clip`), spatial means become average
 pooling (:mod:`snnconv.means`), a pool that replicates a 1x1 map folds into its Linear and an
-idle ``ceil_mode`` is dropped (:mod:`snnconv.pools`) and, with ``maxpool="auto"``, the static analog prefix moves
+idle ``ceil_mode`` is dropped (:mod:`snnconv.pools`), channel shuffles and chunks become
+one-hot 1x1 convolutions (:mod:`snnconv.channels`) and, with ``maxpool="auto"``, the static analog prefix moves
 into one module (:mod:`snnconv.prefix`; its BatchNorms folded there). BatchNorms that no
 convolution precedes are handled by the fold stage (:mod:`snnconv.affine`).
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from .channels import rewrite_channel_moves
 from .clip import rewrite_clips
 from .fold import fold_graph
 from .means import rewrite_means
@@ -35,7 +37,8 @@ def rewrite_constructs(gm: fx.GraphModule, example_inputs: tuple, *, maxpool: st
     report: dict[str, Any] = {"clips": [c.to_dict() for c in rewrite_clips(gm)],
                               "means": rewrite_means(gm, example_inputs),
                               "replicating_pools": fold_replicating_pools(gm, example_inputs),
-                              "ceil_mode_dropped": drop_idle_ceil_mode(gm, example_inputs)}
+                              "ceil_mode_dropped": drop_idle_ceil_mode(gm, example_inputs),
+                              "channel_moves": rewrite_channel_moves(gm, example_inputs)}
     if maxpool == "auto":
         prefix = split_prefix(gm)
         if prefix["nodes"]:

@@ -28,6 +28,8 @@ __all__ = ["fold_replicating_pools", "drop_idle_ceil_mode"]
 
 #: Pattern as data: a flatten from dim 1, by (op, target).
 _FLATTENS = {("call_function", torch.flatten), ("call_method", "flatten")}
+#: Modules between the flatten and the Linear that change nothing at inference.
+_PASS = (nn.Dropout, nn.Identity)
 
 
 def _flatten_from_1(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -58,11 +60,13 @@ def fold_replicating_pools(gm: fx.GraphModule, example_inputs: Iterable) -> list
         flat = next(iter(pool.users))
         if not _flatten_from_1(gm, flat) or len(flat.users) != 1:
             continue
-        lin_node = next(iter(flat.users))
+        lin_node, prev = next(iter(flat.users)), flat
+        while isinstance(module_of(gm, lin_node), _PASS) and len(lin_node.users) == 1:
+            prev, lin_node = lin_node, next(iter(lin_node.users))  # AlexNet: dropout, then Linear
         linear = module_of(gm, lin_node)
         copies = after[2] * after[3]
         if (not isinstance(linear, nn.Linear) or calls.get(str(lin_node.target)) != 1
-                or linear.in_features != before[1] * copies or lin_node.args[:1] != (flat,)):
+                or linear.in_features != before[1] * copies or lin_node.args[:1] != (prev,)):
             continue
         w = linear.weight.detach().double().reshape(linear.out_features, before[1], copies).sum(2)
         new = nn.Linear(before[1], linear.out_features, bias=linear.bias is not None)

@@ -217,3 +217,35 @@ def test_maxpool_avg_and_error_keep_their_meaning():
         snnconv.convert(model, [x], T=4, finetune_epochs=0, maxpool="error", progress=False)
     with pytest.raises(ValueError, match="maxpool"):
         rewrite_constructs(prepare(model), (x,), maxpool="max")
+
+
+class _Shuffle(nn.Module):
+    """ShuffleNet's channel shuffle and chunk, and a contiguous() that moves nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 6, 1)
+        self.b = nn.Conv2d(3, 6, 1)
+        self.c = nn.Conv2d(9, 4, 1)
+
+    def forward(self, x):
+        y = F.relu(self.a(x)).contiguous()
+        x1, x2 = y.chunk(2, dim=1)
+        z = torch.cat((x1, F.relu(self.b(x))[:, :3], x2), 1)
+        n, c, h, w = z.size()
+        z = z.view(n, 3, c // 3, h, w).transpose(1, 2).contiguous().view(n, -1, h, w)
+        return self.c(z).contiguous().mean((2, 3))
+
+
+def test_channel_shuffles_and_chunks_become_one_hot_convolutions_bit_for_bit():
+    from snnconv.channels import rewrite_channel_moves
+
+    torch.manual_seed(0)
+    model = _Shuffle().eval()
+    x = torch.randn(2, 3, 5, 5)
+    gm = prepare(model)
+    done = rewrite_channel_moves(gm, (x,))
+    assert {d["channels"] == "identity" for d in done} == {True, False}
+    assert not any(n.target in ("view", "chunk", "transpose") for n in gm.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x))

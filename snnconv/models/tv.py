@@ -33,7 +33,7 @@ RELU_FAMILY: tuple[TVModel, ...] = (
     TVModel("resnext50_32x4d", large=True), TVModel("wide_resnet50_2", large=True),
     TVModel("vgg11"), TVModel("vgg11_bn"), TVModel("vgg16_bn", large=True),
     TVModel("alexnet", size=64),
-    TVModel("squeezenet1_0"), TVModel("squeezenet1_1"),
+    TVModel("squeezenet1_0", size=35), TVModel("squeezenet1_1"),
     TVModel("densenet121", large=True),
     TVModel("googlenet", size=45, kwargs=(("aux_logits", False), ("init_weights", True))),
     TVModel("inception_v3", size=75, large=True,
