@@ -7,9 +7,9 @@ ReLU are exact: the first IF layer comes after it and sees the stem's output at 
 pass moves those nodes into one :class:`AnalogPrefix` module called on the input, so that IF
 replacement leaves them alone and NIR export can start the spiking graph at its output.
 
-The prefix is the first max-pooling whose inputs all derive from the network input alone,
-together with everything it depends on, provided nothing else reads those nodes (one value
-crosses the cut). Later max-pooling is inside the spiking network, as before.
+The prefix is the first max-pooling of the graph together with everything it depends on,
+provided nothing else reads those nodes (one value crosses the cut) and it holds at most
+:data:`MAX_PREFIX_SITES` ReLU sites. Later max-pooling is inside the spiking network, as before.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .graph import describe_node, module_of
+from .qcfs import relu_sites
 
 __all__ = ["AnalogPrefix", "PREFIX_NAME", "split_prefix", "analog_prefix"]
 
 #: The submodule name the prefix is installed under.
 PREFIX_NAME = "analog_prefix"
+
+#: The most ReLU sites a prefix holds: a stem (VGG-16's first block has two), not the network
+#: (a max-pooling at the end of the features would otherwise leave nothing to spike).
+MAX_PREFIX_SITES = 2
 
 _MAX_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d,
                 nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
@@ -67,10 +72,10 @@ def split_prefix(gm: fx.GraphModule) -> dict[str, Any]:
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(inputs) != 1:
         return {"nodes": [], "why": "the network takes more than one input"}
-    static: set[fx.Node] = set(inputs)
+    static: set[fx.Node] = set(inputs) | {n for n in gm.graph.nodes if n.op == "get_attr"}
     cut = None
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output"):
+        if node.op in ("placeholder", "output", "get_attr"):
             continue
         if node.all_input_nodes and all(i in static for i in node.all_input_nodes):
             static.add(node)
@@ -83,10 +88,14 @@ def split_prefix(gm: fx.GraphModule) -> dict[str, Any]:
     stack = [cut]
     while stack:
         node = stack.pop()
-        if node in members or node.op == "placeholder":
+        if node in members or node.op == "placeholder":  # (get_attr nodes are copied along)
             continue
         members.add(node)
         stack.extend(node.all_input_nodes)
+    sites = len(members & set(relu_sites(gm)))
+    if sites > MAX_PREFIX_SITES:
+        return {"nodes": [], "why": f"the first max-pooling ({describe_node(cut)}) comes after "
+                                    f"{sites} ReLU sites: a network, not a stem"}
     leaks = [n for n in members if n is not cut and any(u not in members for u in n.users)]
     if leaks:
         return {"nodes": [], "why": f"{describe_node(leaks[0])} is also read after the max-pooling "

@@ -249,3 +249,12 @@ def test_channel_shuffles_and_chunks_become_one_hot_convolutions_bit_for_bit():
     assert not any(n.target in ("view", "chunk", "transpose") for n in gm.graph.nodes)
     with torch.no_grad():
         assert torch.equal(gm(x), model(x))
+
+
+def test_a_max_pooling_after_the_whole_feature_extractor_is_no_prefix():
+    layers = []
+    for _ in range(3):
+        layers += [nn.Conv2d(3, 3, 3, padding=1), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(3, 2)).eval()
+    report = split_prefix(prepare(model))
+    assert report["nodes"] == [] and "3 ReLU sites" in report["why"]
