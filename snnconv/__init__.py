@@ -23,6 +23,7 @@ _logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
 #: Public name -> the submodule that defines it (``backends`` is the submodule itself).
 _EXPORTS: dict[str, str] = {
     "convert": "pipeline",
+    "ConvertConfig": "config",
     "fold_batchnorm": "fold",
     "assert_no_batchnorm": "guards",
     "find_batchnorm": "guards",
@@ -45,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "UnsupportedLayerError": "errors",
     "UnsupportedModelError": "errors",
     "DataError": "errors",
+    "ConfigError": "errors",
     "StageOrderError": "errors",
     "CheckpointError": "errors",
     "NIRError": "errors",

@@ -17,17 +17,14 @@ import torch.fx as fx
 
 from .channels import rewrite_channel_moves
 from .clip import rewrite_clips
+from .config import MAXPOOL_MODES
 from .fold import fold_graph
 from .means import rewrite_means
 from .pools import drop_idle_ceil_mode, fold_replicating_pools
 from .prefix import PREFIX_NAME, split_prefix
 
-__all__ = ["MAXPOOL_MODES", "rewrite_constructs"]
+__all__ = ["rewrite_constructs"]
 
-#: ``maxpool`` settings: ``"auto"`` keeps max-pooling in the static analog prefix (exact) and
-#: makes every later one average pooling (with QCFS training where labels allow); ``"avg"``
-#: makes every one average pooling; ``"error"`` refuses max-pooling.
-MAXPOOL_MODES = ("auto", "avg", "error")
 
 
 def rewrite_constructs(gm: fx.GraphModule, example_inputs: tuple, *, maxpool: str = "auto") -> dict[str, Any]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from .errors import DataError
+from .errors import ConfigError, DataError
 
 __all__ = [
     "digits",
@@ -153,8 +153,64 @@ def cifar10(root: str, *, train: bool = True, download: bool = False, augment: b
         ) from exc
 
 
+#: The most batches read from a loader without ``len()`` in one pass (an endless stream is
+#: refused after this many rather than read until memory or time runs out): 1.28 million
+#: images in batches of 128, more than any test set.
+MAX_UNSIZED_BATCHES = 10_000
+
+
+def _sized(loader: Any) -> bool:
+    try:
+        len(loader)
+    except TypeError:
+        return False
+    return True
+
+
+def bounded(loader: Iterable, *, where: str, limit: int | None = None) -> Iterator[Any]:
+    """The batches of ``loader``; a loader without ``len()`` that yields more than ``limit``
+    (default :data:`MAX_UNSIZED_BATCHES`) raises DataError instead of running forever."""
+    if _sized(loader):
+        yield from loader
+        return
+    limit = MAX_UNSIZED_BATCHES if limit is None else limit
+    for i, batch in enumerate(loader):
+        if i >= limit:
+            raise DataError(f"{where} has no len() and yielded more than {limit} batches: an endless "
+                            "stream? Pass a finite loader (a DataLoader over a sized dataset, or a "
+                            "list of batches), or bound it (itertools.islice in a re-iterable).")
+        yield batch
+
+
+def check_labels(y: torch.Tensor, num_classes: int, *, where: str) -> None:
+    """Refuse labels that are neither class indices in ``[0, num_classes)`` nor class
+    probabilities of shape ``[B, num_classes]`` (what the model's outputs can be scored against)."""
+    if y.dtype.is_floating_point and y.dim() == 2 and y.shape[1] == num_classes:
+        return
+    if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 1:
+        raise DataError(f"{where} yielded labels of dtype {y.dtype} and shape {tuple(y.shape)}; "
+                        f"expected a 1-d tensor of class indices (or [B, {num_classes}] probabilities)")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        raise DataError(f"{where} yielded labels from {int(y.min())} to {int(y.max())}, but the model "
+                        f"has {num_classes} outputs (classes 0 to {num_classes - 1}); fix the labels "
+                        "or the model's last layer")
+
+
 def split_batch(batch: Any, *, where: str = "loader") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(x, y)``, ``[x, y]``, ``{"x"/"input", "y"/"label"}`` or a bare ``x`` -> ``(x, y or None)``."""
+    """``(x, y)``, ``[x, y]``, ``{"x"/"input", "y"/"label"}`` or a bare ``x`` -> ``(x, y or None)``;
+    an empty batch raises DataError."""
+    x, y = _split(batch, where)
+    if not isinstance(x, torch.Tensor):
+        raise DataError(f"{where} yielded inputs of type {type(x).__name__}, not a tensor")
+    if x.dim() == 0 or x.shape[0] == 0:
+        raise DataError(f"{where} yielded an empty batch (inputs of shape {tuple(x.shape)}); drop "
+                        "empty batches (for example DataLoader(drop_last=True), or filter the list)")
+    if y is not None and y.dim() > 0 and y.shape[0] != x.shape[0]:
+        raise DataError(f"{where} yielded {x.shape[0]} inputs but {y.shape[0]} labels in one batch")
+    return x, y
+
+
+def _split(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(batch, torch.Tensor):
         return batch, None
     if isinstance(batch, dict):
@@ -236,7 +292,7 @@ def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tup
     batches: every ``round(1 / val_fraction)``-th batch goes to validation.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        raise ConfigError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if val_fraction == 0.0:
         return loader, None
     if isinstance(loader, DataLoader) and hasattr(loader.dataset, "__len__"):
@@ -248,7 +304,8 @@ def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tup
                            drop_last=loader.drop_last, **common)
         val = DataLoader(val_set, shuffle=False, **common)
         return train, val
-    batches = list(loader)
+    batches = list(loader) if _sized(loader) else list(
+        bounded(loader, where="the training loader"))
     if len(batches) < 2:
         raise DataError(f"the training loader yielded {len(batches)} batch(es); at least 2 are "
                         "needed to hold out a validation split. Pass val_fraction=0 or more data.")
@@ -270,7 +327,7 @@ def synthetic(*, n_train: int = 256, n_test: int = 128, shape: tuple[int, ...] =
     something, yet nothing is downloaded: the smoke setting of the tutorials and CLI tests.
     """
     if n_train < 1 or n_test < 1 or num_classes < 2:
-        raise ValueError(f"synthetic data needs n_train, n_test >= 1 and num_classes >= 2; got "
+        raise ConfigError(f"synthetic data needs n_train, n_test >= 1 and num_classes >= 2; got "
                          f"{n_train}, {n_test}, {num_classes}")
     g = torch.Generator().manual_seed(seed)
     coarse = torch.randn(num_classes, shape[0], *(max(1, s // 4) for s in shape[1:]), generator=g)

@@ -12,6 +12,8 @@ __all__ = [
     "UnsupportedLayerError",
     "UnsupportedModelError",
     "DataError",
+    "ConfigError",
+    "ResourceError",
     "StageOrderError",
     "CheckpointError",
     "NIRError",
@@ -50,6 +52,16 @@ class UnsupportedModelError(SnnconvError):
 
 class DataError(SnnconvError, ValueError):
     """Data (a loader, a batch, a dataset on disk) is missing or unusable."""
+
+
+class ConfigError(SnnconvError, ValueError):
+    """An argument or setting is out of range, of the wrong type, or contradicts another one
+    (a ``ValueError`` too, so that ``except ValueError`` keeps working)."""
+
+
+class ResourceError(SnnconvError, MemoryError):
+    """A stage needs more memory than the machine has: refused with the estimate where one is
+    made beforehand, reported with the stage where an allocation failed, and what to lower."""
 
 
 class StageOrderError(SnnconvError):

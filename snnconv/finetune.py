@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from .progress import progress_bar
 
-from .data import split_batch, split_dataset
-from .errors import CheckpointError, DataError, StageOrderError
+from .data import bounded, check_labels, split_batch, split_dataset
+from .errors import CheckpointError, ConfigError, DataError, StageOrderError
 from .meta import atomic_write_bytes
 from .metrics import accuracy_by_T, evaluate
 from .qcfs import make_optimizer
@@ -92,7 +92,7 @@ class FinetuneConfig:
 
     def __post_init__(self):
         def bad(msg):
-            raise ValueError(f"FinetuneConfig: {msg}")
+            raise ConfigError(f"FinetuneConfig: {msg}")
 
         if isinstance(self.T, bool) or not isinstance(self.T, int) or self.T < 1:
             bad(f"T must be an integer >= 1, got {self.T!r}")
@@ -178,12 +178,12 @@ def checkpointed(snn: SpikingNetwork, mode: str) -> SpikingNetwork:
         view = fx.GraphModule(gm, copy.deepcopy(gm.graph), "CheckpointedNeurons")
         for name, m in neurons(gm).items():
             if "." in name:
-                raise ValueError(f"neuron '{name}' is nested; 'neuron' checkpointing needs "
+                raise ConfigError(f"neuron '{name}' is nested; 'neuron' checkpointing needs "
                                  "root-level neurons")
             setattr(view, name, _Checkpointed(m))
         return SpikingNetwork(view, snn.T)
     if mode != "block":
-        raise ValueError(f"activation checkpointing mode must be 'block' or 'neuron', got {mode!r}")
+        raise ConfigError(f"activation checkpointing mode must be 'block' or 'neuron', got {mode!r}")
     cuts = _cut_points(gm)
     assign: dict[str, int] = {}
     part = 0
@@ -205,6 +205,25 @@ def _fingerprint(model: nn.Module) -> str:
     for k, v in model.state_dict().items():
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype};".encode())
     return h.hexdigest()
+
+
+def _weights_digest(model: nn.Module) -> str:
+    """sha256 of the network's values (not only its shapes): the network a run started from."""
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _data_size(data: "_Data") -> int | None:
+    """Samples (a sized dataset) or batches (a list) of the training split; None if unknown."""
+    for obj in (getattr(data.train, "dataset", None), data.train):
+        try:
+            return len(obj)
+        except TypeError:
+            continue
+    return None
 
 
 def _write_checkpoint(path: str, payload: dict) -> None:
@@ -402,14 +421,14 @@ def finetune(
     if options:
         unknown = set(options) - set(FinetuneConfig.__dataclass_fields__)
         if unknown:
-            raise TypeError(f"finetune() got unknown options {sorted(unknown)}")
+            raise ConfigError(f"finetune() got unknown options {sorted(unknown)}")
         cfg = replace(cfg, **options)
     if (teacher is None) != (cfg.distill == 0):
-        raise ValueError(
+        raise ConfigError(
             f"distillation needs both a teacher and distill > 0; got teacher="
             f"{type(teacher).__name__ if teacher is not None else None} and distill={cfg.distill}")
     if teacher is not None and not isinstance(teacher, nn.Module):
-        raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
+        raise ConfigError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
     device = _local_device(torch.device(device))
     _maybe_init_distributed(device)
     rank, world = _rank_world()
@@ -420,11 +439,21 @@ def finetune(
 
 
 def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConfig,
-                     global_batch: int | None) -> None:
+                     global_batch: int | None, start_digest: str, data_size: int | None) -> None:
     if state.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"{path} was written for another model (parameter names/shapes differ); "
             "point checkpoint_dir elsewhere or delete the file")
+    if state.get("start_digest", start_digest) != start_digest:
+        raise CheckpointError(
+            f"{path} was written by a run that started from other weights (same shapes, other "
+            "values): resume with the network that run was given, or point checkpoint_dir "
+            "elsewhere to start a new run")
+    if state.get("data_size", data_size) != data_size:
+        raise CheckpointError(
+            f"{path} was written by a run over other data ({state.get('data_size')} training "
+            f"samples or batches, now {data_size}): resume with the same data (shuffling and "
+            "augmentation are fine), or point checkpoint_dir elsewhere")
     saved = state.get("config", {})
     now = asdict(cfg)
     # a setting added after the checkpoint was written had its default value in that run
@@ -442,6 +471,7 @@ def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConf
 def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None,
                   cfg: FinetuneConfig) -> torch.Tensor:
     """Cross-entropy of one readout, mixed with distillation from the teacher's ``soft`` targets."""
+    check_labels(y, logits.shape[1], where="the fine-tuning loader")
     ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
     if soft is None:
         return ce
@@ -471,10 +501,10 @@ def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingN
     shapes_b = {k: tuple(v.shape) for k, v in b.items()}
     if shapes_a != shapes_b:
         diff = sorted(set(shapes_a.items()) ^ set(shapes_b.items()))[:3]
-        raise ValueError(f"blend() needs two versions of the same network; their parameters "
+        raise ConfigError(f"blend() needs two versions of the same network; their parameters "
                          f"differ, e.g. {diff} (name, shape)")
     if not 0 <= wise <= 1:
-        raise ValueError(f"wise must be in [0, 1], got {wise}")
+        raise ConfigError(f"wise must be in [0, 1], got {wise}")
     out = copy.deepcopy(tuned)
     out.load_state_dict({k: torch.lerp(v, a[k].to(v), wise) if v.is_floating_point() else v
                          for k, v in b.items()})
@@ -520,12 +550,14 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
 
     ckpt_path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_NAME) if cfg.checkpoint_dir else None
     fingerprint = _fingerprint(model)
+    start_digest = _weights_digest(model) if ckpt_path else ""
+    data_size = _data_size(data)
     history: list[dict[str, float]] = []
     start_epoch, start_step, best_val, best_state = 0, 0, -1.0, None
     resume_rng, resume_partial = None, None
     if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
         state = read_checkpoint(ckpt_path)
-        _check_resumable(ckpt_path, state, fingerprint, cfg, data.global_batch)
+        _check_resumable(ckpt_path, state, fingerprint, cfg, data.global_batch, start_digest, data_size)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -546,7 +578,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         if ckpt_path is None or rank != 0:
             return
         _write_checkpoint(ckpt_path, {
-            "fingerprint": fingerprint, "config": asdict(cfg), "global_batch": data.global_batch,
+            "fingerprint": fingerprint, "start_digest": start_digest, "data_size": data_size,
+            "config": asdict(cfg), "global_batch": data.global_batch,
             "epoch": epoch, "step": step, "partial": partial,
             "model": model.state_dict(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
@@ -570,7 +603,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             sums = torch.tensor(resume_partial, dtype=torch.float64)
         bar = progress_bar(total=steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
                    disable=not progress, leave=False)
-        batches = iter(data.train)
+        batches = iter(bounded(data.train, where="the fine-tuning loader"))
         if cfg.max_steps_per_epoch:
             batches = itertools.islice(batches, cfg.max_steps_per_epoch)
         seen = 0

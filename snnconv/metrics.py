@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from .data import split_batch
+from .data import bounded, check_labels, split_batch
 from .errors import DataError
 
 __all__ = ["evaluate", "predictions", "accuracy_by_T"]
@@ -33,7 +33,7 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
 
 def _labelled_batches(loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(x, y)`` of each batch of an evaluation loader; a batch without labels is refused."""
-    for batch in loader:
+    for batch in bounded(loader, where="the evaluation loader"):
         x, y = split_batch(batch, where="evaluation loader")
         if y is None:
             raise DataError("evaluation needs labels: the loader yielded inputs only")
@@ -46,7 +46,9 @@ def predictions(model: nn.Module, loader: Iterable, device: torch.device | str =
     preds, labels = [], []
     with _evaluating(model):
         for x, y in _labelled_batches(loader):
-            preds.append(model(x.to(device)).argmax(dim=1).cpu())
+            out = model(x.to(device))
+            check_labels(y, out.shape[1], where="the evaluation loader")
+            preds.append(out.argmax(dim=1).cpu())
             labels.append(y.cpu())
     if not preds:
         raise DataError("the evaluation loader is empty: it yielded no batch")
@@ -75,6 +77,7 @@ def accuracy_by_T(snn: nn.Module, loader: Iterable, Ts: Iterable[int],
     with _evaluating(snn):
         for x, y in _labelled_batches(loader):
             steps = snn.run(x.to(device), T=T_max).cpu()
+            check_labels(y, steps.shape[-1], where="the evaluation loader")
             cum = steps.cumsum(0)
             for t in Ts:
                 correct[t] += (cum[t - 1].argmax(1) == y.cpu()).sum().item()

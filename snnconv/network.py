@@ -3,7 +3,9 @@
 A file holds weights, thresholds, T, metadata and the graph as plain data (no pickled code), so
 that ``torch.load(weights_only=True)`` reads it. Modules and functions of the graph come from
 fixed tables; anything else is refused on save and on load, so loading a file never runs code
-from it.
+from it. Version 2 files also hold ``"digest"``, the :func:`snnconv.digest.content_digest` of
+everything else in the payload, checked on load; every module's parameter shapes are computed
+from its config and compared with the stored tensors before a module is built.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import io
 import numbers
 import operator
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -19,16 +22,19 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import CheckpointError, UnsupportedModelError
+from .config import MAX_T
+from .digest import UnverifiedFileWarning, content_digest
+from .errors import CheckpointError, ConfigError, UnsupportedModelError
 from .graph import largest_value
 from .meta import atomic_write_bytes
-from .neuron import IFNeuron, Scale, TimeExpand, neurons
+from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
 
 FORMAT = "snnconv.spiking"  # the format's name, written in every file (not a module path)
-FORMAT_VERSION = 1
+#: 2: with a content digest; version 1 files (no digest) are still read, with a warning
+FORMAT_VERSION = 2
 
 # Largest value of one chunk, in SpikingNetwork's forward and in bias calibration's lockstep
 # (which keeps every chunk's values alive at once): blocks above glibc's largest mmap threshold
@@ -41,7 +47,7 @@ CHUNK_BYTES = 16 * 2**20
 def check_T(T: Any, name: str = "T (number of time steps)") -> None:
     """Refuse a step count that is not an integer >= 1 (``ValueError`` naming ``name``)."""
     if isinstance(T, bool) or not isinstance(T, numbers.Integral) or T < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {T!r}")
+        raise ConfigError(f"{name} must be an integer >= 1, got {T!r}")
 
 
 def images_per_chunk(chunk_size: int, T: int, per_image: int) -> int:
@@ -84,7 +90,7 @@ class SpikingNetwork(nn.Module):
         value = int(value)
         self._T = value
         for m in self.net.modules():
-            if isinstance(m, (IFNeuron, TimeExpand)):
+            if isinstance(m, (IFNeuron, LeakyNeuron, TimeExpand)):
                 m.T = value
 
     def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
@@ -174,17 +180,40 @@ class SpikingNetwork(nn.Module):
     # --- save / load (weights_only, no pickled code) ---
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write weights, thresholds, graph and T to ``path`` atomically (loadable with weights_only)."""
+        """Write weights, thresholds, graph, T, metadata and their digest to ``path``.
+
+        The file loads with ``torch.load(weights_only=True)``. ``path`` holds its old content or
+        the whole new file, never a part; see :func:`snnconv.meta.atomic_write_bytes` for what an
+        interrupted write leaves and when it is removed.
+        """
         payload = {"format": FORMAT, "version": FORMAT_VERSION, "T": self.T,
                    "graph": graph_to_dict(self.net), "state_dict": self.net.state_dict(),
                    "meta": _plain(self.meta)}
+        payload["digest"] = content_digest(payload)
         buf = io.BytesIO()
         torch.save(payload, buf)
-        atomic_write_bytes(path, buf.getvalue())  # never half-written
+        atomic_write_bytes(path, buf.getvalue())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SpikingNetwork":
-        """Read a network written by :meth:`save` (``torch.load(weights_only=True)``), in eval mode."""
+        """Read a network written by :meth:`save` (``torch.load(weights_only=True)``), in eval mode.
+
+        A version 2 file must match its digest. Every module's parameter and buffer shapes are
+        computed from its config and compared with the stored tensors before any module is
+        built, so a config that declares more than the file stores allocates nothing.
+
+        A version 1 file (no digest) loads with :class:`~snnconv.digest.UnverifiedFileWarning`.
+        If it lacks a neuron's ``v_init`` (written before initial membranes were stored), that
+        neuron gets the documented default: ``v[0] = theta / 2`` (``v_init = 0.5`` in units of
+        theta) for reset by subtraction, ``0`` for hard reset.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            CheckpointError: not a saved network, another format version, a digest that does
+                not match, a T above :data:`snnconv.config.MAX_T`, a graph that cannot be
+                rebuilt, or weights that do not match their modules (naming the layer, declared
+                and stored shapes).
+        """
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -194,25 +223,30 @@ class SpikingNetwork(nn.Module):
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
             raise CheckpointError(f"{path} is not a saved snnconv SpikingNetwork (format {found})")
-        if payload.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path} has format version {payload.get('version')}; this "
-                                  f"snnconv reads version {FORMAT_VERSION}")
+        version = payload.get("version")
+        if version not in (1, FORMAT_VERSION) or isinstance(version, bool):
+            raise CheckpointError(f"{path} has format version {version!r}; this snnconv reads "
+                                  f"versions 1 and {FORMAT_VERSION}")
+        legacy = version == 1
+        if legacy:
+            warnings.warn(f"{path} is a version 1 SpikingNetwork file, without a digest: its "
+                          "structure is checked, its values cannot be verified. Save it again to "
+                          "add one", UnverifiedFileWarning, stacklevel=2)
+        else:
+            _verify(path, payload)
+        T = payload.get("T")
+        if isinstance(T, numbers.Integral) and not isinstance(T, bool) and T > MAX_T:
+            raise CheckpointError(f"{path} declares T={T}, above the bound of {MAX_T} time steps")
+        state = payload.get("state_dict")
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path}: its state_dict is not a dict of tensors")
         try:
-            net = graph_from_dict(payload["graph"])
-        except CheckpointError:
-            raise
+            net = graph_from_dict(payload["graph"], state, legacy_v_init=legacy)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from exc
         except Exception as exc:  # KeyError, TypeError, RuntimeError from fx on a damaged graph
             raise CheckpointError(f"{path}: the saved graph cannot be rebuilt: "
                                   f"{type(exc).__name__}: {exc}") from exc
-        state = payload["state_dict"]
-        if isinstance(state, dict):  # files written before v_init existed: the default
-            for name, m in net.named_modules():
-                if isinstance(m, IFNeuron) and f"{name}.v_init" not in state:
-                    state[f"{name}.v_init"] = m.v_init
-        try:
-            net.load_state_dict(state, strict=True)
-        except (KeyError, TypeError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: weights do not match its graph: {exc}") from exc
         try:
             snn = cls(net, payload.get("T"))
         except ValueError as exc:
@@ -220,6 +254,20 @@ class SpikingNetwork(nn.Module):
         meta = payload.get("meta", {})
         snn.meta = meta if isinstance(meta, dict) else {}
         return snn.eval()  # freshly built modules start in training mode (dropout would be live)
+
+
+def _verify(path: Any, payload: dict) -> None:
+    stored = payload.get("digest")
+    if not isinstance(stored, str):
+        raise CheckpointError(f"{path} is a version {FORMAT_VERSION} SpikingNetwork file without "
+                              "its digest: damaged or edited. Save the network again")
+    try:
+        actual = content_digest({k: v for k, v in payload.items() if k != "digest"})
+    except TypeError as exc:
+        raise CheckpointError(f"{path}: its payload holds an unexpected value: {exc}") from exc
+    if actual != stored:
+        raise CheckpointError(f"{path} was changed after it was saved: its content does not match "
+                              "its digest (damaged or edited). Save the network again")
 
 
 def _plain(obj: Any) -> Any:
@@ -372,8 +420,46 @@ def graph_to_dict(gm: fx.GraphModule) -> dict:
     return {"nodes": nodes, "modules": modules}
 
 
-def graph_from_dict(data: dict) -> fx.GraphModule:
-    """Rebuild a GraphModule from :func:`graph_to_dict` output (weights left at their init)."""
+def _declared(cls: type, config: dict) -> nn.Module:
+    """The module of ``config``; built on the meta device (nothing allocated) unless its config
+    holds tensors (IFNeuron, Scale: their sizes are those of tensors stored in the file)."""
+    if any(isinstance(v, torch.Tensor) for v in config.values()):
+        return cls(**config)
+    with torch.device("meta"):
+        return cls(**config)
+
+
+def _check_against(target: str, mod: nn.Module, state: dict, legacy_v_init: bool) -> None:
+    """Each parameter and buffer ``mod`` declares is stored in ``state`` with its shape and dtype."""
+    prefix = target + "."
+    if legacy_v_init and isinstance(mod, IFNeuron) and prefix + "v_init" not in state:
+        state[prefix + "v_init"] = torch.full(mod.v_init.shape, 0.5 if mod.reset == "subtract" else 0.0)
+    for name, want in mod.state_dict().items():
+        got = state.get(prefix + name)
+        if got is None:
+            raise CheckpointError(f"module '{target}' ({type(mod).__name__}) declares '{name}' of "
+                                  f"shape {tuple(want.shape)}, which the file does not store")
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise CheckpointError(f"module '{target}' ({type(mod).__name__}): its config declares "
+                                  f"'{name}' of shape {tuple(want.shape)} ({want.dtype}), the file "
+                                  f"stores {tuple(got.shape)} ({got.dtype}); nothing was allocated")
+
+
+def graph_from_dict(data: dict, state: dict | None = None, *,
+                    legacy_v_init: bool = False) -> fx.GraphModule:
+    """Rebuild a GraphModule from :func:`graph_to_dict` output.
+
+    Without ``state``: the weights are left at their init. With ``state`` (a state_dict, e.g.
+    from a file): every module's parameters and buffers are first declared from its config
+    without allocation and compared with the stored tensors (shape and dtype, naming the
+    module), then the modules are built and ``state`` is loaded (strict). ``legacy_v_init``:
+    a missing ``IFNeuron`` ``v_init`` gets the documented default (see
+    :meth:`SpikingNetwork.load`).
+
+    Raises:
+        CheckpointError: an unknown module type, function, method or node kind, a malformed
+            graph, or (with ``state``) weights that do not match their modules.
+    """
     table = _module_table()
     root = nn.Module()
     try:
@@ -381,13 +467,21 @@ def graph_from_dict(data: dict) -> fx.GraphModule:
             kind = spec["type"]
             if kind not in table:
                 raise CheckpointError(f"unknown module type {kind!r} for '{target}'")
+            cls = table[kind][0]
+            if state is None:
+                mod = cls(**spec["config"])
+            else:
+                mod = _declared(cls, spec["config"])
+                _check_against(target, mod, state, legacy_v_init)
+                if any(t.is_meta for t in mod.state_dict().values()):
+                    mod = mod.to_empty(device="cpu")
             owner = root
             *parents, leaf = target.split(".")
             for p in parents:
                 if not hasattr(owner, p):
                     owner.add_module(p, nn.Module())
                 owner = getattr(owner, p)
-            owner.add_module(leaf, table[kind][0](**spec["config"]))
+            owner.add_module(leaf, mod)
         graph = fx.Graph()
         env: dict[str, fx.Node] = {}
         for rec in data["nodes"]:
@@ -409,4 +503,10 @@ def graph_from_dict(data: dict) -> fx.GraphModule:
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"malformed saved graph: {type(exc).__name__}: {exc}") from exc
     graph.lint()
-    return fx.GraphModule(root, graph, "SpikingGraph")
+    gm = fx.GraphModule(root, graph, "SpikingGraph")
+    if state is not None:
+        try:
+            gm.load_state_dict(state, strict=True)
+        except (KeyError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"weights do not match its graph: {exc}") from exc
+    return gm

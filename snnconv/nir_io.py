@@ -24,14 +24,13 @@ Encoding (graph metadata ``{"producer": "snnconv", "snnconv_format": 1, "T": T, 
 - The first layers see the static input at every step (direct encoding); the readout does not
   spike and its per-step values are averaged over T (the graph's documented convention).
 
-Reading goes through the strict reader :func:`snnconv_backends.nirgraph.parse`.
+Reading goes through the strict reader :func:`snnconv_backends.nirgraph.parse`; files are written
+and read by :mod:`snnconv.nirfile` (:func:`save_nir`, :func:`load_nir`, re-exported here).
 """
 
 from __future__ import annotations
 
-import io
 import operator
-import os
 import re
 from typing import Any
 
@@ -43,12 +42,12 @@ import torch.nn as nn
 
 from .errors import NIRError
 from .graph import describe_node, module_of
-from .meta import atomic_write_bytes
 from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SUM_OP, fire_threshold,
                         graph_metadata, neuron_metadata, v_init_metadata)
 from .network import SpikingNetwork, check_T
+from .neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
+from .nirfile import load_nir, save_nir
 from .prefix import AnalogPrefix
-from .neuron import IFNeuron, Scale, TimeExpand
 from .replace import insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
@@ -461,10 +460,14 @@ def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
         v0 = p.get("v_init")
         return IFNeuron(theta, T, reset=p["reset"],
                         v_init=None if v0 is None else torch.from_numpy(np.array(v0, dtype=np.float32)))
+    if op.kind in LEAKY_KINDS:  # NIR's LIF, CubaLIF, LI: Euler coefficients at the reading's dt
+        from snnconv_backends.nirleaky import leaky_params
+
+        return LeakyNeuron(op.kind, leaky_params(p), T)
     return None  # input, output, sum
 
 
-def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
+def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0) -> SpikingNetwork:
     """A :class:`SpikingNetwork` that computes ``graph`` exactly (bit for bit what was exported).
 
     The network has the modules ``convert`` produces (Conv/Linear/AvgPool/Flatten/Scale/
@@ -474,13 +477,15 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
     Args:
         graph: a ``nir.NIRGraph`` that :func:`snnconv_backends.nirgraph.parse` accepts.
         T: time steps; default the T recorded in the graph's metadata, else 8.
+        dt: the time step the graph is read at (an integrator with resistance ``r`` must have
+            ``r * dt = 1``; spikingjelly's default export has ``r = 1e4``: ``dt=1e-4``).
 
     Raises:
         NIRError: the graph is not one snnconv can run exactly (named node or edge).
     """
     from snnconv_backends.nirgraph import parse
 
-    parsed = parse(graph)
+    parsed = parse(graph, dt=dt)
     T = (parsed.T or 8) if T is None else T
     check_T(T)
     T = int(T)
@@ -513,84 +518,3 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None) -> SpikingNetwork:
     snn.meta = {"input_shape": list(parsed.input_shape), "reset": parsed.reset,
                 "time_expanded": expanded, "nir": dict(parsed.metadata)}
     return snn
-
-
-_NIR_TYPES = {"Input", "Output", "Conv1d", "Conv2d", "Affine", "Linear", "AvgPool2d", "SumPool2d",
-              "Flatten", "Scale", "I", "IF", "Threshold"}
-
-
-def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str | None = "gzip") -> None:
-    """Write ``graph`` to ``path`` as a NIR HDF5 file, atomically (a failure leaves no file).
-
-    ``compression``: ``"gzip"`` (default, readable by any HDF5 library), ``"lzf"`` (h5py only)
-    or ``None`` (fastest; a ResNet-18 file is about 25% larger).
-
-    Raises:
-        NIRError: ``graph`` is not one snnconv reads back exactly, or nir cannot serialise it.
-        ValueError: an unknown ``compression``.
-    """
-    from snnconv_backends.nirgraph import parse
-
-    if compression not in ("gzip", "lzf", None):
-        raise ValueError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
-    parse(graph)
-    buf = io.BytesIO()
-    try:
-        nir.write(buf, graph, compression=compression)
-    except Exception as exc:  # nir/h5py raise KeyError, TypeError, ValueError on odd nodes
-        raise NIRError(f"nir cannot serialise the graph: {type(exc).__name__}: {exc}") from exc
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def _check_file(path: str) -> None:
-    """Refuse what is not a NIR HDF5 file before nir reads it (its node types are looked up)."""
-    import h5py
-
-    if not os.path.isfile(path):
-        raise NIRError(f"{path}: no such file")
-    if not h5py.is_hdf5(path):
-        raise NIRError(f"{path} is not an HDF5 file (a NIR file is HDF5, written by save_nir or "
-                       "nir.write)")
-    try:
-        with h5py.File(path, "r") as f:
-            if "node" not in f or "version" not in f:
-                raise NIRError(f"{path} is HDF5 but not NIR: it has no 'node' group and 'version'")
-            root = f["node"]
-            if not isinstance(root, h5py.Group) or "nodes" not in root or "edges" not in root:
-                raise NIRError(f"{path}: the root node is not a NIRGraph (no nodes/edges)")
-            for name, node in root["nodes"].items():
-                kind = node["type"][()] if isinstance(node, h5py.Group) and "type" in node else None
-                kind = kind.decode("utf8", "replace") if isinstance(kind, bytes) else kind
-                if kind not in _NIR_TYPES:
-                    raise NIRError(f"{path}: node '{name}' has type {kind!r}; snnconv reads "
-                                   f"{sorted(_NIR_TYPES)}")
-    except NIRError:
-        raise
-    except Exception as exc:  # OSError on a truncated file, KeyError on a damaged one
-        raise NIRError(f"{path}: cannot read as NIR (truncated or damaged?): "
-                       f"{type(exc).__name__}: {exc}") from exc
-
-
-def load_nir(path: str | os.PathLike) -> nir.NIRGraph:
-    """Read a NIR file strictly, as data (HDF5; nothing from the file is executed).
-
-    Returns the ``nir.NIRGraph``; it has passed :func:`snnconv_backends.nirgraph.parse`.
-
-    Raises:
-        NIRError: a missing, truncated, non-HDF5 or non-NIR file, or a graph snnconv cannot
-            read exactly (the message names the file and the node or edge).
-    """
-    from snnconv_backends.nirgraph import parse
-
-    path = os.fspath(path)
-    _check_file(path)
-    try:
-        graph = nir.read(path)
-    except Exception as exc:  # nir raises ValueError, KeyError, AssertionError, OSError
-        raise NIRError(f"{path}: nir {nir.__version__} cannot read it: {type(exc).__name__}: "
-                       f"{exc}") from exc
-    try:
-        parse(graph)
-    except NIRError as exc:
-        raise NIRError(f"{path}: {exc}") from exc
-    return graph

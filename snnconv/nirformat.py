@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ConfigError
+
 __all__ = ["FORMAT_VERSION", "PRODUCER", "RESETS", "COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY",
            "SUM_OP", "ADAPTIVE_AVGPOOL", "fire_threshold", "neuron_metadata", "graph_metadata",
            "v_init_metadata"]
@@ -57,7 +59,7 @@ def v_init_metadata(v_init: np.ndarray) -> float | list[float]:
 def neuron_metadata(reset: str, v_init: Any, per_channel: bool) -> dict[str, Any]:
     """The metadata of one neuron site (see the module docstring)."""
     if reset not in RESETS:
-        raise ValueError(f"reset {reset!r} is not one of {RESETS}")
+        raise ConfigError(f"reset {reset!r} is not one of {RESETS}")
     return {NEURON_KEY: "if", "reset": reset, "v_init": v_init, "compare": COMPARE,
             "threshold": "per_channel" if per_channel else "per_layer"}
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import math
-import numbers
 import random
 import time
 from typing import Any, Iterable, Iterator
@@ -18,8 +17,9 @@ import torch
 import torch.nn as nn
 
 from .calibration import calibrate_bias, calibrate_thresholds
-from .data import first_batch, generators_kept
-from .errors import ConversionError, DataError, UnsupportedModelError
+from .data import check_labels, generators_kept
+from .config import ConvertConfig
+from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .constructs import rewrite_constructs
 from .fold import fold_graph
 from .graph import prepare
@@ -31,7 +31,7 @@ from .network import SpikingNetwork
 from .qcfs import QCFSTrainConfig, calibrate_qcfs, max_pools
 from .replace import to_spiking
 
-__all__ = ["convert", "seed_everything"]
+__all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finetune_recipe"]
 
 #: The fine-tuning recipe of ``convert()`` (the rest as in :class:`FinetuneConfig`): unrolled
 #: for ``2 * T`` steps with readouts trained at ``T // 2``, ``T`` and ``2 * T``
@@ -149,11 +149,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _bias_batches(calib_batches: Any) -> int:
-    """Batches of bias/membrane calibration: 4, or fewer where the user asked for fewer."""
-    return min(4, calib_batches) if isinstance(calib_batches, int) and calib_batches > 0 else 4
-
-
 #: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
 #: max-pooling, as whole epochs of the training split (:func:`_maxpool_qcfs_epochs`). On the
 #: robustness matrix's VGG (2 and 10 training epochs, three seeds, AMD EPYC; 36 steps per epoch)
@@ -200,17 +195,41 @@ def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, 
     return None
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc)))
+
+
 @contextlib.contextmanager
 def _stage(meta: ConversionMeta, name: str) -> Iterator[StageRecord]:
     record = StageRecord(name)
     start = time.perf_counter()
-    yield record
+    try:
+        yield record
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, ResourceError) or not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ResourceError(
+            f"stage '{name}' ran out of memory ({first[:200]}). Lower the loader's batch size, "
+            "calib_batches (calibration runs min(4, calib_batches) batches together for up to "
+            "2 * T steps) or T, or run on a device with more memory") from exc
     record.seconds = time.perf_counter() - start
     meta.stages.append(record)
 
 
 def _check_weights(model: nn.Module) -> None:
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise UnsupportedModelError(
+                f"'{name}' is on the meta device (a model built without its weights); load the "
+                "trained state dict (model.load_state_dict(..., assign=True) or model.to_empty() "
+                "then load) before converting")
+        if t.is_floating_point() and t.dtype != torch.float32:
+            raise UnsupportedModelError(
+                f"'{name}' is {t.dtype}; convert() computes in float32 (calibration, the spiking "
+                "network and its files are float32). Pass model.float() (a copy is fine: "
+                "copy.deepcopy(model).float())")
         if t.is_floating_point() and not torch.isfinite(t).all():
             n = (~torch.isfinite(t)).sum().item()
             raise UnsupportedModelError(
@@ -218,7 +237,7 @@ def _check_weights(model: nn.Module) -> None:
                 "Fix the training run (or the checkpoint) that produced these weights.")
 
 
-def _check_batch(gm: nn.Module, x: torch.Tensor, device: torch.device) -> None:
+def _check_batch(gm: nn.Module, x: torch.Tensor, y: torch.Tensor | None, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor):
         raise DataError(f"the loader's inputs are {type(x).__name__}, not tensors")
     if x.is_floating_point() and not torch.isfinite(x).all():
@@ -236,22 +255,16 @@ def _check_batch(gm: nn.Module, x: torch.Tensor, device: torch.device) -> None:
         raise UnsupportedModelError(
             f"the model returns {type(out).__name__} of shape {getattr(out, 'shape', None)}; "
             "convert() expects one [B, classes] tensor")
+    if y is not None:
+        check_labels(y, out.shape[1], where="the conversion loader")
 
 
 class _Health:
     """Per-stage activity and the collapse check on a few labelled calibration batches."""
 
-    def __init__(self, loader: Iterable, n: int, device: torch.device, on_collapse: str):
-        from .data import split_batch
-
-        self.x, self.y = [], []
-        with torch.random.fork_rng(devices=[]):  # drawing them must not move the global RNG
-            for batch in loader:
-                if len(self.x) >= n:
-                    break
-                x, y = split_batch(batch, where="the conversion loader")
-                self.x.append(x.to(device))
-                self.y.append(y)
+    def __init__(self, batches: list, device: torch.device, on_collapse: str):
+        self.x = [x.to(device) for x, _ in batches]
+        self.y = [y for _, y in batches]
         if any(y is None for y in self.y):
             self.y = []
         self.chance = chance_level(self.y)
@@ -305,244 +318,190 @@ class _Health:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def convert(
-    model: nn.Module,
-    loader: Iterable,
-    *,
-    T: int = 8,
-    L: int | None = None,
-    percentile: float = 99.9,
-    per_channel: bool | None = None,
-    calib_batches: int = 10,
-    maxpool: str = "auto",
-    reset: str = "subtract",
-    bias_calibration: bool = True,
-    bias_calibration_T: int | tuple[int, int] | None = None,
-    threshold_calibration: bool | None = None,
-    weight_calibration: bool | None = None,
-    qcfs_epochs: int | None = None,
-    qcfs_train: QCFSTrainConfig | None = None,
-    finetune_epochs: int | None = None,
-    finetune_config: Any = None,
-    eval_loader: Iterable | None = None,
-    eval_T: Iterable[int] = (),
-    seed: int = 0,
-    device: str | torch.device = "cpu",
-    progress: bool = True,
-    on_collapse: str = "raise",
-) -> tuple[SpikingNetwork, ConversionMeta]:
-    """Convert a trained ReLU network into a spiking network of IF neurons.
+def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The first ``n`` batches of ``loader`` as ``(x, y)`` pairs (``y`` None when unlabelled),
+    drawn without moving the global RNG: the calibration batches every stage shares."""
+    from .data import split_batch
 
-    Runs prepare -> fold BatchNorm -> QCFS calibration (optionally QCFS training for
-    ``qcfs_epochs``) -> IF replacement -> BPTT fine-tuning, with the no-BatchNorm guard after
-    every stage. The caller's ``model`` is never changed. By default a labelled loader and a
-    target ``T <= 8`` get one epoch of fine-tuning (at most :data:`FINETUNE_MAX_STEPS` optimiser
-    steps, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
-    also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets.
-    ``meta.settings["budget"]`` states the planned optimiser steps of each training stage, the
-    steps that ran and their seconds, and the loader's length (one ANN training epoch) to
-    compare them with.
+    batches = []
+    with torch.random.fork_rng(devices=[]):
+        for batch in loader:
+            if len(batches) >= n:
+                break
+            batches.append(split_batch(batch, where="the conversion loader"))
+    return batches
 
-    The returned network is a function of ``model``, the data, the settings and ``seed``:
-    evaluation and progress never draw from the RNG that training uses, and a loader that
-    shuffles with its own ``generator`` is left in the state it had on the call, so the same
-    call again gives the same network.
 
-    Args:
-        model: a traceable ``nn.Module`` with ReLU activations.
-        loader: batches of ``(x, y)``, ``[x, y]`` or bare ``x``; labels are needed only for
-            QCFS training and fine-tuning. Validation data is split from it.
-        T: time steps of the returned network (settable later with ``snn.T``).
-        L: QCFS quantisation levels (default ``T``): those the QCFS-ANN is trained at
-            (``qcfs_epochs``) and reported at (``meta.accuracy["qcfs"]``). After QCFS training
-            every calibration targets the QCFS-ANN at these L levels over L steps (the function
-            the network was trained for: an SNN at ``T = L`` then comes within a few points of
-            its QCFS-ANN). With the default calibration and no QCFS training the SNN does not
-            depend on it (thresholds come from the percentile, and the membrane and weight
-            calibration target the QCFS-ANN at ``2 * T`` levels); the bias-only calibration
-            (``bias_calibration_T`` an int) and ``reset="zero"`` calibrate against the
-            QCFS-ANN at L.
-        calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
-            use the first ``min(4, calib_batches)`` of them, all at once for up to ``2 * T`` steps
-            (their memory: a forward of that many batches at ``2 * T``; lower it here, or the
-            loader's batch size, on a machine short of memory).
-        maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
-            layers up to the first max-pooling that sees only the input, such as a ResNet stem:
-            they run once in analog, exactly; :mod:`snnconv.prefix`) and replaces every later one
-            by average pooling; ``"avg"`` replaces every one (a different function: see
-            ``qcfs_epochs``); ``"error"`` refuses max-pooling, which binary spikes cannot compute.
-        qcfs_epochs: epochs of QCFS-aware training of the ANN (needs labels; ``qcfs_train``
-            sets the rest). ``None`` (default): where ``maxpool="avg"`` replaced max-pooling,
-            576 optimiser steps rounded up to whole epochs of the training split (1 to 64: 16
-            on the robustness matrix's 4,500 images, 2 on Fashion-MNIST or CIFAR-10 in batches
-            of 128; on the matrix they lift the VGG's SNN at T=16 from 37 to 1.0 points under the ANN
-            after 2 epochs of training, 30 to 1.45 after 10, worst seed),
-            none otherwise (there one epoch changed little, or cost accuracy at T >= 16;
-            benchmarks/README.md "QCFS training where max-pooling became average pooling").
-        per_channel: one threshold per channel or one per layer. The default (None) is per
-            channel for ``reset="subtract"`` (it won on 4 of 4 networks of the CPU matrix at
-            T <= 16; benchmarks/README.md) and per layer for ``reset="zero"``, whose plain NIR
-            ``IF`` nodes are read by consumers that need one threshold per layer
-            (spikingjelly's NIR importer).
-        eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
-            it is never used to choose anything.
-        eval_T: extra T values at which to record SNN accuracy.
-        reset: ``"subtract"`` (default: IF with reset by subtraction and ``v[0] = theta/2``,
-            the exact QCFS equivalent) or ``"zero"`` (hard reset, ``v[0] = 0``: spikingjelly's
-            ``IFNode(v_reset=0.)``, for NIR consumers and chips whose neurons reset to zero).
-        bias_calibration: after IF replacement, shift biases so that each layer's mean output
-            matches the QCFS-ANN on calibration batches (:func:`snnconv.calibration.calibrate_bias`).
-            Raises accuracy at every T on deep networks; see the benchmarks.
-        bias_calibration_T: the horizon(s) of bias calibration. ``None`` (default) with
-            ``reset="subtract"``: the membrane calibration at ``2 * T`` steps
-            (``calibrate_bias(membrane=True)``): each channel's initial membrane absorbs the
-            error, the bias only what the membrane's range cannot, so the network converges to
-            the ANN as it runs longer instead of keeping a bias that is right at one T (on the
-            robustness matrix better than the two-horizon fit at T >= 16 and far better at
-            T >= 32: benchmarks/README.md "Membrane-only calibration"). One integer
-            calibrates the bias alone for that many steps (the default for ``reset="zero"``:
-            ``T``; NIR's IF has no initial membrane). Two horizons ``(T1, T2)`` (subtractive
-            reset) fit bias and initial membrane per channel as ``a + b / t``, exact at both
-            (the default before; it decays beyond ``T2``).
-        threshold_calibration: before bias calibration, fit each layer's threshold to the
-            QCFS-ANN at ``bias_calibration_T`` steps
-            (:func:`snnconv.calibration.calibrate_thresholds`; weights and the neuron model are
-            untouched). ``None`` (default): on for ``reset="zero"``, whose neurons lose the
-            charge above threshold at every spike and start empty; off for ``"subtract"``.
-        weight_calibration: with bias calibration, also refit the weights of every Conv/Linear
-            that reads spikes to the QCFS-ANN at the calibration's horizon
-            (``calibrate_bias(weights=True)``, same pass: ridge least squares of each layer's
-            output on the SNN's input rates). ``None`` (default): on with the membrane
-            calibration (the default for ``reset="subtract"``): on the robustness matrix it
-            lifted the mean at T=8 from 79.3 to 82.9% and the worst-seed T=16 gap of ResNet-20
-            from 5.65 to 1.20 points, and cost up to 2 points at T=32 on briefly trained
-            networks (benchmarks/README.md "Weight calibration"); off otherwise (not measured).
-            It adds 20-40% to the calibration's time (ResNet-18, T=8, 2 CPU threads: 43 -> 61 s).
-        finetune_epochs: epochs of BPTT fine-tuning (labels needed), each at most
-            :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): 1 where the loader
-            is labelled, has two batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`), 0
-            otherwise; 0 converts without training.
-        finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
-            ``model`` is the teacher. Without one, ``finetune_epochs`` fine-tunes with
-            :func:`finetune_recipe` (distillation from ``model``, trained thresholds, ATan
-            alpha 4, lr 2e-3, batches of 64, smaller on small data sets so that an epoch has at
-            least 256 steps (down to 16; :func:`_finetune_batch`), never larger than the
-            loader's), unrolled for ``2 * T`` steps with the readouts at ``T // 2``, ``T`` and
-            ``2 * T`` trained (the network holds from half its steps to twice them); the
-            returned network keeps ``T``.
-        on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer
-            activity on the first two calibration batches goes into that stage's ``meta``
-            record (``changes["activity"]``, see :mod:`snnconv.health`). A QCFS site that
-            calibration left silent (where the ANN's ReLU was active) or saturated on all of
-            them, or a network at chance there while the ANN is not, raises
-            :class:`ConversionError` naming the layers (or warns). Silent SNN layers alone
-            warn: a small T or hard reset can leave deep layers silent, and fine-tuning can
-            bring them back.
+def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[int, str]:
+    """``finetune_epochs=None``: one epoch for a labelled loader of two batches or more at
+    ``T <= FINETUNE_UP_TO_T``, none otherwise; and why."""
+    why = None
+    if not labelled:
+        why = "the loader has no labels"
+    elif cfg.T > FINETUNE_UP_TO_T:
+        why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
+    elif _batches_below(loader, 2):
+        why = "the loader has one batch (none to validate on)"
+    return (0, f"none: {why}") if why else (1, f"one epoch (T <= {FINETUNE_UP_TO_T}, labelled)")
 
-    Returns:
-        ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
-    """
-    from .finetune import FinetuneConfig, finetune
 
-    eval_T = tuple(eval_T)
-    if on_collapse not in ("raise", "warn"):
-        raise ValueError(f"on_collapse must be 'raise' or 'warn', got {on_collapse!r}")
-    T = int(T) if isinstance(T, numbers.Integral) and not isinstance(T, bool) else T
-    for name, value in [("T", T), *(("eval_T", t) for t in eval_T)]:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name} (time steps) must hold integers >= 1, got {value!r}")
+def _check_loaders(loader: Any, eval_loader: Any) -> None:
     for name, data in (("loader", loader), ("eval_loader", eval_loader)):
         if isinstance(data, collections.abc.Iterator):
             raise DataError(
                 f"{name} is a one-shot iterator ({type(data).__name__}); convert() reads it more "
                 "than once (checks, calibration, training, evaluation). Pass a DataLoader or a "
                 "list of batches instead.")
-    if reset not in ("subtract", "zero"):
-        raise ValueError(f"reset must be 'subtract' or 'zero', got {reset!r}")
-    if L is None:
-        L = T
-    for name, value in (("finetune_epochs", finetune_epochs), ("qcfs_epochs", qcfs_epochs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-                                  or value < 0):
-            raise ValueError(f"{name} must be an integer >= 0 (or None for the default), got {value!r}")
+
+
+def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = None, *,
+            eval_loader: Iterable | None = None, **settings: Any) -> tuple[SpikingNetwork, ConversionMeta]:
+    """Convert a trained ReLU network into a spiking network of IF neurons.
+
+    Runs prepare -> fold BatchNorm -> QCFS calibration (and QCFS training where asked) -> IF
+    replacement and calibration -> BPTT fine-tuning, with the no-BatchNorm guard after every
+    stage. The caller's ``model`` is never changed. By default a labelled loader and a target
+    ``T <= 8`` get one epoch of fine-tuning (at most :data:`FINETUNE_MAX_STEPS` optimiser
+    steps, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
+    also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets.
+    ``meta.settings`` records every setting as resolved and every default chosen from the data;
+    ``meta.settings["budget"]`` the planned optimiser steps of each training stage, the steps
+    that ran, their seconds, and the loader's length (one ANN training epoch).
+
+    The returned network is a function of ``model``, the data, the settings and ``seed``:
+    evaluation and progress never draw from the RNG that training uses, and a loader that
+    shuffles with its own ``generator`` is left in the state it had on the call.
+
+    Args:
+        model: a traceable ``nn.Module`` with ReLU activations.
+        loader: batches of ``(x, y)``, ``[x, y]`` or bare ``x``; labels are needed only for
+            QCFS training and fine-tuning. Validation data is split from it. The first
+            ``calib_batches`` batches are drawn once and shared by every calibration.
+        config: a :class:`ConvertConfig`; keyword ``settings`` override its fields.
+        eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
+            it is never used to choose anything.
+
+    Settings (keyword arguments, or fields of :class:`ConvertConfig`):
+        T: time steps of the returned network (settable later with ``snn.T``), 1 to
+            :data:`~snnconv.config.MAX_T`.
+        L: QCFS quantisation levels (default ``T``). After QCFS training every calibration
+            targets the QCFS-ANN at these L levels over L steps, the function the network was
+            trained for. Without QCFS training the default membrane and weight calibration
+            target the QCFS-ANN at ``2 * T`` levels; bias-only calibration and ``reset="zero"``
+            at L.
+        percentile: each QCFS threshold starts at this percentile of its site's activations.
+        calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
+            use the first ``min(4, calib_batches)``, all at once for up to ``2 * T`` steps (a
+            forward of that many batches at ``2 * T``: lower it, or the batch size, where memory
+            is short).
+        maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
+            layers up to the first max-pooling, such as a ResNet stem, run once in analog,
+            exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
+            makes every one average pooling, a different function, which QCFS training then
+            adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
+        qcfs_epochs: epochs of QCFS-aware training of the ANN (labels needed; ``qcfs_train``
+            sets the rest). ``None`` (default): where ``maxpool="avg"`` replaced max-pooling,
+            :data:`_MAXPOOL_QCFS_STEPS` optimiser steps rounded up to whole epochs of the
+            training split (1 to 64); none otherwise.
+        qcfs_train: a :class:`QCFSTrainConfig`.
+        per_channel: one threshold per channel or one per layer. Default: per channel for
+            ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
+            are read by consumers that need one threshold per layer).
+        reset: ``"subtract"`` (default: reset by subtraction, ``v[0] = theta/2``, the exact QCFS
+            equivalent) or ``"zero"`` (hard reset, ``v[0] = 0``, spikingjelly's
+            ``IFNode(v_reset=0.)``, for NIR consumers and chips whose neurons reset to zero).
+        bias_calibration: after IF replacement, match each layer's mean output to the
+            QCFS-ANN on the calibration batches (:func:`snnconv.calibration.calibrate_bias`).
+        bias_calibration_T: the calibration's horizon. ``None`` (default) with subtractive
+            reset: the membrane calibration at ``2 * T`` steps (each channel's initial membrane
+            absorbs the error, the bias what the membrane's range cannot); one integer: the bias
+            alone for that many steps (the default for ``reset="zero"``: ``T``); two horizons
+            ``(T1, T2)``: bias and initial membrane per channel fitted exactly at both.
+        threshold_calibration: fit each layer's threshold to the QCFS-ANN before the bias
+            calibration (:func:`snnconv.calibration.calibrate_thresholds`). Default: on for
+            ``reset="zero"`` only.
+        weight_calibration: with bias calibration, refit the weights of every layer that reads
+            spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
+            calibration.
+        finetune_epochs: epochs of BPTT fine-tuning (labels needed), each at most
+            :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): 1 where the loader
+            is labelled, has two batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`), 0
+            otherwise.
+        finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
+            ``model`` is the teacher. Without one, :func:`finetune_recipe`.
+        eval_T: extra T values at which to record SNN accuracy (with ``eval_loader``).
+        seed: seeds Python, numpy and torch before any stage.
+        device: where the stages run.
+        progress: progress bars (False silences them).
+        on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer activity
+            on the first two calibration batches goes into that stage's ``meta`` record
+            (:mod:`snnconv.health`). A QCFS site left silent or saturated, or a network at
+            chance while the ANN is not, raises :class:`ConversionError` naming the layers.
+            Silent SNN layers alone warn: fine-tuning can bring them back.
+
+    The measurements behind each default are in benchmarks/README.md ("Defaults").
+
+    Returns:
+        ``(snn, meta)``: the :class:`SpikingNetwork` and a :class:`ConversionMeta`.
+
+    Raises:
+        ConfigError: a setting out of range or contradicting another (named, with the bound).
+        DataError, UnsupportedModelError, UnsupportedLayerError, FoldError, ConversionError.
+    """
+    from .finetune import finetune
+
+    if config is not None and not isinstance(config, ConvertConfig):
+        raise ConfigError(f"config must be a ConvertConfig, got {type(config).__name__}")
+    cfg = ConvertConfig.from_options({**(config.options() if config else {}), **settings}).resolved()
+    _check_loaders(loader, eval_loader)
     # a loader with its own generator is left as found: the same call gives the same network
     with generators_kept(loader, eval_loader):
-        seed_everything(seed)
-        device = torch.device(device)
-        if threshold_calibration is None:
-            threshold_calibration = reset == "zero"
-        if per_channel is None:
-            per_channel = reset == "subtract"
-        membrane = bias_calibration_T is None and reset == "subtract"
-        if weight_calibration is None:
-            weight_calibration = membrane
-        elif weight_calibration and not bias_calibration:
-            raise ValueError("weight_calibration=True refits the weights inside bias calibration, which "
-                             "bias_calibration=False turns off; pass bias_calibration=True or "
-                             "weight_calibration=False")
-        if bias_calibration_T is None:
-            bias_calibration_T = 2 * T if reset == "subtract" else T
-        if isinstance(bias_calibration_T, (tuple, list)):
-            bias_calibration_T = tuple(bias_calibration_T)
-            if reset != "subtract":
-                raise ValueError("two calibration horizons move the initial membrane, which "
-                                 "reset='zero' neurons do not have; give one T")
-        horizons = bias_calibration_T if isinstance(bias_calibration_T, tuple) else None
-        settings = dict(T=T, L=L, percentile=percentile, per_channel=per_channel,
-                        bias_calibration=bias_calibration, bias_calibration_T=bias_calibration_T,
-                        membrane_calibration=membrane and bool(bias_calibration),
-                        threshold_calibration=bool(threshold_calibration),
-                        weight_calibration=bool(weight_calibration and bias_calibration),
-                        calib_batches=calib_batches, maxpool=maxpool, reset=reset, qcfs_epochs=qcfs_epochs,
-                        finetune_epochs=finetune_epochs, device=str(device))
-        if qcfs_train is not None and qcfs_epochs and qcfs_epochs != qcfs_train.epochs:
-            raise ValueError(f"qcfs_epochs={qcfs_epochs} disagrees with qcfs_train.epochs="
-                             f"{qcfs_train.epochs}; give one of them")
-        if finetune_config is not None and finetune_epochs and finetune_epochs != finetune_config.epochs:
-            raise ValueError(f"finetune_epochs={finetune_epochs} disagrees with finetune_config.epochs="
-                             f"{finetune_config.epochs}; give one of them")
-        x0, y0 = first_batch(loader, where="the conversion loader")
-        if finetune_epochs is None and finetune_config is None:
-            why = None
-            if y0 is None:
-                why = "the loader has no labels"
-            elif T > FINETUNE_UP_TO_T:
-                why = f"T={T} > {FINETUNE_UP_TO_T}"
-            elif _batches_below(loader, 2):
-                why = "the loader has one batch (none to validate on)"
-            finetune_epochs = 0 if why else 1
-            settings["finetune_epochs"] = finetune_epochs
-            settings["finetune_default"] = f"none: {why}" if why else "one epoch (T <= 8, labelled)"
-        if finetune_config is None and finetune_epochs:
-            finetune_config = finetune_recipe(T, loader, epochs=finetune_epochs, seed=seed,
-                                              max_steps=FINETUNE_MAX_STEPS, reset=reset)
+        seed_everything(cfg.seed)
+        device = torch.device(cfg.device)
+        record = cfg.settings()
+        calib = draw_batches(loader, max(cfg.calib_batches, cfg.bias_batches, 2))
+        if not calib:
+            raise DataError("the conversion loader is empty: it yielded no batch. Pass a loader with "
+                            "at least one batch.")
+        x0, y0 = calib[0]
+        finetune_config = cfg.finetune_config
+        if cfg.finetune_epochs is None and finetune_config is None:
+            epochs, why = _finetune_default(cfg, y0 is not None, loader)
+            cfg = cfg.replace(finetune_epochs=epochs)
+            record.update(finetune_epochs=epochs, finetune_default=why)
+        if finetune_config is None and cfg.finetune_epochs:
+            finetune_config = finetune_recipe(cfg.T, loader, epochs=cfg.finetune_epochs, seed=cfg.seed,
+                                              max_steps=FINETUNE_MAX_STEPS, reset=cfg.reset)
         if finetune_config is not None:
-            settings["finetune"] = vars(finetune_config).copy()
-        meta = ConversionMeta(settings=settings, seed=seed)
+            record["finetune"] = vars(finetune_config).copy()
+        meta = ConversionMeta(settings=record, seed=cfg.seed)
+        qcfs_batches = calib[:cfg.calib_batches]
+        bias_batches = calib[:cfg.bias_batches]
 
         with _stage(meta, "prepare") as rec:
+            _check_weights(model)
             gm = prepare(model)
-            _check_weights(gm)
             gm.to(device)
-            _check_batch(gm, x0, device)
+            _check_batch(gm, x0, y0, device)
             rec.changes = {"input_shape": list(x0.shape),
                            "parameters": sum(p.numel() for p in gm.parameters()),
-                           "constructs": rewrite_constructs(gm, (x0.to(device),), maxpool=maxpool)}
-            maxpool = "error" if maxpool == "error" else "avg"  # the prefix's max-pooling is kept
-            health = _Health(loader, min(2, calib_batches) if isinstance(calib_batches, int) else 2,
-                             device, on_collapse)
+                           "constructs": rewrite_constructs(gm, (x0.to(device),), maxpool=cfg.maxpool)}
+            if cfg.maxpool == "auto":  # the prefix's max-pooling is kept; every later one averages
+                cfg = cfg.replace(maxpool="avg")
+            health = _Health(calib[:2], device, cfg.on_collapse)
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
         if eval_loader is not None:
             meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-        qcfs_train = _qcfs_training(qcfs_epochs, qcfs_train, maxpool, gm, health, seed, loader)
-        settings["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
+        qcfs_train = _qcfs_training(cfg.qcfs_epochs, cfg.qcfs_train, cfg.maxpool, gm, health, cfg.seed,
+                                    loader)
+        record["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
         if qcfs_train is not None:
-            settings["qcfs_train"] = vars(qcfs_train).copy()
-        settings["budget"] = _budget(loader, qcfs_train, finetune_config)
-        if qcfs_train is not None and qcfs_train.epochs and membrane:
+            record["qcfs_train"] = vars(qcfs_train).copy()
+        record["budget"] = _budget(loader, qcfs_train, finetune_config)
+        if qcfs_train is not None and qcfs_train.epochs and cfg.membrane_calibration:
             # trained at L levels: calibrate against that function, over L steps
-            bias_calibration_T = L
-            settings["bias_calibration_T"] = L
+            cfg = cfg.replace(bias_calibration_T=cfg.L)
+            record["bias_calibration_T"] = cfg.L
 
         with _stage(meta, "fold") as rec:
             pairs = fold_graph(gm, (x0.to(device),))
@@ -554,9 +513,11 @@ def convert(
             meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
 
         with _stage(meta, "qcfs") as rec:
-            qgm = calibrate_qcfs(gm, loader, L=L, percentile=percentile, per_channel=per_channel,
-                                 num_batches=calib_batches, maxpool=maxpool, train=qcfs_train,
-                                 device=device, progress=progress)
+            # the full loader only where QCFS training reads it; calibration reads the drawn batches
+            qgm = calibrate_qcfs(gm, loader if qcfs_train is not None else qcfs_batches, L=cfg.L,
+                                 percentile=cfg.percentile, per_channel=cfg.per_channel,
+                                 num_batches=len(qcfs_batches), maxpool=cfg.maxpool, train=qcfs_train,
+                                 device=device, progress=cfg.progress)
             assert_no_batchnorm(qgm, stage="qcfs")
             rec.changes = dict(qgm.meta["qcfs"])
             qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
@@ -570,35 +531,37 @@ def convert(
             meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
 
         with _stage(meta, "spiking") as rec:
-            snn = to_spiking(qgm, T=T, reset=reset)
-            if threshold_calibration:
-                snn = calibrate_thresholds(snn, qgm, loader,
-                                           T=T if horizons or membrane else bias_calibration_T,
-                                           num_batches=_bias_batches(calib_batches))
-            if bias_calibration:
-                snn = calibrate_bias(snn, qgm, loader, T=None if horizons else bias_calibration_T,
-                                     horizons=horizons, membrane=membrane, weights=bool(weight_calibration),
-                                     num_batches=_bias_batches(calib_batches))
+            snn = to_spiking(qgm, T=cfg.T, reset=cfg.reset)
+            fixed_T = None if cfg.horizons else cfg.bias_calibration_T
+            if cfg.threshold_calibration:
+                snn = calibrate_thresholds(snn, qgm, bias_batches,
+                                           T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
+                                           num_batches=len(bias_batches))
+            if cfg.bias_calibration:
+                snn = calibrate_bias(snn, qgm, bias_batches, T=fixed_T, horizons=cfg.horizons,
+                                     membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
+                                     num_batches=len(bias_batches))
             snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
             snn.to(device)
             assert_no_batchnorm(snn, stage="spiking")
             rec.changes = dict(snn.meta)
             if_source = {n: qcfs_source.get(r.get("source"), r.get("source"))
                          for n, r in snn.meta["neurons"].items()}
-            health.check(rec, snn, "spiking", what=f"the SNN at T={T}", source=if_source)
+            health.check(rec, snn, "spiking", what=f"the SNN at T={cfg.T}", source=if_source)
 
         if finetune_config is not None and finetune_config.epochs > 0:
             with _stage(meta, "finetune") as rec:
                 # distillation learns from the caller's ANN (finetune() works on its own copy)
                 teacher = model if finetune_config.distill > 0 else None
                 snn, history = finetune(snn, loader, config=finetune_config, teacher=teacher,
-                                        device=device, progress=progress)
+                                        device=device, progress=cfg.progress)
                 assert_no_batchnorm(snn, stage="finetune")
                 rec.changes = {"history": history, "steps": sum(h.get("steps", 0) for h in history)}
-                health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={T}", source=if_source)
+                health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={cfg.T}",
+                             source=if_source)
 
         if eval_loader is not None:
-            Ts = sorted(set(eval_T) | {T})
+            Ts = sorted(set(cfg.eval_T) | {cfg.T})
             meta.accuracy["snn"] = {str(t): a for t, a in
                                     accuracy_by_T(snn, eval_loader, Ts, device).items()}
         _record_budget(meta)

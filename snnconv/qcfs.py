@@ -23,8 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .progress import progress_bar
 
-from .data import split_batch, split_loader
-from .errors import DataError, UnsupportedLayerError
+from .data import bounded, check_labels, split_batch, split_loader
+from .errors import ConfigError, DataError, UnsupportedLayerError
 from .graph import capture, describe_node, module_of, prepare, set_module
 from .guards import assert_no_batchnorm
 from .metrics import evaluate
@@ -84,10 +84,10 @@ class QCFS(nn.Module):
     def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5):
         super().__init__()
         if int(L) != L or L < 1:
-            raise ValueError(f"QCFS needs an integer L >= 1, got {L}")
+            raise ConfigError(f"QCFS needs an integer L >= 1, got {L}")
         lam = torch.as_tensor(lam, dtype=torch.float32).clone()
         if lam.dim() > 1 or not torch.isfinite(lam).all() or (lam <= 0).any():
-            raise ValueError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
+            raise ConfigError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
         self.L = int(L)
         self.phi = float(phi)
         self.lam = nn.Parameter(lam)
@@ -408,13 +408,13 @@ class QCFSTrainConfig:
 
     def __post_init__(self):
         if self.epochs < 0 or int(self.epochs) != self.epochs:
-            raise ValueError(f"epochs must be a non-negative integer, got {self.epochs}")
+            raise ConfigError(f"epochs must be a non-negative integer, got {self.epochs}")
         if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+            raise ConfigError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
         if self.lr <= 0 or (self.lambda_lr is not None and self.lambda_lr <= 0):
-            raise ValueError(f"learning rates must be positive, got lr={self.lr}, lambda_lr={self.lambda_lr}")
+            raise ConfigError(f"learning rates must be positive, got lr={self.lr}, lambda_lr={self.lambda_lr}")
         if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ConfigError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
 
 
 def make_optimizer(model: nn.Module, name: str, lr: float, *, weight_decay: float,
@@ -467,7 +467,8 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     for epoch in range(cfg.epochs):
         gm.train()
         loss_sum = n = correct = 0
-        bar = progress_bar(train, desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
+        bar = progress_bar(bounded(train, where="the QCFS training loader"), total=_length(train),
+                           desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
         steps_done = 0
         for batch in bar:
             steps_done += 1
@@ -477,6 +478,7 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
                                 "Pass a loader of (x, y) batches, or qcfs_epochs=0 to calibrate only.")
             x, y = x.to(device), y.to(device)
             out = gm(x)
+            check_labels(y, out.shape[1], where="the QCFS training loader")
             loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -503,6 +505,13 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         summary["best_epoch"] = best_epoch
     gm.eval()
     return history
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def calibrate_qcfs(
@@ -532,13 +541,13 @@ def calibrate_qcfs(
         DataError: empty loader, NaN/inf data, or training without labels.
     """
     if maxpool not in ("error", "avg"):
-        raise ValueError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
+        raise ConfigError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
     if not 0 < percentile <= 100:
-        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+        raise ConfigError(f"percentile must be in (0, 100], got {percentile}")
     if isinstance(L, bool) or int(L) != L or L < 1:
-        raise ValueError(f"L (QCFS quantisation levels) must be an integer >= 1, got {L!r}")
+        raise ConfigError(f"L (QCFS quantisation levels) must be an integer >= 1, got {L!r}")
     if isinstance(num_batches, bool) or int(num_batches) != num_batches or num_batches < 1:
-        raise ValueError(f"num_batches must be an integer >= 1, got {num_batches!r}")
+        raise ConfigError(f"num_batches must be an integer >= 1, got {num_batches!r}")
     device = torch.device(device)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before QCFS calibration")

@@ -18,11 +18,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import StageOrderError, UnsupportedModelError
+from .errors import ConfigError, StageOrderError, UnsupportedModelError
 from .graph import call_counts, describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
 from .network import SpikingNetwork, check_T
-from .neuron import RESETS, IFNeuron, Scale, TimeExpand
+from .neuron import RESETS, IFNeuron, LeakyNeuron, Scale, TimeExpand
 from .qcfs import QCFS, check_activations, relu_sites
 
 __all__ = ["LAYERS", "to_spiking", "insert_time_expand", "unique_name"]
@@ -156,7 +156,7 @@ def insert_time_expand(gm: fx.GraphModule, T: int, used: set[str]) -> list[str]:
             kind[node] = "static"
         elif node.op == "get_attr":
             kind[node] = "const"
-        elif isinstance(module_of(gm, node), IFNeuron) or any(kind.get(i) == "dynamic" for i in ins):
+        elif isinstance(module_of(gm, node), (IFNeuron, LeakyNeuron)) or any(kind.get(i) == "dynamic" for i in ins):
             kind[node] = "dynamic"
         elif (node.op == "call_method" and node.target in _SHAPE_METHODS) or (
                 node.op == "call_function" and node.target in (getattr, builtins.len)):
@@ -197,7 +197,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
     """
     check_T(T)
     if reset not in RESETS:
-        raise ValueError(f"reset must be one of {RESETS}, got {reset!r}")
+        raise ConfigError(f"reset must be one of {RESETS}, got {reset!r}")
     T = int(T)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before IF replacement")

@@ -207,8 +207,8 @@ def test_bad_input_is_refused_with_a_backend_error():
 def test_bad_graphs_and_options_are_refused_naming_them():
     cpu = get("cpu")
     graph = _one_neuron_graph(1.0, "subtract")
-    graph.nodes["n_leak"] = nir.LI(tau=np.ones(1, np.float32), r=np.ones(1, np.float32),
-                                   v_leak=np.zeros(1, np.float32))
+    graph.nodes["n_leak"] = nir.CubaLI(tau_syn=np.ones(1, np.float32), tau_mem=np.ones(1, np.float32),
+                                       r=np.ones(1, np.float32), v_leak=np.zeros(1, np.float32))
     graph.edges.append(("fc", "n_leak"))
     graph.edges.append(("n_leak", "out"))
     with pytest.raises(BackendError, match="n_leak"):

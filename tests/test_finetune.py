@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 import snnconv
 from snnconv import FinetuneConfig, finetune
 from snnconv.data import split_dataset
-from snnconv.errors import DataError, StageOrderError
+from snnconv.errors import ConfigError, DataError, StageOrderError
 from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
 from snnconv.metrics import accuracy_by_T
 from snnconv.neuron import IFNeuron, neurons
@@ -431,7 +431,7 @@ def test_a_module_that_is_not_a_spiking_network_is_a_stage_order_error(model, di
 
 
 def test_an_unknown_option_is_a_type_error(small_digits_snn, digits_loaders):
-    with pytest.raises(TypeError, match="learning_rate"):
+    with pytest.raises(ConfigError, match="learning_rate"):
         finetune(small_digits_snn, digits_loaders[0], learning_rate=1e-3, progress=False)
 
 

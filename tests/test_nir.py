@@ -103,7 +103,7 @@ def test_parse_reads_a_plain_if_node_as_hard_reset():
 def test_parse_refuses_bad_graphs_naming_the_node_or_edge(breakage, where):
     nodes, edges = _tiny()
     if breakage == "unknown":
-        nodes["n1"] = nir.LIF(tau=np.ones(4), r=np.ones(4), v_leak=np.zeros(4), v_threshold=np.ones(4))
+        nodes["n1"] = nir.CubaLI(tau_syn=np.ones(4), tau_mem=np.ones(4), r=np.ones(4), v_leak=np.zeros(4))
     elif breakage == "dangling":
         edges.append(("fc2", "nowhere"))
     elif breakage == "cycle":
@@ -296,7 +296,7 @@ def test_save_nir_is_atomic(tmp_path):
     assert parse(load_nir(path)).op("n1").kind == "neuron"  # the old file is intact
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "text", "hdf5", "lif", "type"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "text", "hdf5", "unread", "type"])
 def test_load_nir_refuses_bad_files(damage, tmp_path):
     path = tmp_path / "net.nir"
     save_nir(_graph(*_tiny()), path)
@@ -310,11 +310,11 @@ def test_load_nir_refuses_bad_files(damage, tmp_path):
     elif damage == "hdf5":
         with h5py.File(path, "w") as f:
             f.create_dataset("data", data=np.arange(3))
-    elif damage in ("lif", "type"):
+    elif damage in ("unread", "type"):
         with h5py.File(path, "a") as f:
             del f["node/nodes/n1"]
             g = f.create_group("node/nodes/n1")
-            g.create_dataset("type", data="LIF" if damage == "lif" else "os.system",
+            g.create_dataset("type", data="CubaLI" if damage == "unread" else "os.system",
                              dtype=h5py.string_dtype())
     with pytest.raises(NIRError, match="absent|truncated|HDF5|NIR|'n1'"):
         load_nir(path)

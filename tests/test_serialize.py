@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import operator
+import struct
+import zipfile
 
 import pytest
 import torch
@@ -11,9 +13,12 @@ import torch.nn.functional as F
 
 import snnconv
 from snnconv import models
+from snnconv.digest import UnverifiedFileWarning, content_digest
 from snnconv.errors import CheckpointError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
+from snnconv.config import MAX_T
 from snnconv.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
+from snnconv.neuron import neurons
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -172,6 +177,12 @@ def test_missing_file_is_file_not_found(tmp_path):
         SpikingNetwork.load(tmp_path / "absent.pt")
 
 
+def _signed(payload: dict) -> dict:
+    """``payload`` with the digest of its current content (what a careful forger would write)."""
+    payload["digest"] = content_digest({k: v for k, v in payload.items() if k != "digest"})
+    return payload
+
+
 def _damage(payload: dict, how: str) -> dict:
     graph = payload["graph"]
     if how == "version":
@@ -208,7 +219,8 @@ def _damage(payload: dict, how: str) -> dict:
                                  "unknown method", "get_attr", "dangling module", "dangling node",
                                  "bad config", "weights for another graph", "bad T"])
 def test_damaged_payloads_are_refused(tmp_path, how):
-    payload = _damage(_saved_payload(tmp_path), how)
+    """Each damage with a digest that matches it: the structural checks refuse it on their own."""
+    payload = _signed(_damage(_saved_payload(tmp_path), how))
     torch.save(payload, tmp_path / "bad.pt")
     with pytest.raises(CheckpointError):
         SpikingNetwork.load(tmp_path / "bad.pt")
@@ -221,3 +233,113 @@ def test_only_listed_functions_are_saved():
     assert FUNCTIONS["operator.add"] is operator.add
     assert not any(name.startswith(("os.", "subprocess.", "builtins.eval", "builtins.exec"))
                    for name in FUNCTIONS)
+
+
+# --------------------------------------------------------------------------------------------
+# files that changed after they were saved
+
+
+def _records(path) -> list[tuple[str, int, int]]:
+    """(name, offset, size) of every tensor record in a torch zip file (stored uncompressed)."""
+    raw = path.read_bytes()
+    out = []
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if "/data/" in info.filename and info.file_size:
+                n, m = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
+                out.append((info.filename, info.header_offset + 30 + n + m, info.file_size))
+    return out
+
+
+def test_one_flipped_byte_in_any_tensor_is_refused(tmp_path):
+    snn, _ = _snn("resnet8", True)
+    snn.save(tmp_path / "snn.pt")
+    raw = (tmp_path / "snn.pt").read_bytes()
+    records = _records(tmp_path / "snn.pt")
+    assert len(records) >= len(snn.net.state_dict())  # weights, and the tensors of configs
+    for name, offset, size in records:
+        data = bytearray(raw)
+        data[offset + size // 2] ^= 0x10
+        (tmp_path / "flipped.pt").write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="changed after it was saved"):
+            SpikingNetwork.load(tmp_path / "flipped.pt")
+
+
+def test_a_file_without_its_digest_is_refused(tmp_path):
+    payload = _saved_payload(tmp_path)
+    del payload["digest"]
+    torch.save(payload, tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match="without its digest"):
+        SpikingNetwork.load(tmp_path / "bad.pt")
+
+
+def _legacy(tmp_path, snn: SpikingNetwork, drop_v_init: bool):
+    """``snn`` as a version 1 file: no digest, and (``drop_v_init``) no v_init entries."""
+    snn.save(tmp_path / "new.pt")
+    payload = torch.load(tmp_path / "new.pt", weights_only=True)
+    payload["version"] = 1
+    del payload["digest"]
+    if drop_v_init:
+        payload["state_dict"] = {k: v for k, v in payload["state_dict"].items()
+                                 if not k.endswith(".v_init")}
+    torch.save(payload, tmp_path / "old.pt")
+    return tmp_path / "old.pt"
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_legacy_file_without_v_init_starts_at_half_theta(tmp_path, per_channel):
+    snn, x = _snn("resnet8", per_channel)
+    for m in neurons(snn.net).values():
+        m.v_init.fill_(0.25)  # not the default: the file must not keep it, or zero
+    with pytest.warns(UnverifiedFileWarning, match="version 1"):
+        loaded = SpikingNetwork.load(_legacy(tmp_path, snn, drop_v_init=True))
+    units = neurons(loaded.net)
+    assert units and all(torch.equal(m.v_init, torch.full(m.v_init.shape, 0.5)) for m in units.values())
+    for m in neurons(snn.net).values():
+        m.v_init.fill_(0.5)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), snn(x))
+
+
+def test_a_legacy_file_with_v_init_keeps_it(tmp_path):
+    snn, x = _snn("small_cnn", False)
+    for m in neurons(snn.net).values():
+        m.v_init.fill_(0.25)
+    with pytest.warns(UnverifiedFileWarning):
+        loaded = SpikingNetwork.load(_legacy(tmp_path, snn, drop_v_init=False))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), snn(x))
+
+
+def test_a_current_file_without_v_init_is_refused(tmp_path):
+    payload = _saved_payload(tmp_path)
+    payload["state_dict"] = {k: v for k, v in payload["state_dict"].items() if not k.endswith(".v_init")}
+    torch.save(_signed(payload), tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match="declares 'v_init'.*does not store"):
+        SpikingNetwork.load(tmp_path / "bad.pt")
+
+
+def test_a_config_larger_than_its_weights_is_refused_before_allocation(tmp_path):
+    """A Linear of 16384 x 32768 (2 GiB) declared in a file of a few KiB: the declared shape is
+    computed without allocating, and compared with the stored one."""
+    payload = _saved_payload(tmp_path)
+    name, spec = next((k, v) for k, v in payload["graph"]["modules"].items() if v["type"] == "Linear")
+    stored = tuple(payload["state_dict"][f"{name}.weight"].shape)
+    spec["config"].update(in_features=16384, out_features=32768)
+    torch.save(_signed(payload), tmp_path / "big.pt")
+    assert (tmp_path / "big.pt").stat().st_size < 2**20
+    with pytest.raises(CheckpointError, match=rf"module '{name}' \(Linear\): its config declares 'weight' "
+                                              rf"of shape \(32768, 16384\).*stores {re_tuple(stored)}"):
+        SpikingNetwork.load(tmp_path / "big.pt")
+
+
+def re_tuple(t: tuple) -> str:
+    return r"\(" + ", ".join(str(s) for s in t) + r"\)"
+
+
+def test_a_T_above_the_bound_is_refused(tmp_path):
+    payload = _saved_payload(tmp_path)
+    payload["T"] = MAX_T + 1
+    torch.save(_signed(payload), tmp_path / "bad.pt")
+    with pytest.raises(CheckpointError, match=f"T={MAX_T + 1}, above the bound"):
+        SpikingNetwork.load(tmp_path / "bad.pt")

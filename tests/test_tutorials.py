@@ -73,7 +73,8 @@ def test_notebooks_run_in_smoke_mode_and_hand_their_files_on(tmp_path):
 
     _execute("01_train_resnet18_cifar10", out, str(executed))
     info = json.loads(open(os.path.join(out, "ann.json")).read())
-    assert info["model"] == "resnet8" and 0.0 <= info["test_accuracy"] <= 100.0
+    # smoke mode trains enough for its plots to show something: far above chance (10%)
+    assert info["model"] == "resnet8" and 40.0 <= info["test_accuracy"] <= 100.0
     state = torch.load(os.path.join(out, "ann.pt"), weights_only=True)
     assert any("bn" in k for k in state)  # the ANN is trained with BatchNorm
 
@@ -83,6 +84,7 @@ def test_notebooks_run_in_smoke_mode_and_hand_their_files_on(tmp_path):
     acc = meta["accuracy"]
     assert set(acc) >= {"ann", "folded", "qcfs", "snn"} and set(acc["snn"]) == {"1", "2", "4"}
     assert all(0.0 <= a <= 100.0 for a in acc["snn"].values())
+    assert acc["snn"]["4"] > 25.0  # conversion working shows in the smoke run (chance: 10%)
     assert abs(acc["ann"] - acc["folded"]) < 1.0  # folding keeps the function
     snn = SpikingNetwork.load(os.path.join(out, "snn.pt"))
     assert find_batchnorm(snn) == []

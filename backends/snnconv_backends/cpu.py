@@ -34,11 +34,13 @@ _OPTIONS = {
     "chunk_size": 256,      # time-folded samples per chunk, as SpikingNetwork.chunk_size (0: none)
     "threads": None,        # torch threads during run (None: leave torch's setting)
     "neuron": "loop",       # "loop": in-place torch ops; "compiled": one fused kernel per neuron
-}                           # layer through torch.compile (needs a C++ compiler; compiles once)
+                            # layer through torch.compile (needs a C++ compiler; compiles once)
+    "dt": 1.0,              # the time step the graph is read at (r * dt = 1; nirgraph.parse)
+}
 _NEURON = ("loop", "compiled")
 
 
-def parse_graph(graph: Any, backend: str):
+def parse_graph(graph: Any, backend: str, dt: Any = 1.0):
     import nir
 
     from .nirgraph import parse
@@ -47,7 +49,7 @@ def parse_graph(graph: Any, backend: str):
         raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
                            " (read a file with nir.read or snnconv.nir_io.load_nir)")
     try:
-        return parse(graph)
+        return parse(graph, dt=dt)
     except NIRError as exc:  # what the strict reader refuses, no executor can run
         raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 
@@ -158,7 +160,8 @@ class CPUBackend(Backend):
     Options: ``dtype`` ("float32" or "float64"), ``chunk_size`` (time-folded samples per
     chunk; keep SpikingNetwork's 256 for bit identity), ``threads``, ``neuron`` ("loop", or
     "compiled": a fused torch.compile kernel per neuron layer, several times faster once
-    compiled, same bits).
+    compiled, same bits), ``dt`` (the time step the graph is read at, default 1: NIR is
+    continuous time and an integrator with resistance ``r`` needs ``r * dt = 1``).
     """
 
     name = "cpu"
@@ -185,5 +188,5 @@ class CPUBackend(Backend):
             raise BackendError(f"backend 'cpu': threads must be None or an integer >= 1, got {threads!r}")
         if opts["neuron"] not in _NEURON:
             raise BackendError(f"backend 'cpu': neuron must be one of {_NEURON}, got {opts['neuron']!r}")
-        return compile_parsed(parse_graph(graph, self.name), dtype=dtype, chunk_size=chunk,
+        return compile_parsed(parse_graph(graph, self.name, opts["dt"]), dtype=dtype, chunk_size=chunk,
                               threads=threads, neuron=opts["neuron"])

@@ -44,6 +44,7 @@ _OPTIONS = {
     "chunk_size": 0,           # time-folded samples per chunk (0: the whole batch at once)
     "count_ties": False,       # count membranes within tie_tolerance of the threshold (uses the loop)
     "tie_tolerance": 1e-6,     # relative to the threshold
+    "dt": 1.0,                 # the time step the graph is read at (r * dt = 1; nirgraph.parse)
 }
 _NEURON = ("auto", "compiled", "loop")
 
@@ -130,7 +131,7 @@ class GPUProgram(PlanProgram):
 
 class GPUBackend(Backend):
     """CUDA executor (options: dtype, device, deterministic, neuron, chunk_size, count_ties,
-    tie_tolerance; see the module docstring)."""
+    tie_tolerance, dt; see the module docstring and the cpu backend's)."""
 
     name = "gpu"
 
@@ -176,7 +177,7 @@ class GPUBackend(Backend):
             if not tol >= 0:
                 raise BackendError(f"backend 'gpu': tie_tolerance must be >= 0, got {tol}")
             neuron = "loop"
-        plan = Plan(parse_graph(graph, self.name), device=device, dtype=dtype, backend=self.name,
+        plan = Plan(parse_graph(graph, self.name, opts["dt"]), device=device, dtype=dtype, backend=self.name,
                     neuron_loop=compiled_loop if neuron == "compiled" else None,
                     neuron_dtype=torch.float32, tie_tolerance=tol)
         return GPUProgram(plan, chunk_size=chunk, deterministic=bool(opts["deterministic"]),

@@ -29,6 +29,7 @@ from snnconv.errors import BackendError
 
 from . import loihi2
 from .loihi2.simulate import connection_synops, static_eval
+from .cpu import parse_graph
 from .registry import Backend, Program, RunResult
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
@@ -36,7 +37,8 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "WORKER"]
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
-            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1}
+            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1,
+            "dt": 1.0}
 
 
 def lava_python() -> Path:
@@ -130,7 +132,7 @@ class LavaProgram(Program):
                 arrays[f"p{j}_v_init"] = np.asarray(p.v_init, np.int32)
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
                          "vth": int(p.vth), "v_init": None if per_neuron else int(p.v_init),
-                         "static": bool(p.static), "conns": conns})
+                         "static": bool(p.static), "conns": conns, "du": int(p.du), "dv": int(p.dv)})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
@@ -193,7 +195,7 @@ class LavaProgram(Program):
                     per_neuron = s_win[c.source].reshape(T * B, -1).float().sum(0)
                     synops[c.name] = synops.get(c.name, 0.0) + connection_synops(c, per_neuron)
         r = q.readout
-        out = v_win[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64)
+        out = v_win[r.name].double() / torch.as_tensor(r.membrane_scale(), dtype=torch.float64)
         out = out.float().reshape(T, B, *q.graph.output_shape)
 
         class _NotObserved:
@@ -231,5 +233,5 @@ class LavaBackend(Backend):
             raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
         opts = dict(_OPTIONS)
         opts.update(options)
-        return LavaProgram(loihi2.quantize(graph, split_signs=bool(opts["split_signs"]),
+        return LavaProgram(loihi2.quantize(parse_graph(graph, self.name, opts["dt"]), split_signs=bool(opts["split_signs"]),
                                            weight_groups=opts["weight_groups"]), opts)

@@ -35,6 +35,8 @@ flatten         start_dim, end_dim (batch-free, as written in the node)
 scale           scale (the node's full batch-free shape)
 sum             (none)
 neuron          theta (shape ``()`` or ``(C,)``), reset ("subtract" | "zero")
+lif, cubalif,   Euler coefficients at ``dt`` (:mod:`snnconv_backends.nirleaky`)
+li
 ==============  ======================================================================
 """
 
@@ -53,13 +55,16 @@ from snnconv.errors import NIRError
 from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARE, FORMAT_VERSION, MODULE_KEY, OP_KEY, RESETS,
                                SUM_OP, fire_threshold)
 
+from .nirleaky import LEAKY_KINDS, read_leaky
+
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 
 KINDS = ("input", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d", "flatten",
-         "scale", "sum", "neuron", "output")
+         "scale", "sum", "neuron", "output") + LEAKY_KINDS
 
 _SUPPORTED = ("Input, Output, Conv1d, Conv2d, Affine, Linear, AvgPool2d, SumPool2d, Flatten, "
-              "Scale, Identity, IF (r=1, v_reset=0) and the I/Threshold/Scale(-theta) neuron")
+              "Scale, Identity, IF (r=1, v_reset=0) and the I/Threshold/Scale(-theta) neuron; "
+              "LIF, CubaLIF, LI")
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,7 @@ _NODE_KINDS: tuple[tuple[type, str], ...] = (
     (nir.SumPool2d, "sumpool2d"), (nir.Flatten, "flatten"), (nir.Scale, "scale"),
     (nir.ir.graph.Identity, "sum"), (nir.I, "integrator"), (nir.Threshold, "threshold"),
     (nir.IF, "if"),
+    (nir.LIF, "lif"), (nir.CubaLIF, "cubalif"), (nir.LI, "li"),
 )
 
 
@@ -285,7 +291,7 @@ def _edges(graph: Any) -> list[tuple[str, str]]:
     return edges
 
 
-def parse(graph: "nir.NIRGraph") -> ParsedGraph:
+def parse(graph: "nir.NIRGraph", *, dt: float = 1.0) -> ParsedGraph:
     """Read ``graph`` strictly: ops in topological order, shapes checked, neurons exact.
 
     Raises:
@@ -471,8 +477,11 @@ def parse(graph: "nir.NIRGraph") -> ParsedGraph:
                     raise NIRError(f"inconsistent shapes into '{name}': edge '{srcs[0]}' -> '{name}' "
                                    f"brings {incoming}, edge '{s}' -> '{name}' brings {out_shape[s]}; "
                                    "summed inputs must have one shape")
-        kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
-                                                 neuron_params.get(name), neuron_shapes.get(name))
+        if kind in LEAKY_KINDS:
+            kind, params, in_shape, shape = read_leaky(name, node, kind, dt)
+        else:
+            kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
+                                                     neuron_params.get(name), neuron_shapes.get(name))
         if incoming is not None and in_shape != incoming:
             raise NIRError(f"inconsistent shapes on edge '{srcs[0]}' -> '{name}': it brings "
                            f"{incoming}, node '{name}' ({type(node).__name__}) takes {in_shape}")

@@ -13,14 +13,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import StageOrderError
+from ..errors import ConfigError, StageOrderError
 from ..graph import NodeOutputs, call_counts, largest_value, module_of, prepare, run_lockstep
 from ..network import SpikingNetwork, check_T, images_per_chunk
 from ..neuron import IFNeuron, TimeExpand, channel_view, neurons
 from ..qcfs import QCFS
 from ..replace import LAYERS
 from .membrane import charge_counts, counted, fire, fit_shift
-from .memory import warn_if_short_of_memory
+from .memory import refuse_if_short_of_memory
 from .reference import calibration_batches, reference_means, reference_sites
 from .weights import RIDGE, WeightCalibration
 
@@ -120,7 +120,7 @@ def _bias_setup(snn: SpikingNetwork, reference: nn.Module, loader: Any, T: int |
         raise StageOrderError("calibrate_bias needs a SpikingNetwork made by to_spiking (its meta "
                               "maps each neuron to its QCFS site)")
     if horizons is not None and membrane:
-        raise ValueError("membrane=True calibrates at one T; give T, not horizons")
+        raise ConfigError("membrane=True calibrates at one T; give T, not horizons")
     if membrane:
         _check_subtractive(snn, "membrane calibration", "calibrate its bias instead: membrane=False")
     if horizons is not None:
@@ -150,7 +150,7 @@ def _check_horizons(snn: SpikingNetwork, horizons: Any) -> tuple[int, int]:
     if (not isinstance(horizons, (tuple, list)) or len(horizons) != 2
             or any(isinstance(h, bool) or not isinstance(h, numbers.Integral) for h in horizons)
             or not 1 <= horizons[0] < horizons[1]):
-        raise ValueError(f"horizons must be two integers 1 <= T1 < T2, got {horizons!r}")
+        raise ConfigError(f"horizons must be two integers 1 <= T1 < T2, got {horizons!r}")
     _check_subtractive(snn, "membrane calibration (horizons)", "calibrate it at one T instead")
     return int(horizons[0]), int(horizons[1])
 
@@ -159,7 +159,7 @@ def _check_subtractive(snn: SpikingNetwork, what: str, instead: str) -> None:
     """Refuse ``what`` (it moves the initial membrane) on a network with hard-reset neurons."""
     hard = [n for n, m in neurons(snn.net).items() if m.reset != "subtract"]
     if hard:
-        raise ValueError(f"{what} needs subtractive-reset neurons; {hard[0]} resets to zero ({instead})")
+        raise ConfigError(f"{what} needs subtractive-reset neurons; {hard[0]} resets to zero ({instead})")
 
 
 def _finish(out: SpikingNetwork, snn: SpikingNetwork, T: int, batches: list, shifts: dict,
@@ -276,7 +276,7 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     out.T = T
     per = None
     per_image = largest_value(gm, batches[0][:1])  # all T steps of one image
-    warn_if_short_of_memory(per_image, batches, T)
+    refuse_if_short_of_memory(per_image, batches, T)
     if snn.chunk_size and batches[0].device.type == "cpu":
         per = images_per_chunk(snn.chunk_size, T, per_image)
     chunks, owner, spans = [], [], []

@@ -34,14 +34,14 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import StageOrderError
+from ..errors import ConfigError, StageOrderError
 from ..graph import call_counts, capture, module_of, prepare
 from ..network import SpikingNetwork, check_T
 from ..neuron import IFNeuron, Scale, TimeExpand, channel_view
 from ..qcfs import QCFS
 from ..replace import LAYERS
 from .bias import apply_shift, bias_path
-from .reference import calibration_batches, reference_sites
+from .reference import calibration_batches, channel_sums, reference_sites
 
 __all__ = ["DEFAULT_FACTORS", "calibrate_thresholds", "shift_bias"]
 
@@ -124,8 +124,10 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     ``result.meta["threshold_calibration"]`` records each layer's ``factor``, ``output_scale``
     (``c / theta``) and error before and after.
 
-    Cost: one T-step pass over ``num_batches`` batches (run as one batch), plus at each neuron
-    ``len(factors)`` runs of that neuron alone and one ANN forward.
+    Cost: one T-step pass over ``num_batches`` batches (run as one batch), one ANN forward
+    that keeps every QCFS site's output (their memory: one float32 copy of each site's
+    activations on those batches), and at each neuron ``len(factors)`` runs of that neuron
+    alone.
 
     Raises:
         StageOrderError: ``snn`` was not made by ``to_spiking``, or a neuron module is called
@@ -138,10 +140,10 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     check_T(T)
     factors = tuple(float(k) for k in factors)
     if not factors or not all(0 < k < float("inf") for k in factors) or 1.0 not in factors:
-        raise ValueError(f"factors must be positive and finite and include 1.0 (the unchanged "
+        raise ConfigError(f"factors must be positive and finite and include 1.0 (the unchanged "
                          f"neuron); got {factors}")
     if rescale and per_channel:
-        raise ValueError("rescale=True fits one output scale per layer; use it with "
+        raise ConfigError("rescale=True fits one output scale per layer; use it with "
                          "per_channel=False, or pass rescale=False for per-channel factors")
     batches = calibration_batches(loader, num_batches, "threshold calibration loader")
     out = copy.deepcopy(snn)
@@ -152,6 +154,8 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     ref = prepare(reference, leaf_types=(QCFS,)).to(device)
     ref_nodes = reference_sites(ref)
     calls = call_counts(gm)
+    # every site's QCFS output in one reference pass (float32, the calibration batches)
+    targets = capture(ref, (x_all,), list(ref_nodes.values()))
     records: dict[str, Any] = {}
     handles = []
     for node in gm.graph.nodes:
@@ -173,23 +177,27 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
 
         def fit(m, args, name=name, source=source, terms=terms, consumers=consumers):
             x = args[0]
-            target = capture(ref, (x_all,), [ref_nodes[source]])[ref_nodes[source]].double()
+            target = targets[ref_nodes[source]]
             theta = m.theta.detach().clone()
-            dims = [i for i in range(x.dim()) if i != 1]
+            # err(k)[ch] = mean((c u - t)^2) with u = count theta / T, from three per-channel
+            # sums: no float64 copy of the [T, B, ...] spikes or the target per factor
+            n = target.numel() / target.shape[1]
+            th = theta.double() / T
+            s_tt = channel_sums(target * target)
             errs, scales = [], []
             try:
                 for k in factors:
                     m.theta.data = theta * k
-                    rate = m.forward(x).reshape(T, -1, *x.shape[1:]).double().mean(0)
-                    u = rate * channel_view(theta.double(), rate.dim())  # the unscaled output
+                    count = m.forward(x).reshape(T, -1, *x.shape[1:]).sum(0)  # exact integers
+                    s_uu = channel_sums(count * count) * th * th
+                    s_ut = channel_sums(count * target) * th
                     c = torch.ones((), dtype=torch.float64, device=x.device)
                     if rescale and terms is not None:
-                        uu = (u * u).sum()
-                        c = (u * target).sum() / uu if uu > 0 else c
+                        uu = s_uu.sum()
+                        c = s_ut.sum() / uu if uu > 0 else c
                         if not c > 0:  # a site the reference leaves at zero: keep the scale
                             c = torch.ones((), dtype=torch.float64, device=x.device)
-                    out_val = u * c
-                    errs.append(((out_val - target) ** 2).mean(dim=dims))
+                    errs.append(((c * c * s_uu - 2 * c * s_ut + s_tt) / n).clamp(min=0))
                     scales.append(float(c))
             finally:
                 m.theta.data = theta

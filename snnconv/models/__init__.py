@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch.nn as nn
 
+from ..errors import ConfigError
+
 from .resnet import BasicBlock, CifarResNet, resnet8, resnet14, resnet18, resnet20
 from .small import SmallCNN, small_cnn
 from .vgg import VGG, vgg11, vgg16
@@ -37,5 +39,5 @@ def get(name: str, **kwargs) -> nn.Module:
     try:
         factory = _ZOO[name]
     except KeyError:
-        raise ValueError(f"unknown model '{name}'; choose one of {names()}") from None
+        raise ConfigError(f"unknown model '{name}'; choose one of {names()}") from None
     return factory(**kwargs)

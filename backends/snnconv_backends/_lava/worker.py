@@ -8,7 +8,9 @@ arrays: per connection ``c<i>_rows`` / ``c<i>_cols`` / ``c<i>_vals`` (one image'
 mantissas, COO), per first-layer population ``p<j>_bias_mant`` / ``p<j>_bias_exp`` ``[B, N]``.
 The batch runs as B copies of the network side by side (block-diagonal connections).
 
-Processes: hard reset -> Lava's ``LIF`` (``PyLifModelBitAcc``: du=4095, dv=0); subtractive
+Processes: hard reset -> Lava's ``LIF`` (``PyLifModelBitAcc``: du=4095, dv=0); NIR's LIF and
+CubaLIF -> Lava's ``LIF`` with the population's du, dv; an LI readout -> Lava's ``LIF`` with
+its dv and the largest threshold (its membrane is bounded below it at compile time); subtractive
 reset -> :class:`SubtractiveIF`, whose model reuses Lava's fixed-point LIF dynamics
 (``AbstractPyLifModelFixed``) and only replaces the reset (v -= vth << 6) - on Loihi 2 a
 custom neuron program; the readout -> :class:`Readout` (v = clip24(a_in << 6), no spikes);
@@ -43,6 +45,7 @@ from lava.proc.monitor.process import Monitor
 from lava.proc.sparse.process import DelaySparse, Sparse
 
 DENSE_LIMIT = 2**22  # entries; larger connections use Sparse
+LI_VTH = 2**17 - 1  # the largest threshold: an LI readout's membrane is bounded below it
 
 
 class SubtractiveIF(AbstractProcess):
@@ -135,10 +138,13 @@ def main(job_path, out_path):
         else:
             mant = np.zeros(n, np.int32)
             exp = np.zeros(n, np.int32)
-        if p["role"] == "readout":
+        du, dv = int(p.get("du", 4095)), int(p.get("dv", 0))
+        if p["role"] == "readout" and dv:  # a leaky (LI) readout: Lava's LIF below any threshold
+            procs[p["name"]] = LIF(shape=(n,), du=du, dv=dv, vth=LI_VTH, v=0, name=p["name"])
+        elif p["role"] == "readout":
             procs[p["name"]] = Readout(shape=(n,), name=p["name"])
-        elif p["reset"] == "zero":
-            procs[p["name"]] = LIF(shape=(n,), du=4095, dv=0, vth=int(p["vth"]), v=0,
+        elif p["reset"] == "zero":  # hard-reset IF (du=4095, dv=0), LIF and CubaLIF
+            procs[p["name"]] = LIF(shape=(n,), du=du, dv=dv, vth=int(p["vth"]), v=0,
                                    bias_mant=mant, bias_exp=exp, name=p["name"])
         else:
             v0 = (int(p["v_init"]) if p["v_init"] is not None

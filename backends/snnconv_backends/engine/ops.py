@@ -19,7 +19,7 @@ WEIGHTED = ("conv1d", "conv2d", "affine", "linear", "scale")
 PASS = ("avgpool2d", "sumpool2d", "flatten", "sum")
 #: Every op kind the executor runs (neurons included).
 RUNNABLE = ("input", "output", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d",
-            "flatten", "scale", "sum", "neuron")
+            "flatten", "scale", "sum", "neuron", "lif", "cubalif", "li")
 
 
 def to_tensor(a: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

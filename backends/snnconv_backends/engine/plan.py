@@ -11,7 +11,9 @@ import torch
 
 from snnconv.errors import BackendError
 
+from ..nirleaky import SPIKING, STATEFUL
 from .kernels import if_loop
+from .leaky import leaky_fn
 from .ops import OP_BUILDERS, RUNNABLE, to_tensor
 from .stats import Stats, fanouts, macs_per_image
 
@@ -85,14 +87,14 @@ class Plan:
         self.input_shape = tuple(parsed.input_shape)
         self.output_shape = tuple(parsed.output_shape)
         self.reset = parsed.reset
-        self.neurons = [op.name for op in ops if op.kind == "neuron"]
+        self.neurons = [op.name for op in ops if op.kind in SPIKING]
         index = {op.name: i for i, op in enumerate(ops)}
         static: dict[str, bool] = {}
         self.steps: list[_Step] = []
         for op in ops:
             if op.kind == "input":
                 static[op.name] = True
-            elif op.kind == "neuron":
+            elif op.kind in STATEFUL:
                 static[op.name] = False
             else:
                 static[op.name] = all(static[i] for i in op.inputs)
@@ -120,6 +122,8 @@ class Plan:
     def _make_fn(self, op: Any) -> Callable | None:
         if op.kind == "neuron":
             return self._neuron_fn(op)
+        if op.kind in STATEFUL:
+            return self._leaky_fn(op)
         build = OP_BUILDERS.get(op.kind)
         if build is None:
             raise BackendError(f"backend {self.backend!r} cannot run node '{op.name}' ({op.kind!r})")
@@ -151,6 +155,16 @@ class Plan:
             return (s if s.dtype == dt else s.to(dt)), per_pos
 
         return neuron
+
+    def _leaky_fn(self, op: Any) -> Callable:
+        """A leaky neuron (state in the neuron dtype, outputs in the layer dtype)."""
+        fn, dt = leaky_fn(op, self.neuron_dtype, self.device), self.dtype
+
+        def leaky(u: torch.Tensor, T: int, static: bool, stats: "Stats"):
+            out, per_pos = fn(u, T, static, stats)
+            return (out if out.dtype == dt else out.to(dt)), per_pos
+
+        return leaky
 
     # --- running ---
 
@@ -195,13 +209,14 @@ class Plan:
             if op.kind == "output":
                 out = u if dyn else u.unsqueeze(0).expand(T, *u.shape).reshape(T * b, *u.shape[1:])
                 break
-            if op.kind == "neuron":
+            if op.kind in STATEFUL:
                 if not dyn:
                     s, per_pos = step.fn(u, T, True, stats)
                 else:
                     u = u.view(T, b, *u.shape[1:])
                     s, per_pos = step.fn(u if fresh else u.clone(), T, False, stats)
-                stats.add_neuron(op.name, s, per_pos)
+                if op.kind in SPIKING:
+                    stats.add_neuron(op.name, s, per_pos)
                 values[op.name] = (s.view(T * b, *s.shape[2:]), True)
                 owned.add(op.name)
             elif op.kind == "sum":

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ..nirleaky import SPIKING
 from .ops import PASS, WEIGHTED, flatten_dims
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def _sources(op: Any, by_name: dict[str, Any]) -> list[tuple[str, list[Any]]]:
 
     def walk(name: str, chain: list[Any]) -> None:
         src = by_name[name]
-        if src.kind == "neuron":
+        if src.kind in SPIKING:
             found.append((src.name, chain))
         elif src.kind in PASS:
             for i in src.inputs:

@@ -19,6 +19,17 @@ Per step, for every neuron (``a_in`` the sum of the incoming connections' output
                                calibration (a custom neuron program, as Loihi 2's
                                programmable neurons allow; Lava has no such built-in neuron)
 
+NIR's leaky neurons run as Lava's own CUBA LIF with decays from ``dt / tau`` (``LIF``, ``CubaLIF``;
+an ``LI`` directly before the Output is a leaky readout)::
+
+    u = wrap24(trunc(u * (4096 - (du + 1)) / 4096) + (a_in << 6))
+    v = clip24(trunc(v * (4096 - dv) / 4096) + u + bias);  s = v > vth << 6;  v = 0 where s
+
+with ``dv = round(4096 dt / tau_mem)``, ``du = round(4096 dt / tau_syn) - 1`` (4095 for LIF)
+and the input gain ``dt/tau * r`` (CubaLIF: times ``dt/tau_syn * w_in``) folded into the weights;
+what Lava's neuron lacks (a leak potential, a reset other than 0, several time constants in
+one layer) is refused (:mod:`.leaky`).
+
 Mapping of a parsed NIR graph (:func:`quantize`):
 
 - every neuron op is a population; every op chain from a neuron's spikes to another neuron

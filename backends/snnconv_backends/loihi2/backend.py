@@ -11,6 +11,7 @@ import torch
 
 from snnconv.errors import BackendError
 
+from ..cpu import parse_graph
 from ..registry import Backend, Program, RunResult
 from .chip import STEP_SECONDS
 from .network import QuantizedNetwork
@@ -22,7 +23,7 @@ __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
 #: The options of ``loihi2-sim`` and their defaults.
 OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
-           "weight_bits": 8, "split_signs": True, "weight_groups": 1}
+           "weight_bits": 8, "split_signs": True, "weight_groups": 1, "dt": 1.0}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,6 +113,6 @@ class Loihi2SimBackend(Backend):
 
     def compile(self, graph: Any, **options: Any) -> Loihi2Program:
         opts = _check_options(self.name, options)
-        return Loihi2Program(quantize(graph, weight_bits=opts["weight_bits"],
+        return Loihi2Program(quantize(parse_graph(graph, self.name, opts["dt"]), weight_bits=opts["weight_bits"],
                                       split_signs=bool(opts["split_signs"]),
                                       weight_groups=opts["weight_groups"]), opts)

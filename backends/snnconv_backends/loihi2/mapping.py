@@ -11,6 +11,7 @@ import torch
 from snnconv.errors import BackendError
 
 from ..nirgraph import ParsedGraph
+from ..nirleaky import SPIKING
 from .ops import LINEAR_KINDS, apply_op, conv_params
 
 __all__ = ["Mapper", "chain_kind", "pool_then_conv", "compose", "fanout"]
@@ -37,7 +38,7 @@ class Mapper:
         out = []
         for i in self.ops[name].inputs:
             op = self.ops[i]
-            if op.kind == "neuron":
+            if op.kind in SPIKING:
                 out.append((i, []))
             elif op.kind == "input" or i in self.static:
                 out.append(("__static__", [op]))
@@ -52,7 +53,7 @@ class Mapper:
         total = None
         for i in self.ops[name].inputs:
             op = self.ops[i]
-            if op.kind == "neuron":
+            if op.kind in SPIKING:
                 v = torch.zeros(1, *op.out_shape, dtype=torch.float64)
             else:
                 v = apply_op(op, self.const(i), bias=True).reshape(1, *op.out_shape)

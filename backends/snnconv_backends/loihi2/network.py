@@ -113,6 +113,10 @@ class Population:
             or ``[1]``: ``v = x * scale`` (``scale = (vth << 6) / theta`` for neurons).
         conns: incoming connections.
         static: whether the input is the static (direct-encoded) first layer.
+        du, dv: Lava's current and voltage decays (4095 and 0: the IF neuron; leaky neurons,
+            see :mod:`snnconv_backends.loihi2.leaky`).
+        gain: the input gain folded into ``scale`` per channel (``dt/tau * r ...`` for a leaky
+            neuron, else 1): the membrane is ``v = v_float * scale / gain``.
     """
 
     name: str
@@ -126,14 +130,26 @@ class Population:
     conns: tuple[Connection, ...]
     static: bool
     report: Mapping[str, Any] = field(default_factory=dict)
+    du: int = 4095
+    dv: int = 0
+    gain: np.ndarray = field(default_factory=lambda: np.ones(1))
 
     @property
     def size(self) -> int:
         return int(np.prod(self.shape))
 
+    @property
+    def leaky(self) -> bool:
+        """Whether the current or the membrane decays (a leaky neuron or readout)."""
+        return self.du != 4095 or self.dv != 0
+
     def neuron_scale(self) -> np.ndarray:
         """``scale`` per neuron, ``[size]`` (float64)."""
         return per_neuron_values(self.scale, self.shape)
+
+    def membrane_scale(self) -> np.ndarray:
+        """Integer membrane units per float membrane unit, per neuron ``[size]`` (float64)."""
+        return self.neuron_scale() / per_neuron_values(self.gain, self.shape)
 
 
 @dataclass(frozen=True)

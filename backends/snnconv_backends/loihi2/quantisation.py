@@ -11,7 +11,9 @@ import numpy as np
 from snnconv.errors import BackendError
 
 from ..nirgraph import ParsedGraph, parse
+from ..nirleaky import SPIKING
 from .chip import CLOCK, FIRST_VTH, LOIHI
+from .leaky import leaky_spec
 from .mapping import Mapper, chain_kind, compose, fanout, pool_then_conv
 from .network import Connection, Population, QuantizedNetwork, per_neuron_values
 from .ops import conv_params
@@ -141,7 +143,7 @@ def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...]
 
 def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
     """A neuron op's initial membrane in integer ``v`` units (see :class:`Population`)."""
-    if op.params["reset"] != "subtract":
+    if op.params.get("reset") != "subtract":  # hard reset and leaky neurons start at 0
         return 0
     v0 = op.params.get("v_init")
     if v0 is None or (np.ndim(v0) == 0 and float(v0) == 0.5):
@@ -174,14 +176,20 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
     """
     g = graph if isinstance(graph, ParsedGraph) else parse(graph)
     mp = Mapper(g)
-    targets = [op for op in g.ops if op.kind in ("neuron", "output")]
-    if not g.neurons:
+    readout = g.ops[-1]
+    if len(readout.inputs) == 1 and mp.ops[readout.inputs[0]].kind == "li":
+        readout = mp.ops[readout.inputs[0]]  # a leaky readout: LI directly before the Output
+    for op in g.ops:
+        if op.kind == "li" and op is not readout:
+            leaky_spec(op, False, "neuron")  # refused, with the reason
+    targets = [op for op in g.ops if op.kind in SPIKING] + [readout]
+    if len(targets) == 1:
         raise BackendError("loihi2-sim: the graph has no neurons; Loihi runs spiking networks")
     pops: list[Population] = []
     depth: dict[str, int] = {}
     static_ops: list[Any] = [op for op in g.ops if op.name in mp.static and op.kind != "input"]
     for tgt in targets:
-        role = "neuron" if tgt.kind == "neuron" else "readout"
+        role = "neuron" if tgt.kind in SPIKING else "readout"
         shape = tuple(tgt.out_shape if role == "neuron" else tgt.in_shape or tgt.out_shape)
         n = int(np.prod(shape))
         terms = mp.terms(tgt.name)
@@ -194,20 +202,25 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
         if static and role == "readout":
             raise BackendError(f"loihi2-sim: the readout '{tgt.name}' is fed by the static input "
                                "directly; there is nothing to run on the chip")
-        if role == "neuron":
+        leaky = leaky_spec(tgt, bool(static), role) if tgt.kind in ("lif", "cubalif", "li") else None
+        if leaky is not None:  # an IF neuron with threshold v_threshold / gain (see .leaky)
+            theta, reset = leaky.theta, ("zero" if role == "neuron" else "none")
+        elif role == "neuron":
             theta = np.asarray(tgt.params["theta"], np.float64).reshape(-1)
             if (theta <= 0).any() or not np.isfinite(theta).all():
                 raise BackendError(f"loihi2-sim: neuron '{tgt.name}' has a non-positive threshold")
             reset = str(tgt.params["reset"])
         else:
             theta, reset = np.ones(1), "none"
+        chip = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
         if static:
             vth = FIRST_VTH
             scale = (vth << LOIHI["vth_shift"]) / theta
             pops.append(Population(
                 tgt.name, role, shape, 0, vth, _v_init(tgt, vth, shape),
                 reset, scale, (), True,
-                {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)"}))
+                {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)",
+                 **({} if leaky is None else leaky.report)}, **chip))
             depth[tgt.name] = 0
             continue
         d = max(depth[s] for s, _ in spiking) + 1
@@ -241,7 +254,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             pos, neg = pos + p_, neg + n_
         pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
         worst = np.maximum(pos, -neg)
-        a_max = LOIHI["a_in_max"]
+        a_max = LOIHI["a_in_max"] if leaky is None else leaky.a_in_max
         if role == "neuron":
             theta_n = per_neuron_values(theta, shape)
             with np.errstate(divide="ignore"):
@@ -262,8 +275,9 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                         f"{a_max} times its threshold; the 16-bit input budget cannot hold it")
                 scale_c = (vth << 6) / theta
             else:
-                wmax = float(worst.max())
-                scale_c = np.array([64.0 * a_max / wmax if wmax > 0 else 1.0]) * (0.97 ** attempt)
+                gain = np.ones(1) if leaky is None else leaky.gain  # membrane units: scale / gain
+                wmax = float((worst * per_neuron_values(gain, shape)).max())
+                scale_c = np.asarray(gain) * (64.0 * a_max / wmax if wmax > 0 else 1.0) * (0.97 ** attempt)
             s_n = per_neuron_values(scale_c, shape)
             conns: list[Connection] = []
             tot_pos = np.zeros(n, np.int64)
@@ -314,14 +328,15 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                                f"within {a_max}")
         rep = {"vth": vth, "v_threshold": vth << 6 if role == "neuron" else None,
                "a_in_bound": bound, "a_in_budget": a_max,
-               "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c))}
+               "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c)),
+               **({} if leaky is None else leaky.report)}
         if role == "neuron" and vth < 64:
             rep["warning"] = (f"vth = {vth}: the worst-case input is about {a_max // max(vth, 1)} times "
                               "the threshold, so the threshold has few bits; expect a larger "
                               "deviation from the float network in this layer")
         pops.append(Population(tgt.name, role, shape, d, vth,
                                _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
-                               np.asarray(scale_c, np.float64), tuple(conns), False, rep))
+                               np.asarray(scale_c, np.float64), tuple(conns), False, rep, **chip))
     names = {c.name for p in pops for c in p.conns}
     for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
         unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []

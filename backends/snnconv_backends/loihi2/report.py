@@ -58,6 +58,8 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
         for name, r in q.get("layers", {}).items():
             lines.append(f"  {name:<24} depth {r['depth']:>2}  vth {r.get('vth', 0):>6}  "
                          f"a_in<= {r.get('a_in_bound', '-')}"
+                         + (f"  du {r.get('du', 4095)} dv {r['dv']} (dt/tau rounded to 4096ths)"
+                            if "dv" in r else "")
                          + (f"  WARNING: {r['warning']}" if "warning" in r else ""))
             for cn, c in r["connections"].items():
                 lines.append(f"      <- {cn:<20} {c['kind']:<6} exp {c['exp']:>3}  |m|<={c['mant_max']:>3} "

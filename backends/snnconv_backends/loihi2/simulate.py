@@ -117,6 +117,8 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
     ``bias``: ``[B, N]``."""
     n = pop.size
     dev = (a_in if a_in is not None else bias).device
+    if pop.leaky:
+        return _leaky_loop(pop, a_in, bias, T, B, stats, record)
     if a_in is None:
         u = torch.zeros(T, B, n, dtype=torch.float32, device=dev)
     else:
@@ -157,6 +159,44 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         else:
             v.sub_(spikes[t], alpha=vth)
         if record:
+            volts[t] = v.to(torch.int32)
+    return spikes, volts
+
+
+def _decay(x: torch.Tensor, d: int) -> torch.Tensor:
+    """Lava's decay ``sign(x) * (|x| * (4096 - d) >> 12)`` on int64 (a truncating division)."""
+    return torch.div(x * (4096 - d), 4096, rounding_mode="trunc")
+
+
+def _leaky_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor | None, T: int,
+                B: int, stats: RuntimeCounters, record: bool):
+    """:func:`_neuron_loop` of a leaky population (Lava's LIF with ``du``, ``dv``; the readout
+    does not spike), step by step on int64:
+    ``u = wrap24(decay(u, du + 1) + (a_in << 6)); v = clip24(decay(v, dv) + u + bias)``."""
+    n = pop.size
+    dev = (a_in if a_in is not None else bias).device
+    u_in = None if a_in is None else a_in.reshape(T, B, n).to(torch.int64)
+    b = torch.zeros((), dtype=torch.int64, device=dev) if bias is None else bias.reshape(B, n).to(torch.int64)
+    u = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    v = torch.zeros(B, n, dtype=torch.int64, device=dev)
+    lo, hi = -_V_MAX + 1, _V_MAX - 1
+    vth = pop.vth << LOIHI["vth_shift"]
+    readout = pop.role == "readout"
+    spikes = None if readout else torch.empty(T, B, n, dtype=torch.float32, device=dev)
+    volts = torch.empty(T, B, n, dtype=torch.int32, device=dev) if (record or readout) else None
+    for t in range(T):
+        d = _decay(u, pop.du + 1) + (0 if u_in is None else u_in[t])
+        w = torch.where(d > _V_MAX, d - 2 * _V_MAX, d)  # Lava's wrap of the 24-bit current
+        u = torch.where(w <= -_V_MAX, d + 2 * _V_MAX, w)
+        stats.wrapped += int((u != d).sum())
+        h = _decay(v, pop.dv) + u + b
+        v = h.clamp(lo, hi)
+        stats.saturated += int((v != h).sum())
+        if not readout:
+            s = v > vth
+            spikes[t] = s
+            v = torch.where(s, torch.zeros_like(v), v)
+        if volts is not None:
             volts[t] = v.to(torch.int32)
     return spikes, volts
 
@@ -215,7 +255,7 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
         if v is not None:
             volts[p.name] = v
     r = q.readout
-    out = volts[r.name].double() / torch.as_tensor(r.neuron_scale(), dtype=torch.float64,
+    out = volts[r.name].double() / torch.as_tensor(r.membrane_scale(), dtype=torch.float64,
                                                    device=x.device)
     out = out.float().reshape(T, B, *q.graph.output_shape)
     if not record:

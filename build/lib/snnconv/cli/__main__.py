@@ -1,7 +1,0 @@
-"""``python -m snnconv.cli``: the ``snnconv`` command."""
-
-import sys
-
-from . import main
-
-sys.exit(main())

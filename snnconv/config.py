@@ -1,0 +1,205 @@
+"""ConvertConfig: every setting of :func:`snnconv.convert`, validated once, with the defaults
+that depend on one another resolved in one place.
+
+``ConvertConfig(**settings)`` checks types, ranges and contradictions (raising
+:class:`~snnconv.errors.ConfigError`, a ``ValueError`` too); :meth:`ConvertConfig.resolved`
+fills in the defaults that follow from the others (``L`` from ``T``, the threshold granularity
+and calibration passes from ``reset``). What depends on the data (fine-tuning by default only
+with labels, QCFS training where max-pooling became average pooling) is decided by
+:func:`snnconv.convert`, which records every decision in ``meta.settings``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["ConvertConfig", "MAX_T", "MAX_L", "MAX_EPOCHS", "MAXPOOL_MODES", "RESETS"]
+
+#: The largest T (and eval_T, bias_calibration_T) convert() accepts. Direct-encoded conversion
+#: reaches the ANN by T = 64-256 on every network measured; a larger T multiplies every
+#: stage's time and memory (the calibration holds ``batches x T`` activations).
+MAX_T = 1024
+#: The most QCFS quantisation levels (the ANN's activations take L + 1 values).
+MAX_L = 1024
+#: The most epochs of QCFS training or fine-tuning one call may ask for.
+MAX_EPOCHS = 10_000
+#: ``maxpool`` settings: "auto" keeps the max-pooling of the static analog prefix (snnconv.prefix)
+#: and makes every later one average pooling; "avg" makes every one average pooling; "error"
+#: refuses max-pooling.
+MAXPOOL_MODES = ("auto", "avg", "error")
+RESETS = ("subtract", "zero")
+
+
+def _int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer between {low} and {high}, got "
+                          f"{value!r} ({type(value).__name__})")
+    if not low <= int(value) <= high:
+        raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
+    return int(value)
+
+
+def _choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+    if value not in options:
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: Any, optional: bool = False) -> bool | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False{' (or None for the default)' if optional else ''}, "
+                          f"got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """The settings of :func:`snnconv.convert` (each documented there).
+
+    Raises:
+        ConfigError: a value of the wrong type or out of range (the message gives the bound),
+            or two settings that contradict each other.
+    """
+
+    T: int = 8
+    L: int | None = None
+    percentile: float = 99.9
+    per_channel: bool | None = None
+    calib_batches: int = 10
+    maxpool: str = "auto"
+    reset: str = "subtract"
+    bias_calibration: bool = True
+    bias_calibration_T: int | tuple[int, int] | None = None
+    threshold_calibration: bool | None = None
+    weight_calibration: bool | None = None
+    qcfs_epochs: int | None = None
+    qcfs_train: Any = None
+    finetune_epochs: int | None = None
+    finetune_config: Any = None
+    eval_T: tuple[int, ...] = ()
+    seed: int = 0
+    device: Any = "cpu"
+    progress: bool = True
+    on_collapse: str = "raise"
+    #: whether the calibration moves the initial membranes (resolved; ``None`` before)
+    membrane_calibration: bool | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        put("T", _int("T (time steps)", self.T, 1, MAX_T))
+        if self.L is not None:
+            put("L", _int("L (QCFS levels)", self.L, 1, MAX_L))
+        if isinstance(self.percentile, bool) or not isinstance(self.percentile, numbers.Real) \
+                or not 0 < float(self.percentile) <= 100:
+            raise ConfigError(f"percentile must be a number in (0, 100], got {self.percentile!r}")
+        put("percentile", float(self.percentile))
+        put("calib_batches", _int("calib_batches", self.calib_batches, 1, 100_000))
+        _choice("maxpool", self.maxpool, MAXPOOL_MODES)
+        _choice("reset", self.reset, RESETS)
+        _choice("on_collapse", self.on_collapse, ("raise", "warn"))
+        for name in ("per_channel", "threshold_calibration", "weight_calibration"):
+            _flag(name, getattr(self, name), optional=True)
+        _flag("bias_calibration", self.bias_calibration)
+        _flag("progress", self.progress)
+        put("seed", _int("seed", self.seed, 0, 2**63 - 1))
+        if isinstance(self.eval_T, (str, bytes)) or not hasattr(self.eval_T, "__iter__"):
+            raise ConfigError(f"eval_T must be a sequence of time steps, got {self.eval_T!r}")
+        put("eval_T", tuple(_int("eval_T", t, 1, MAX_T) for t in self.eval_T))
+        horizon = self.bias_calibration_T
+        if isinstance(horizon, (tuple, list)):
+            if len(horizon) != 2:
+                raise ConfigError(f"bias_calibration_T takes one T or two horizons (T1, T2), got {horizon!r}")
+            put("bias_calibration_T", tuple(_int("bias_calibration_T", t, 1, MAX_T) for t in horizon))
+            if self.reset != "subtract":
+                raise ConfigError("two calibration horizons move the initial membrane, which "
+                                  "reset='zero' neurons do not have; give one T")
+        elif horizon is not None:
+            put("bias_calibration_T", _int("bias_calibration_T", horizon, 1, MAX_T))
+        for name in ("qcfs_epochs", "finetune_epochs"):
+            if getattr(self, name) is not None:
+                put(name, _int(f"{name} (or None for the default)", getattr(self, name), 0, MAX_EPOCHS))
+        if self.weight_calibration and not self.bias_calibration:
+            raise ConfigError("weight_calibration=True refits the weights inside bias calibration, which "
+                              "bias_calibration=False turns off; pass bias_calibration=True or "
+                              "weight_calibration=False")
+        for epochs, cfg, kind in ((self.qcfs_epochs, self.qcfs_train, "qcfs_train"),
+                                  (self.finetune_epochs, self.finetune_config, "finetune_config")):
+            if cfg is not None and not isinstance(getattr(cfg, "epochs", None), numbers.Integral):
+                raise ConfigError(f"{kind} must be a {'QCFSTrainConfig' if kind == 'qcfs_train' else 'FinetuneConfig'}, "
+                                  f"got {type(cfg).__name__}")
+            if cfg is not None and epochs and epochs != cfg.epochs:
+                raise ConfigError(f"{kind.split('_')[0]}_epochs={epochs} disagrees with {kind}.epochs="
+                                  f"{cfg.epochs}; give one of them")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device {self.device!r} is not a torch device: {exc}") from None
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> "ConvertConfig":
+        """A config from keyword arguments, naming any that is not a setting."""
+        names = {f.name for f in dataclasses.fields(cls) if f.name != "membrane_calibration"}
+        unknown = sorted(set(options) - names - {"membrane_calibration"})
+        if unknown:
+            raise ConfigError(f"convert() has no setting {', '.join(map(repr, unknown))}; the settings "
+                              f"are {', '.join(sorted(names))}")
+        return cls(**options)
+
+    def options(self) -> dict[str, Any]:
+        """The fields as keyword arguments (a resolved config stays resolved)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def replace(self, **changes: Any) -> "ConvertConfig":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self) -> "ConvertConfig":
+        """The same settings with the defaults that follow from the others filled in:
+        ``L = T``; per-channel thresholds for subtractive reset, per layer for hard reset; the
+        threshold fit for hard reset only; the membrane calibration (at ``2 * T``) where no
+        horizon is given and the reset is subtractive, else the bias alone at ``T``; the weight
+        refit with the membrane calibration."""
+        if self.membrane_calibration is not None:
+            return self
+        membrane = self.bias_calibration_T is None and self.reset == "subtract"
+        return dataclasses.replace(
+            self, L=self.T if self.L is None else self.L,
+            per_channel=self.reset == "subtract" if self.per_channel is None else self.per_channel,
+            threshold_calibration=(self.reset == "zero" if self.threshold_calibration is None
+                                   else self.threshold_calibration),
+            weight_calibration=(membrane and self.bias_calibration if self.weight_calibration is None
+                                else self.weight_calibration),
+            bias_calibration_T=((2 * self.T if self.reset == "subtract" else self.T)
+                                if self.bias_calibration_T is None else self.bias_calibration_T),
+            membrane_calibration=membrane)
+
+    @property
+    def horizons(self) -> tuple[int, int] | None:
+        """The two calibration horizons, where given."""
+        return self.bias_calibration_T if isinstance(self.bias_calibration_T, tuple) else None
+
+    @property
+    def bias_batches(self) -> int:
+        """Batches of bias/membrane calibration: 4, or fewer where ``calib_batches`` is smaller."""
+        return min(4, self.calib_batches)
+
+    def settings(self) -> dict[str, Any]:
+        """The resolved settings as ``meta.settings`` records them (JSON-ready)."""
+        cfg = self.resolved()
+        return dict(T=cfg.T, L=cfg.L, percentile=cfg.percentile, per_channel=cfg.per_channel,
+                    bias_calibration=cfg.bias_calibration, bias_calibration_T=cfg.bias_calibration_T,
+                    membrane_calibration=bool(cfg.membrane_calibration and cfg.bias_calibration),
+                    threshold_calibration=bool(cfg.threshold_calibration),
+                    weight_calibration=bool(cfg.weight_calibration and cfg.bias_calibration),
+                    calib_batches=cfg.calib_batches, maxpool=cfg.maxpool, reset=cfg.reset,
+                    qcfs_epochs=cfg.qcfs_epochs, finetune_epochs=cfg.finetune_epochs,
+                    device=str(torch.device(cfg.device)))
