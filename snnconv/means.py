@@ -1,5 +1,6 @@
 """A global mean over the spatial dimensions (``x.mean([2, 3])``) as the average pool it is, and
-a functional adaptive average pool (``F.adaptive_avg_pool2d(x, 1)``) as its module.
+a functional pool (``F.adaptive_avg_pool2d(x, 1)``, ``F.avg_pool2d``, ``F.max_pool2d``) as its
+module (what IF replacement, the max-pooling modes and NIR export know).
 
 ``mean(x, (2, 3))`` of a 4-d tensor is ``flatten(AdaptiveAvgPool2d(1)(x), 1)`` (without the
 flatten for ``keepdim=True``): the same linear map, written with the layers that IF replacement
@@ -20,9 +21,16 @@ from .graph import capture, describe_node
 
 __all__ = ["rewrite_means"]
 
-#: Pattern as data: functional adaptive average pools and their modules.
-_ADAPTIVE = {F.adaptive_avg_pool1d: nn.AdaptiveAvgPool1d, F.adaptive_avg_pool2d: nn.AdaptiveAvgPool2d,
-             F.adaptive_avg_pool3d: nn.AdaptiveAvgPool3d}
+#: Pattern as data: functional pools, their modules and the names of their arguments in order.
+_POOL_CALLS = {
+    F.adaptive_avg_pool1d: (nn.AdaptiveAvgPool1d, ("output_size",)),
+    F.adaptive_avg_pool2d: (nn.AdaptiveAvgPool2d, ("output_size",)),
+    F.adaptive_avg_pool3d: (nn.AdaptiveAvgPool3d, ("output_size",)),
+    F.avg_pool2d: (nn.AvgPool2d, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad",
+                                  "divisor_override")),
+    F.max_pool2d: (nn.MaxPool2d, ("kernel_size", "stride", "padding", "dilation", "ceil_mode",
+                                  "return_indices")),
+}
 
 #: Pattern as data: (op, target) of a mean, and the argument position of its dims.
 _MEANS = {("call_function", torch.mean): 1, ("call_method", "mean"): 1}
@@ -45,19 +53,21 @@ def _spatial_mean(node: fx.Node, rank: int) -> bool | None:
 
 
 def _pool_modules(gm: fx.GraphModule) -> list[dict]:
-    """Replace each functional adaptive average pool of ``gm`` by its module."""
+    """Replace each functional pool of ``gm`` (adaptive average, average, max) by its module."""
     done = []
     used = {n for n, _ in gm.named_modules()}
     for node in list(gm.graph.nodes):
-        cls = _ADAPTIVE.get(node.target) if node.op == "call_function" else None
-        size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
-        if cls is None or not node.args or not isinstance(node.args[0], fx.Node) or size is None:
+        cls, names = _POOL_CALLS.get(node.target, (None, ())) if node.op == "call_function" else (None, ())
+        if cls is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        kwargs = dict(zip(names, node.args[1:]), **node.kwargs)
+        if any(isinstance(v, fx.Node) for v in kwargs.values()) or set(kwargs) - set(names):
             continue
         name, k = f"{node.name}_pool", 1
         while name in used:
             name, k = f"{node.name}_pool_{k}", k + 1
         used.add(name)
-        gm.add_submodule(name, cls(size))
+        gm.add_submodule(name, cls(**kwargs))
         with gm.graph.inserting_after(node):
             new = gm.graph.call_module(name, (node.args[0],))
         node.replace_all_uses_with(new)
@@ -71,7 +81,7 @@ def _pool_modules(gm: fx.GraphModule) -> list[dict]:
 
 def rewrite_means(gm: fx.GraphModule, example_inputs: Iterable) -> list[dict]:
     """Replace every spatial mean of ``gm`` by adaptive average pooling (and a flatten), and
-    every functional adaptive average pool by its module."""
+    every functional pool by its module."""
     done = _pool_modules(gm)
     candidates = [n for n in gm.graph.nodes if (n.op, n.target) in _MEANS
                   and n.args and isinstance(n.args[0], fx.Node)]

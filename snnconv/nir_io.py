@@ -310,8 +310,10 @@ class _Exporter:
                           stride=tuple(int(s) for s in mod.stride), padding=tuple(int(p) for p in padding),
                           dilation=tuple(int(d) for d in mod.dilation), groups=int(mod.groups),
                           bias=bias, metadata=meta)
-        # nir 1.0.8 infers the input channels as weight.shape[1], which is in_channels / groups
+        # nir 1.0.8 infers the input channels as weight.shape[1] (in_channels / groups) and the
+        # output size from a square kernel: both written from the module and the probed shape
         node.input_type = {"input": np.array([int(mod.in_channels), *node.input_type["input"][1:]])}
+        node.output_type = {"output": np.array(self.shape(n))}
         return node
 
     def adaptive(self, n: fx.Node, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> nir.NIRNode:

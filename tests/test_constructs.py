@@ -258,3 +258,36 @@ def test_a_max_pooling_after_the_whole_feature_extractor_is_no_prefix():
     model = nn.Sequential(*layers, nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(3, 2)).eval()
     report = split_prefix(prepare(model))
     assert report["nodes"] == [] and "3 ReLU sites" in report["why"]
+
+
+class _Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, (1, 3), padding=(0, 1))  # a non-square kernel
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.a(x)), kernel_size=3, stride=2)
+        y = F.avg_pool2d(F.relu(self.b(y)), 3, stride=1, padding=1)
+        y = F.max_pool2d(F.relu(self.b(y)), 2)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(y, (1, 1)), 1))
+
+
+def test_functional_pools_become_modules_and_export_bit_identically():
+    torch.manual_seed(0)
+    model = _Functional().eval()
+    x = torch.randn(4, 3, 9, 9)
+    gm = prepare(model)
+    done = rewrite_means(gm, (x,))
+    assert len(done) == 4
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x))
+    snn, _ = snnconv.convert(model, [x], T=4, finetune_epochs=0, bias_calibration=False,
+                             progress=False, on_collapse="warn")
+    stem = analog_prefix(snn)
+    assert stem is not None  # the first max-pooling ends the prefix; the second averages
+    graph = snnconv.export_nir(snn)
+    with torch.no_grad():
+        ref = snn.run(x, 4)
+    assert torch.equal(get("cpu").compile(graph).run(stem(x), 4).outputs, ref)
