@@ -30,7 +30,10 @@ MAX_T = 1024
 MAX_L = 1024
 #: The most epochs of QCFS training or fine-tuning one call may ask for.
 MAX_EPOCHS = 10_000
-MAXPOOL_MODES = ("error", "avg")
+#: ``maxpool`` settings: "auto" keeps the max-pooling of the static analog prefix (snnconv.prefix)
+#: and makes every later one average pooling; "avg" makes every one average pooling; "error"
+#: refuses max-pooling.
+MAXPOOL_MODES = ("auto", "avg", "error")
 RESETS = ("subtract", "zero")
 
 
@@ -72,7 +75,7 @@ class ConvertConfig:
     percentile: float = 99.9
     per_channel: bool | None = None
     calib_batches: int = 10
-    maxpool: str = "error"
+    maxpool: str = "auto"
     reset: str = "subtract"
     bias_calibration: bool = True
     bias_calibration_T: int | tuple[int, int] | None = None

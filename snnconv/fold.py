@@ -16,8 +16,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .affine import fold_into_consumer, replace_with_affine
 from .errors import FoldError
-from .graph import capture, describe_node, module_of, prepare, set_module
+from .graph import call_counts, capture, describe_node, module_of, prepare, set_module
 from .guards import functional_batchnorm_calls
 
 __all__ = ["FoldedPair", "fold_weights", "folded_producer", "fold_batchnorm", "fold_graph"]
@@ -39,10 +40,17 @@ class FoldedPair:
     batchnorm: str
     producers: list[str]
     max_abs_diff: float | None = None
+    #: "producer" (into the layer before), "consumer" (into the unpadded layer after) or
+    #: "affine" (an explicit per-channel affine layer where the BatchNorm was: snnconv.affine)
+    kind: str = "producer"
+    why: str = ""
 
     def to_dict(self) -> dict:
-        return {"batchnorm": self.batchnorm, "producers": list(self.producers),
-                "max_abs_diff": self.max_abs_diff}
+        out = {"batchnorm": self.batchnorm, "producers": list(self.producers),
+               "max_abs_diff": self.max_abs_diff, "kind": self.kind}
+        if self.why:
+            out["why"] = self.why
+        return out
 
 
 def fold_weights(
@@ -154,6 +162,27 @@ def _producer_problem(gm: fx.GraphModule, bn_node: fx.Node, src: fx.Node, bn: _B
     return _rank_problem(str(src.target), producer, bn, rank)
 
 
+def _no_producer(gm: fx.GraphModule, src: fx.Node) -> bool:
+    """Whether ``src`` is no layer a BatchNorm can fold into (the input, an activation, a
+    concatenation, a layer with other users or call sites): the BatchNorm is then an affine map
+    of its own (:mod:`snnconv.affine`)."""
+    if src.op == "placeholder" or not isinstance(module_of(gm, src), PRODUCERS):
+        return True
+    return len(src.users) > 1 or call_counts(gm).get(str(src.target), 0) > 1
+
+
+def _as_affine(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None, why: str) -> FoldedPair:
+    """Fold ``bn_node`` into its consumer where exact, else make it an explicit affine layer."""
+    name = str(bn_node.target)
+    consumer = fold_into_consumer(gm, bn_node, rank, call_counts(gm))
+    if consumer is None:
+        replace_with_affine(gm, bn_node, rank)
+        return FoldedPair(name, [name], kind="affine", why=why)
+    bn_node.replace_all_uses_with(bn_node.args[0])
+    gm.graph.erase_node(bn_node)
+    return FoldedPair(name, [consumer], kind="consumer", why=why)
+
+
 def _fold_one(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None = None) -> FoldedPair:
     bn = module_of(gm, bn_node)
     name = str(bn_node.target)
@@ -182,12 +211,13 @@ def _fold_one(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None = None) -> 
                 gm.graph.erase_node(bn_node)
                 return FoldedPair(name, [str(a.target) for a in addends])
             reason = next(p for p in problems if p is not None)
-            raise FoldError(f"cannot fold BatchNorm '{name}' after an add: one addend cannot absorb "
-                            f"it because {reason}.")
+            return _as_affine(gm, bn_node, rank, f"after an add, one addend cannot absorb it: {reason}")
 
     problem = _producer_problem(gm, bn_node, src, bn, rank)
-    if problem is not None:
+    if problem is not None and not _no_producer(gm, src):
         raise FoldError(f"cannot fold BatchNorm '{name}' ({type(bn).__name__}): {problem}.")
+    if problem is not None:
+        return _as_affine(gm, bn_node, rank, problem)
     set_module(gm, str(src.target), folded_producer(module_of(gm, src), bn))
     bn_node.replace_all_uses_with(src)
     gm.graph.erase_node(bn_node)
@@ -219,14 +249,18 @@ def fold_graph(gm: fx.GraphModule, example_inputs: tuple | None = None) -> list[
     for bn_node in bn_nodes:
         bn_name, src = bn_node.name, bn_node.args[0]
         rank = reference[bn_name].dim() if reference is not None else None
-        pairs.append(_fold_one(gm, bn_node, rank))
-        sources[bn_name] = src.name  # _fold_one refused an input that is not a node
+        pair = _fold_one(gm, bn_node, rank)
+        pairs.append(pair)
+        # _fold_one refused an input that is not a node; an affine layer keeps the node's name
+        sources[bn_name] = {"producer": src.name, "affine": bn_name}.get(pair.kind)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
     if reference is not None:
-        folded = capture(gm, example_inputs, list(sources.values()))
+        folded = capture(gm, example_inputs, [v for v in sources.values() if v])
         for pair, (bn_name, src_name) in zip(pairs, sources.items()):
+            if src_name is None:  # folded into its consumer: checked by the end-to-end diff
+                continue
             diff = (folded[src_name].double() - reference[bn_name].double()).abs().max()
             pair.max_abs_diff = float(diff)
     return pairs

@@ -56,6 +56,7 @@ from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SC
 from .network import SpikingNetwork, check_T
 from .neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
 from .nirfile import load_nir, save_nir
+from .prefix import AnalogPrefix
 from .replace import insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
@@ -192,6 +193,10 @@ class _Exporter:
         base = str(n.target)
         if isinstance(mod, _PASS_MODULES):
             self.value[n.name] = srcs
+        elif isinstance(mod, AnalogPrefix) and x.op == "placeholder" and len(x.users) == 1:
+            # the static analog prefix runs once, outside the graph: its output is the input
+            self.nodes[srcs[0]] = nir.Input(np.array(out_shape))
+            self.value[n.name], self.prefix = srcs, out_shape
         elif isinstance(mod, IFNeuron):
             self.value[n.name] = (self.neuron(base, mod, srcs, out_shape),)
         elif isinstance(mod, Scale):
@@ -236,8 +241,33 @@ class _Exporter:
             self.value[n.name] = left + right
         elif n.target in _FLATTENS:
             self.flatten_call(n)
+        elif n.target in (torch.cat, torch.concat):
+            self.value[n.name] = self.concat(n)
         else:
             raise self.unsupported(n)
+
+    def concat(self, n: fx.Node) -> tuple[str, ...]:
+        """A channel concatenation as the sum of one-hot 1x1 embeddings of its parts (exact:
+        each output is one input times 1 plus zeros), one per part, into the consumer."""
+        parts = n.args[0] if n.args else n.kwargs.get("tensors")
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        out = self.shape(n)
+        if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or dim % (len(out) + 1) != 1:
+            raise self.unsupported(n, "only a concatenation of tensors along the channels (dim 1)")
+        embeds, offset = [], 0
+        for k, part in enumerate(parts):
+            shape = self.shape(part)
+            weight = np.zeros((out[0], shape[0]) + (1,) * (len(shape) - 1), np.float32)
+            weight[np.arange(offset, offset + shape[0]), np.arange(shape[0])] = 1.0
+            offset += shape[0]
+            node = (nir.Linear(weight=weight) if len(shape) == 1 else
+                    nir.Conv2d(input_shape=tuple(int(s) for s in shape[1:]), weight=weight, stride=(1, 1),
+                               padding=(0, 0), dilation=(1, 1), groups=1, bias=np.zeros(out[0], np.float32),
+                               metadata={"snnconv_bias": "none", OP_KEY: "concat"}))
+            if len(shape) not in (1, 3):
+                raise self.unsupported(n, f"a concatenation of {len(shape)}-d parts")
+            embeds.append(self.add(f"{n.name}_{k}", node, self.src(part, n)))
+        return tuple(embeds)
 
     def method(self, n: fx.Node) -> None:
         if n.target == "flatten":
@@ -319,10 +349,15 @@ class _Exporter:
             return nir.Conv1d(input_shape=int(in_shape[1]), weight=weight, stride=int(mod.stride[0]),
                               padding=int(padding[0]), dilation=int(mod.dilation[0]),
                               groups=int(mod.groups), bias=bias, metadata=meta)
-        return nir.Conv2d(input_shape=tuple(int(s) for s in in_shape[1:]), weight=weight,
+        node = nir.Conv2d(input_shape=tuple(int(s) for s in in_shape[1:]), weight=weight,
                           stride=tuple(int(s) for s in mod.stride), padding=tuple(int(p) for p in padding),
                           dilation=tuple(int(d) for d in mod.dilation), groups=int(mod.groups),
                           bias=bias, metadata=meta)
+        # nir 1.0.8 infers the input channels as weight.shape[1] (in_channels / groups) and the
+        # output size from a square kernel: both written from the module and the probed shape
+        node.input_type = {"input": np.array([int(mod.in_channels), *node.input_type["input"][1:]])}
+        node.output_type = {"output": np.array(self.shape(n))}
+        return node
 
     def adaptive(self, n: fx.Node, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> nir.NIRNode:
         if len(in_shape) != 3 or any(i % o for i, o in zip(in_shape[1:], out_shape[1:])):
@@ -408,6 +443,8 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
                        "reset mode")
     reset = next(iter(ex.resets)) if ex.resets else "subtract"
     metadata = graph_metadata(snn.T, reset)
+    if getattr(ex, "prefix", None):  # the graph reads the analog prefix's output
+        metadata["input"] = "analog_prefix"
     try:
         graph = nir.NIRGraph(nodes=ex.nodes, edges=ex.edges, metadata=metadata)
     except (ValueError, AssertionError, KeyError) as exc:

@@ -20,6 +20,7 @@ from .calibration import calibrate_bias, calibrate_thresholds
 from .data import check_labels, generators_kept
 from .config import ConvertConfig
 from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
+from .constructs import rewrite_constructs
 from .fold import fold_graph
 from .graph import prepare
 from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
@@ -393,9 +394,11 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             use the first ``min(4, calib_batches)``, all at once for up to ``2 * T`` steps (a
             forward of that many batches at ``2 * T``: lower it, or the batch size, where memory
             is short).
-        maxpool: ``"error"`` (default) refuses max-pooling, which binary spikes cannot compute;
-            ``"avg"`` replaces it by average pooling, a different function, which QCFS training
-            then adapts the weights to (see ``qcfs_epochs``).
+        maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
+            layers up to the first max-pooling, such as a ResNet stem, run once in analog,
+            exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
+            makes every one average pooling, a different function, which QCFS training then
+            adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN (labels needed; ``qcfs_train``
             sets the rest). ``None`` (default): where ``maxpool="avg"`` replaced max-pooling,
             :data:`_MAXPOOL_QCFS_STEPS` optimiser steps rounded up to whole epochs of the
@@ -481,7 +484,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             gm.to(device)
             _check_batch(gm, x0, y0, device)
             rec.changes = {"input_shape": list(x0.shape),
-                           "parameters": sum(p.numel() for p in gm.parameters())}
+                           "parameters": sum(p.numel() for p in gm.parameters()),
+                           "constructs": rewrite_constructs(gm, (x0.to(device),), maxpool=cfg.maxpool)}
+            if cfg.maxpool == "auto":  # the prefix's max-pooling is kept; every later one averages
+                cfg = cfg.replace(maxpool="avg")
             health = _Health(calib[:2], device, cfg.on_collapse)
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
         if eval_loader is not None:

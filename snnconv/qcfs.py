@@ -314,8 +314,10 @@ def _replace_maxpool(gm: fx.GraphModule) -> list[str]:
                 raise UnsupportedLayerError(
                     f"max-pooling at {describe_node(node)} uses dilation or return_indices, which "
                     "average pooling cannot reproduce; change the layer before converting")
+            # padding counted in the average: the form NIR's AvgPool2d has (a padded max-pool is
+            # another function either way; QCFS training adapts the weights to it)
             avg = _MAXPOOL_TO_AVG[type(mod)](mod.kernel_size, mod.stride, mod.padding,
-                                             ceil_mode=mod.ceil_mode, count_include_pad=False)
+                                             ceil_mode=mod.ceil_mode, count_include_pad=True)
             set_module(gm, str(node.target), avg)
             replaced.append(str(node.target))
         elif type(mod) in _ADAPTIVE_MAX_TO_AVG:
@@ -564,6 +566,9 @@ def calibrate_qcfs(
         name = _site_name(node, used)
         src = _relu_input(node)
         inplace = _is_inplace(gm, node)
+        cap = getattr(module_of(gm, node), "cap", None)  # a clipped ReLU (snnconv.clip)
+        if cap is not None:
+            lams[node.name] = lams[node.name].clamp(max=cap)
         site = QCFS(L, lams[node.name]).to(device)
         # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
         # that reads this site's output on the right dimension

@@ -285,7 +285,7 @@ def test_other_activations_and_max_pooling_through_convert():
     model = _tiny()
     model.pool = nn.MaxPool2d(2)
     with pytest.raises(UnsupportedLayerError, match="max-pooling"):
-        snnconv.convert(model, _pairs(), progress=False)
+        snnconv.convert(model, _pairs(), maxpool="error", progress=False)
     snn, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", progress=False)
     assert meta.stage("qcfs").changes["maxpool_replaced"] == ["pool"]
     assert not any(isinstance(m, nn.MaxPool2d) for m in snn.modules())

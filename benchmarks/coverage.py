@@ -1,0 +1,102 @@
+"""Which torchvision classifiers convert, export to NIR and run on the cpu backend bit for bit.
+
+Every model of :data:`snnconv.models.tv.RELU_FAMILY` and :data:`~snnconv.models.tv.NO_IF_FORM`
+as a user brings it (``num_classes=10``, BatchNorm statistics from three random batches), then
+``convert(model, loader, T=4, finetune_epochs=0)`` on two unlabelled random batches (so no
+training runs), ``export_nir`` and the cpu backend on the exported graph against ``snn.run``
+(outputs and per-layer spike counts, ``torch.equal``). Writes
+``benchmarks/results/coverage.json`` and ``coverage.md``.
+
+    python benchmarks/coverage.py [--models resnet18,vgg11] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+import snnconv
+from snnconv.backends import get
+from snnconv.meta import atomic_write_bytes
+from snnconv.models.tv import NO_IF_FORM, RELU_FAMILY, TVModel, build
+from snnconv.prefix import analog_prefix
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def check(spec: TVModel, *, T: int = 4, **convert_kw) -> dict:
+    """One row: converts / exports / cpu == torch SNN, or the refusal (its type and message)."""
+    row = {"model": spec.name, "input": [3, spec.size, spec.size], "converts": False,
+           "exports": False, "cpu_equal": False, "refusal": ""}
+    start = time.perf_counter()
+    try:
+        model = build(spec)
+        g = torch.Generator().manual_seed(1)
+        loader = [torch.randn(4, 3, spec.size, spec.size, generator=g) for _ in range(2)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            snn, meta = snnconv.convert(model, loader, T=T, finetune_epochs=0, progress=False,
+                                        on_collapse="warn", **convert_kw)
+        row["converts"] = True
+        prefix = meta.stages[0].changes.get("constructs", {}).get("prefix", {})
+        row["analog_prefix"] = prefix.get("ends_at", "")
+        graph = snnconv.export_nir(snn)
+        row["exports"] = True
+        row["nir_nodes"] = len(graph.nodes)
+        x = torch.randn(2, 3, spec.size, spec.size, generator=g)
+        stem = analog_prefix(snn)
+        with torch.no_grad():
+            ref, counts = snn.run(x, T, spike_counts=True)
+            result = get("cpu").compile(graph).run(stem(x) if stem is not None else x, T)
+        row["cpu_equal"] = bool(torch.equal(result.outputs, ref) and set(result.spikes) == set(counts)
+                                and all(torch.equal(result.spikes[k], c.double()) for k, c in counts.items()))
+    except snnconv.errors.SnnconvError as exc:
+        row["refusal"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | input | converts | exports | cpu == torch SNN | analog prefix ends at | refusal |",
+             "|---|---|---|---|---|---|---|"]
+    yes = {True: "yes", False: "no"}
+    for r in rows:
+        lines.append(f"| {r['model']} | {'x'.join(map(str, r['input']))} | {yes[r['converts']]} | "
+                     f"{yes[r['exports']]} | {yes[r['cpu_equal']]} | {r.get('analog_prefix', '')} | "
+                     f"{r['refusal'].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="", help="comma-separated names (default: all)")
+    ap.add_argument("--small", action="store_true", help="only the models the test suite builds")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    specs = list(RELU_FAMILY) + [s for s, _ in NO_IF_FORM]
+    if args.models:
+        want = set(args.models.split(","))
+        specs = [s for s in specs if s.name in want]
+    if args.small:
+        specs = [s for s in specs if not s.large]
+    rows = []
+    for spec in specs:
+        rows.append(check(spec))
+        print(json.dumps(rows[-1]), flush=True)
+    os.makedirs(RESULTS, exist_ok=True)
+    payload = {"command": "python benchmarks/coverage.py " + " ".join(argv or sys.argv[1:]),
+               "torch": torch.__version__, "rows": rows}
+    atomic_write_bytes(os.path.join(RESULTS, "coverage.json"), json.dumps(payload, indent=1).encode())
+    atomic_write_bytes(os.path.join(RESULTS, "coverage.md"), markdown(rows).encode())
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The graph rewrites that give common constructs their IF form, run from one place.
+
+Each is a pass of its own module (pattern as data, in place on the caller's copy, a report):
+clipped ReLUs become capped ReLU sites (:mod:`snnconv.clip`), spatial means become average
+pooling (:mod:`snnconv.means`), a pool that replicates a 1x1 map folds into its Linear and an
+idle ``ceil_mode`` is dropped (:mod:`snnconv.pools`), channel shuffles and chunks become
+one-hot 1x1 convolutions (:mod:`snnconv.channels`) and, with ``maxpool="auto"``, the static analog prefix moves
+into one module (:mod:`snnconv.prefix`; its BatchNorms folded there). BatchNorms that no
+convolution precedes are handled by the fold stage (:mod:`snnconv.affine`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from .channels import rewrite_channel_moves
+from .clip import rewrite_clips
+from .config import MAXPOOL_MODES
+from .fold import fold_graph
+from .means import rewrite_means
+from .pools import drop_idle_ceil_mode, fold_replicating_pools
+from .prefix import PREFIX_NAME, split_prefix
+
+__all__ = ["rewrite_constructs"]
+
+
+
+def rewrite_constructs(gm: fx.GraphModule, example_inputs: tuple, *, maxpool: str = "auto") -> dict[str, Any]:
+    """Run the rewrites on ``gm`` in place; return what each changed and why."""
+    if maxpool not in MAXPOOL_MODES:
+        raise ValueError(f"maxpool must be one of {MAXPOOL_MODES}, got {maxpool!r}")
+    report: dict[str, Any] = {"clips": [c.to_dict() for c in rewrite_clips(gm)],
+                              "means": rewrite_means(gm, example_inputs),
+                              "replicating_pools": fold_replicating_pools(gm, example_inputs),
+                              "ceil_mode_dropped": drop_idle_ceil_mode(gm, example_inputs),
+                              "channel_moves": rewrite_channel_moves(gm, example_inputs)}
+    if maxpool == "auto":
+        prefix = split_prefix(gm)
+        if prefix["nodes"]:
+            inner = gm.get_submodule(PREFIX_NAME).net
+            prefix["folded"] = [p.to_dict() for p in fold_graph(inner, example_inputs)]
+        report["prefix"] = prefix
+    return report
