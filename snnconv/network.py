@@ -330,7 +330,19 @@ def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
         table[cls.__name__] = (cls, lambda m: dict(output_size=m.output_size))
     for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
         table[cls.__name__] = (cls, lambda m: dict(p=m.p))
+    # what an analog prefix (snnconv.prefix) runs once on the static input
+    table["ReLU"] = (nn.ReLU, lambda m: {})
+    for cls in (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d):
+        table[cls.__name__] = (cls, lambda m: dict(kernel_size=m.kernel_size, stride=m.stride,
+                                                   padding=m.padding, dilation=m.dilation,
+                                                   ceil_mode=m.ceil_mode))
+    for cls in (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d):
+        table[cls.__name__] = (cls, lambda m: dict(output_size=m.output_size))
     return table
+
+
+#: a module holding a graph of its own (the analog prefix), saved as a nested graph
+_NESTED = "AnalogPrefix"
 
 
 #: The functions a saved graph may call, by name: the allow-list of the format.
@@ -411,6 +423,11 @@ def graph_to_dict(gm: fx.GraphModule) -> dict:
         if node.op == "call_module":
             mod = gm.get_submodule(target)
             kind = by_type.get(type(mod))
+            if type(mod).__name__ == _NESTED and isinstance(getattr(mod, "net", None), fx.GraphModule):
+                modules[target] = {"type": _NESTED, "graph": graph_to_dict(mod.net)}
+                nodes.append({"op": node.op, "name": node.name, "target": target,
+                              "args": _enc(node.args), "kwargs": _enc(node.kwargs)})
+                continue
             if kind is None:
                 raise UnsupportedModelError(
                     f"cannot save module '{target}' of type {type(mod).__name__}: the spiking "
@@ -455,6 +472,16 @@ def _check_against(target: str, mod: nn.Module, state: dict, legacy_v_init: bool
                                   f"stores {tuple(got.shape)} ({got.dtype}); nothing was allocated")
 
 
+def _install(root: nn.Module, target: str, mod: nn.Module) -> None:
+    owner = root
+    *parents, leaf = target.split(".")
+    for p in parents:
+        if not hasattr(owner, p):
+            owner.add_module(p, nn.Module())
+        owner = getattr(owner, p)
+    owner.add_module(leaf, mod)
+
+
 def graph_from_dict(data: dict, state: dict | None = None, *,
                     legacy_v_init: bool = False) -> fx.GraphModule:
     """Rebuild a GraphModule from :func:`graph_to_dict` output.
@@ -475,6 +502,13 @@ def graph_from_dict(data: dict, state: dict | None = None, *,
     try:
         for target, spec in data["modules"].items():
             kind = spec["type"]
+            if kind == _NESTED:
+                from .prefix import AnalogPrefix
+
+                inner = None if state is None else {k[len(target) + 5:]: v for k, v in state.items()
+                                                    if k.startswith(target + ".net.")}
+                _install(root, target, AnalogPrefix(graph_from_dict(spec["graph"], inner)))
+                continue
             if kind not in table:
                 raise CheckpointError(f"unknown module type {kind!r} for '{target}'")
             cls = table[kind][0]
@@ -485,13 +519,7 @@ def graph_from_dict(data: dict, state: dict | None = None, *,
                 _check_against(target, mod, state, legacy_v_init)
                 if any(t.is_meta for t in mod.state_dict().values()):
                     mod = mod.to_empty(device="cpu")
-            owner = root
-            *parents, leaf = target.split(".")
-            for p in parents:
-                if not hasattr(owner, p):
-                    owner.add_module(p, nn.Module())
-                owner = getattr(owner, p)
-            owner.add_module(leaf, mod)
+            _install(root, target, mod)
         graph = fx.Graph()
         env: dict[str, fx.Node] = {}
         for rec in data["nodes"]:

@@ -343,3 +343,26 @@ def test_a_T_above_the_bound_is_refused(tmp_path):
     torch.save(_signed(payload), tmp_path / "bad.pt")
     with pytest.raises(CheckpointError, match=f"T={MAX_T + 1}, above the bound"):
         SpikingNetwork.load(tmp_path / "bad.pt")
+
+
+def test_a_network_with_an_analog_prefix_saves_and_loads_bit_identically(tmp_path):
+    """A max-pooling stem runs once in analog (snnconv.prefix); the file holds it as a nested
+    graph, and the loaded network gives the same outputs."""
+    import snnconv
+    from snnconv.prefix import analog_prefix
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4)).eval()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(16, 3, 8, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
+    snn, _ = snnconv.convert(model, data, T=4, finetune_epochs=0, progress=False, on_collapse="warn")
+    assert analog_prefix(snn) is not None
+    path = tmp_path / "snn.pt"
+    snn.save(path)
+    back = SpikingNetwork.load(path)
+    assert analog_prefix(back) is not None
+    x = data[0][0]
+    with torch.no_grad():
+        assert torch.equal(snn.run(x), back.run(x))
