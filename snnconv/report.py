@@ -351,7 +351,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
             energy_rows += [("ANN (45 nm MACs)", e["ann_pj"] / 1e3), ("SNN (45 nm ACs)", e["snn_pj"] / 1e3)]
             parts.append(f"<p>45 nm arithmetic estimate ({e['e_mac_pj']} pJ per MAC, {e['e_ac_pj']} pJ "
                          f"per AC; no memory traffic): SNN {e['snn_pj'] / 1e3:.1f} nJ, ANN "
-                         f"{e['ann_pj'] / 1e3:.1f} nJ per image (ratio {e['ratio']:.2f}).</p>")
+                         f"{e['ann_pj'] / 1e3:.1f} nJ per image (SNN/ANN {e['ratio']:.2f}).</p>")
     else:
         parts.append(_note("No operation counts: evaluation.json (snnconv evaluate) is absent."))
 
