@@ -99,9 +99,20 @@ def _started(tmp_path) -> tuple[list[int], str]:
     return [int(p) for p in pids.split()], name
 
 
+def _sigint_as_keyboard_interrupt():
+    """Restore Python's Ctrl-C handler in a child: a shell starts background jobs (as a CI
+    runner may run the suite) with SIGINT ignored, and children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_a_run_stops_the_worker_group_and_frees_its_shared_memory(tmp_path):
-    with pytest.raises(KeyboardInterrupt):
-        run_worker(_fake(tmp_path, "interrupt"), str(tmp_path), timeout=600)
+    # the suite may run with SIGINT ignored (a background job): Ctrl-C must still arrive here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_worker(_fake(tmp_path, "interrupt"), str(tmp_path), timeout=600)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     kids, shm = _started(tmp_path)
     assert not any(_alive(p) for p in kids)
     assert not os.path.exists(f"/dev/shm/{shm}")
@@ -144,7 +155,7 @@ def test_snnconv_run_on_lava_interrupted_leaves_no_process_and_no_file(small_dig
            "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "backends")])}
     cli = subprocess.Popen([sys.executable, "-m", "snnconv.cli", "run", str(path), "--backend", "lava",
                             "--T", "2", "--limit", "8", "--quiet"], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_as_keyboard_interrupt)
     shm: set[str] = set()
     worker = None
     try:
