@@ -345,6 +345,12 @@ def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
 _NESTED = "AnalogPrefix"
 
 
+def _prefix_type() -> type:
+    from .prefix import AnalogPrefix  # imported here: the prefix pass imports the stages below
+
+    return AnalogPrefix
+
+
 #: The functions a saved graph may call, by name: the allow-list of the format.
 FUNCTIONS: dict[str, Callable] = {
     f"{mod}.{fn.__name__}": fn
@@ -423,7 +429,7 @@ def graph_to_dict(gm: fx.GraphModule) -> dict:
         if node.op == "call_module":
             mod = gm.get_submodule(target)
             kind = by_type.get(type(mod))
-            if type(mod).__name__ == _NESTED and isinstance(getattr(mod, "net", None), fx.GraphModule):
+            if isinstance(mod, _prefix_type()):
                 modules[target] = {"type": _NESTED, "graph": graph_to_dict(mod.net)}
                 nodes.append({"op": node.op, "name": node.name, "target": target,
                               "args": _enc(node.args), "kwargs": _enc(node.kwargs)})
@@ -503,11 +509,9 @@ def graph_from_dict(data: dict, state: dict | None = None, *,
         for target, spec in data["modules"].items():
             kind = spec["type"]
             if kind == _NESTED:
-                from .prefix import AnalogPrefix
-
                 inner = None if state is None else {k[len(target) + 5:]: v for k, v in state.items()
                                                     if k.startswith(target + ".net.")}
-                _install(root, target, AnalogPrefix(graph_from_dict(spec["graph"], inner)))
+                _install(root, target, _prefix_type()(graph_from_dict(spec["graph"], inner)))
                 continue
             if kind not in table:
                 raise CheckpointError(f"unknown module type {kind!r} for '{target}'")

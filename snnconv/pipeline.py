@@ -452,6 +452,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
 
     if config is not None and not isinstance(config, ConvertConfig):
         raise ConfigError(f"config must be a ConvertConfig, got {type(config).__name__}")
+    if config is not None and config.membrane_calibration is not None and settings:
+        raise ConfigError("a resolved ConvertConfig has its dependent defaults filled in for its own "
+                          f"settings; change the config you resolved it from instead of passing "
+                          f"{', '.join(sorted(settings))} beside it")
     cfg = ConvertConfig.from_options({**(config.options() if config else {}), **settings}).resolved()
     _check_loaders(loader, eval_loader)
     # a loader with its own generator is left as found: the same call gives the same network
@@ -459,7 +463,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         seed_everything(cfg.seed)
         device = torch.device(cfg.device)
         record = cfg.settings()
-        calib = draw_batches(loader, max(cfg.calib_batches, cfg.bias_batches, 2))
+        calib = draw_batches(loader, cfg.calib_batches)
         if not calib:
             raise DataError("the conversion loader is empty: it yielded no batch. Pass a loader with "
                             "at least one batch.")
@@ -475,7 +479,6 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         if finetune_config is not None:
             record["finetune"] = vars(finetune_config).copy()
         meta = ConversionMeta(settings=record, seed=cfg.seed)
-        qcfs_batches = calib[:cfg.calib_batches]
         bias_batches = calib[:cfg.bias_batches]
 
         with _stage(meta, "prepare") as rec:
@@ -514,9 +517,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
 
         with _stage(meta, "qcfs") as rec:
             # the full loader only where QCFS training reads it; calibration reads the drawn batches
-            qgm = calibrate_qcfs(gm, loader if qcfs_train is not None else qcfs_batches, L=cfg.L,
+            qgm = calibrate_qcfs(gm, loader if qcfs_train is not None else calib, L=cfg.L,
                                  percentile=cfg.percentile, per_channel=cfg.per_channel,
-                                 num_batches=len(qcfs_batches), maxpool=cfg.maxpool, train=qcfs_train,
+                                 num_batches=len(calib), maxpool=cfg.maxpool, train=qcfs_train,
                                  device=device, progress=cfg.progress)
             assert_no_batchnorm(qgm, stage="qcfs")
             rec.changes = dict(qgm.meta["qcfs"])

@@ -70,3 +70,5 @@ def test_an_unknown_setting_is_named_with_the_list():
         snnconv.convert(_model(), _data(), Tsteps=4)
     with pytest.raises(ConfigError, match="ConvertConfig"):
         snnconv.convert(_model(), _data(), {"T": 4})
+    with pytest.raises(ConfigError, match="resolved"):
+        snnconv.convert(_model(), _data(), ConvertConfig(T=4).resolved(), T=8)
