@@ -68,6 +68,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 TS = (1, 2, 4, 8, 16, 32)
 FT_ARCHS = ("tv_resnet", "mobilenet", "resnet20", "small_cnn")
+#: torchvision's own builds (``--torchvision``), on Fashion-MNIST at 3x32x32 ("fmnist32").
+TV_ARCHS = {"tvm_resnet18": "resnet18", "tvm_vgg11_bn": "vgg11_bn", "tvm_mobilenet_v2": "mobilenet_v2"}
 
 
 # --- architectures, written the way people write them ---------------------------------------
@@ -183,9 +185,14 @@ class VGGMax(nn.Module):
 
 
 def build(arch: str, dataset: str, smoke: bool = False) -> nn.Module:
-    """The network ``arch`` for ``dataset`` ("fmnist": 1x28x28, "digits": 1x8x8)."""
+    """The network ``arch`` for ``dataset`` ("fmnist": 1x28x28, "digits": 1x8x8, "fmnist32":
+    3x32x32 for torchvision's builds, :data:`TV_ARCHS`, full widths)."""
     from snnconv import models
 
+    if arch in TV_ARCHS:
+        import torchvision.models as tvm
+
+        return getattr(tvm, TV_ARCHS[arch])(num_classes=10)
     size = 28 if dataset == "fmnist" else 8
     if arch == "tv_resnet":
         return TVResNet(width=4 if smoke else 16)
@@ -213,7 +220,17 @@ def datasets(dataset: str, subset: int | None, seed: int, fashion_root: str | No
     if subset and subset < len(train):
         idx = torch.randperm(len(train), generator=torch.Generator().manual_seed(1000 + seed))[:subset]
         train = TensorDataset(*(t[idx] for t in train.tensors))
+    if dataset == "fmnist32":
+        train, test = _rgb32(train), _rgb32(test)
     return train, test
+
+
+def _rgb32(data: TensorDataset) -> TensorDataset:
+    """Fashion-MNIST as torchvision's classifiers take it: resized to 32x32 (bilinear), the
+    grey channel replicated to three."""
+    x, y = data.tensors
+    x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
+    return TensorDataset(x.expand(-1, 3, -1, -1).contiguous(), y)
 
 
 def train_ann(model: nn.Module, train: TensorDataset, epochs: int, seed: int, device: torch.device,
@@ -372,8 +389,10 @@ def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
     QCFS training at convert()'s default)."""
     cells = {}
     for name, (options, Ts, _) in LOW_T_CELLS.items():
+        if job.get("cells") and name not in job["cells"]:
+            continue
         options = dict(options)
-        if job["arch"] == "vgg_max":
+        if "vgg" in job["arch"]:
             if options.pop("unlabelled", False):
                 continue
             if "qcfs_epochs" in options:
@@ -467,6 +486,9 @@ def plan(args) -> list[dict]:
     if args.smoke:
         grid = [("digits", a, e) for a in ("small_cnn", "tv_resnet") for e in (1, 3)]
         seeds, Ts, subset = (0,), (1, 2, 4, 8), None
+    elif args.torchvision:  # torchvision's builds at 3x32x32, trained briefly
+        grid = [("fmnist32", a, args.long_epochs) for a in (args.archs or TV_ARCHS)]
+        seeds, Ts, subset = tuple(range(args.seeds)), TS, args.train_subset
     else:
         archs = args.archs or ["tv_resnet", "mobilenet", "vgg_max", "resnet20", "small_cnn"]
         grid = [("fmnist", a, e) for a in archs for e in (2, args.long_epochs)]
@@ -478,23 +500,24 @@ def plan(args) -> list[dict]:
         for seed in seeds:
             long = epochs == max(e for d, a, e in grid if d == dataset and a == arch)
             jobs.append(dict(dataset=dataset, arch=arch, epochs=epochs, seed=seed, Ts=list(Ts),
-                             subset=subset if dataset == "fmnist" else None, smoke=args.smoke,
-                             finetune=(long and arch in FT_ARCHS and (dataset == "fmnist" or args.smoke)
+                             subset=subset if dataset.startswith("fmnist") else None, smoke=args.smoke,
+                             finetune=(long and arch in FT_ARCHS + tuple(TV_ARCHS) and (dataset != "digits" or args.smoke)
                                        and not args.no_finetune),
                              device=args.device, threads=threads, cache=args.cache or args.out + "_cache",
                              overrides=overrides(args.set),
                              finetune_overrides=overrides(args.finetune_set),
                              finetune_only=args.finetune_only,
                              fashion_root=args.fashion_root, test_limit=args.test_limit,
-                             variants=not args.no_variants and long and (dataset == "fmnist" or args.smoke),
-                             low_t=args.low_t))
+                             variants=not args.no_variants and long and (dataset != "digits" or args.smoke),
+                             low_t=args.low_t, cells=args.cells))
     if args.low_t:  # the few-step cells: the long-trained Fashion-MNIST networks (smoke: digits)
         jobs = [j for j in jobs if j["epochs"] == max(e for d, a, e in grid if d == j["dataset"] and a == j["arch"])
-                and (j["dataset"] == "fmnist" or args.smoke)]
+                and (j["dataset"] != "digits" or args.smoke)]
     if args.finetune_only:
         jobs = [j for j in jobs if j["finetune"]]
-    cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1}
-    jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (3 if j["dataset"] == "fmnist" else 1)
+    cost = {"resnet20": 5, "tv_resnet": 4, "mobilenet": 3, "vgg_max": 2, "small_cnn": 1,
+            "tvm_vgg11_bn": 8, "tvm_mobilenet_v2": 7, "tvm_resnet18": 6}
+    jobs.sort(key=lambda j: -(cost[j["arch"]] * j["epochs"] * (1 if j["dataset"] == "digits" else 3)
                               + 20 * j["finetune"]))
     if args.low_t:  # seed by seed: an interrupted sweep has whole seeds
         jobs.sort(key=lambda j: (j["seed"], -cost[j["arch"]]))
@@ -670,6 +693,11 @@ def main(argv=None) -> int:
     p.add_argument("--low-t", action="store_true",
                    help="the few-step cells instead (LOW_T_CELLS): T=4 defaults, training-free T=8, "
                         "QCFS at L=T=4, hard reset at T=8, on the long-trained networks")
+    p.add_argument("--cells", nargs="*", choices=sorted(LOW_T_CELLS),
+                   help="with --low-t: only these few-step cells")
+    p.add_argument("--torchvision", action="store_true",
+                   help="torchvision's resnet18 (max-pooling stem), vgg11_bn and mobilenet_v2 at full width "
+                        "on Fashion-MNIST resized to 32x32, three channels (--long-epochs of training)")
     p.add_argument("--finetune-only", action="store_true",
                    help="only the fine-tuning cells (no default cell; to compare a fine-tuning setting)")
     p.add_argument("--cache", help="ANN checkpoint folder (default <out>_cache; share it between runs)")

@@ -358,10 +358,13 @@ FUNCTIONS: dict[str, Callable] = {
         "operator": [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
                      operator.getitem, operator.iadd, operator.imul],
         "torch": [torch.add, torch.sub, torch.mul, torch.cat, torch.flatten, torch.mean,
-                  torch.sum, torch.stack, torch.reshape, torch.squeeze, torch.unsqueeze],
+                  torch.sum, torch.stack, torch.reshape, torch.squeeze, torch.unsqueeze, torch.relu],
         "torch.nn.functional": [F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
                                 F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.pad, F.dropout,
-                                F.linear, F.conv1d, F.conv2d, F.conv3d],
+                                F.linear, F.conv1d, F.conv2d, F.conv3d,
+                                # what an analog prefix (snnconv.prefix) runs once on the static input
+                                F.relu, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d,
+                                F.adaptive_max_pool2d, F.adaptive_max_pool3d],
         "builtins": [getattr],
     }.items()
     for fn in fns
@@ -369,7 +372,7 @@ FUNCTIONS: dict[str, Callable] = {
 _FUNCTION_NAMES = {id(fn): name for name, fn in FUNCTIONS.items()}
 _METHODS = {"flatten", "view", "reshape", "size", "mean", "sum", "permute", "transpose",
             "contiguous", "add", "mul", "unsqueeze", "squeeze", "expand", "chunk", "split", "dim",
-            "add_", "mul_", "float"}
+            "add_", "mul_", "float", "relu", "relu_"}
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                 torch.int64, torch.int32, torch.bool)}
 

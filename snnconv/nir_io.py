@@ -51,8 +51,9 @@ import torch.nn as nn
 
 from .errors import NIRError
 from .graph import describe_node, module_of
-from .nirformat import (ADAPTIVE_AVGPOOL, FORMAT_VERSION, MODULE_KEY, OP_KEY, SCALE_OP, SUM_OP,
-                        fire_threshold, graph_metadata, neuron_metadata, spec_threshold, v_init_metadata)
+from .nirformat import (ADAPTIVE_AVGPOOL, ANALOG_PREFIX, FORMAT_VERSION, INPUT_KEY, MODULE_KEY, OP_KEY,
+                        SCALE_OP, SUM_OP, fire_threshold, graph_metadata, neuron_metadata, spec_threshold,
+                        v_init_metadata)
 from .network import SpikingNetwork, check_T
 from .neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
 from .nirfile import load_nir, save_nir
@@ -444,7 +445,7 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
     reset = next(iter(ex.resets)) if ex.resets else "subtract"
     metadata = graph_metadata(snn.T, reset)
     if getattr(ex, "prefix", None):  # the graph reads the analog prefix's output
-        metadata["input"] = "analog_prefix"
+        metadata[INPUT_KEY] = ANALOG_PREFIX
     try:
         graph = nir.NIRGraph(nodes=ex.nodes, edges=ex.edges, metadata=metadata)
     except (ValueError, AssertionError, KeyError) as exc:
@@ -599,3 +600,4 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
     snn.meta = {"input_shape": list(parsed.input_shape), "reset": parsed.reset,
                 "time_expanded": expanded, "nir": dict(parsed.metadata)}
     return snn
+

@@ -34,6 +34,11 @@ Time step. NIR is continuous time; a reader picks ``dt``. snnconv's neurons inte
 input once per step with gain 1, i.e. ``r * dt = 1`` (:func:`integration_gain`): snnconv's own
 files have ``r = 1`` (``dt = 1``), spikingjelly's default export ``r = 1 / dt = 1e4``.
 
+The analog prefix. A network whose first layers see only the static input (a ResNet stem with
+its max-pooling) runs them once, outside the graph: the graph's input is their output
+(``metadata["input"] == "analog_prefix"``), and the prefix is a network file beside the NIR
+file, named in ``metadata["analog_prefix_file"]`` with the SHA-256 of its bytes.
+
 Other markers: ``Scale`` of ones with ``{"snnconv_op": "sum"}`` is a sum node (nir 1.0.8 cannot
 write ``Identity``); ``AvgPool2d`` with ``{"snnconv_module": "AdaptiveAvgPool2d"}`` rounds as
 torch's adaptive pooling; a 1x1 ``Conv2d`` (or a ``Linear``) with a diagonal weight, no bias
@@ -55,7 +60,8 @@ __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE",
            "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
            "spec_threshold", "engine_threshold", "neuron_metadata", "graph_metadata",
-           "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain"]
+           "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain",
+           "INPUT_KEY", "ANALOG_PREFIX", "PREFIX_FILE_KEY", "PREFIX_SHA256_KEY"]
 
 #: graph metadata key "snnconv_format": the version written now
 FORMAT_VERSION = 2
@@ -76,6 +82,14 @@ MODULE_KEY = "snnconv_module"
 SUM_OP = "sum"
 SCALE_OP = "scale"
 ADAPTIVE_AVGPOOL = "AdaptiveAvgPool2d"
+#: graph metadata key ``"input"``: :data:`ANALOG_PREFIX` where the graph's input is the output of
+#: the network's static analog prefix (:mod:`snnconv.prefix`), run once per image outside the graph
+INPUT_KEY = "input"
+ANALOG_PREFIX = "analog_prefix"
+#: graph metadata keys naming the prefix's network file (a file name beside the NIR file, no
+#: folder) and the SHA-256 of its bytes
+PREFIX_FILE_KEY = "analog_prefix_file"
+PREFIX_SHA256_KEY = "analog_prefix_sha256"
 #: graph metadata key under which the file reader records the file's nir version string
 SOURCE_VERSION_KEY = "nir_file_version"
 #: the first nir release whose IF, LIF and CubaLIF have v_reset (reset to it, not subtraction)

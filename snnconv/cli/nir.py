@@ -23,8 +23,9 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def _cmd_export(args) -> int:
     """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
-    from ..nir_io import export_nir, save_nir
     from ..network import SpikingNetwork
+    from ..nir_io import export_nir, save_nir
+    from ..prefixfile import save_prefix
 
     args.network = snn_path(args.network)
     args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
@@ -36,11 +37,14 @@ def _cmd_export(args) -> int:
             raise UsageError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
     snn = SpikingNetwork.load(args.network)
     graph = export_nir(snn, input_shape=shape)
+    prefix = save_prefix(snn, graph, args.out)
     save_nir(graph, args.out)
     neurons = sum(1 for n in graph.nodes.values() if type(n).__name__ in ("I", "IF"))
     print(f"wrote {args.out}: {len(graph.nodes)} nodes, {len(graph.edges)} edges, {neurons} neuron "
           f"layers, reset={graph.metadata['reset']}, T={graph.metadata['T']}, "
           f"{os.path.getsize(args.out) / 1e6:.2f} MB")
+    if prefix:
+        print(f"wrote {prefix}: the analog prefix (runs once per image; its output is the graph's input)")
     return 0
 
 
@@ -89,6 +93,9 @@ def _cmd_inspect(args) -> int:
           f"({totals['neurons']} neurons), {totals['parameters']} parameters; "
           f"reset={meta.get('reset')}, T={meta.get('T')}, producer={meta.get('producer')}, "
           f"{os.path.getsize(args.file) / 1e6:.2f} MB")
+    if meta.get("input") == "analog_prefix":
+        print(f"input: the output of the analog prefix in {meta.get('analog_prefix_file')} (run once per "
+              "image; snnconv run applies it)")
     return 0
 
 
@@ -145,9 +152,11 @@ def _cmd_run(args) -> int:
     from .. import backends
     from ..errors import SnnconvError
     from ..nir_io import from_nir, load_nir
+    from ..prefixfile import load_prefix
 
     args.file = nir_path(args.file)
     graph = load_nir(args.file, dt=args.dt)
+    prefix = load_prefix(graph, args.file, args.prefix)
     program = backends.get(args.backend).compile(graph, dt=args.dt, **_backend_options(args.option))
     dataset = _run_dataset(args.data, args.data_root)
     if args.limit:
@@ -166,6 +175,9 @@ def _cmd_run(args) -> int:
     batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
     with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
         for x, y in DataLoader(dataset, batch_size=batch):
+            if prefix is not None:  # the static analog prefix, once per image
+                with torch.no_grad():
+                    x = prefix(x)
             r = program.run(x, T)
             # accuracy of the readout averaged over the first t steps, t = 1..T
             mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
@@ -293,6 +305,8 @@ def add_run(sub, pa: dict) -> None:
     p.add_argument("--batch", type=positive_int,
                    help=f"images per backend call (default {DEFAULT_BATCH}; lava {BATCH['lava']}). "
                         "A run longer than a few seconds prints progress on stderr (--quiet: none)")
+    p.add_argument("--prefix", help="the analog prefix's network file, where the graph reads one "
+                   "(default: the file its metadata names, beside the NIR file)")
     p.add_argument("--dt", type=positive_float, default=1.0,
                    help="the time step the file is read at (default 1; a neuron integrates r * dt "
                         "of its input per step, which must be 1: --dt 1e-4 for r = 1e4)")
