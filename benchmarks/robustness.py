@@ -233,15 +233,20 @@ def _rgb32(data: TensorDataset) -> TensorDataset:
     return TensorDataset(x.expand(-1, 3, -1, -1).contiguous(), y)
 
 
+class Diverged(RuntimeError):
+    """The ANN's training loss became NaN or infinite."""
+
+
 def train_ann(model: nn.Module, train: TensorDataset, epochs: int, seed: int, device: torch.device,
-              batch: int = 128) -> nn.Module:
-    """SGD Nesterov 0.9, weight decay 5e-4, OneCycle peak 0.1, batch 128; data on the device."""
+              batch: int = 128, lr: float = 0.1) -> nn.Module:
+    """SGD Nesterov 0.9, weight decay 5e-4, OneCycle peak ``lr``, batch 128; data on the device.
+    Raises :class:`Diverged` at a non-finite loss."""
     torch.manual_seed(seed)
     x, y = (t.to(device) for t in train.tensors)
     model.to(device)
     steps = epochs * (len(x) // batch)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=max(1, steps))
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, steps))
     gen = torch.Generator().manual_seed(seed)
     model.train()
     for _ in range(epochs):
@@ -249,6 +254,8 @@ def train_ann(model: nn.Module, train: TensorDataset, epochs: int, seed: int, de
         for i in range(len(x) // batch):
             j = perm[i * batch:(i + 1) * batch]
             loss = F.cross_entropy(model(x[j]), y[j])
+            if not torch.isfinite(loss):
+                raise Diverged(f"loss {float(loss)} at step {sched.last_epoch} of {steps} (peak lr {lr})")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -264,7 +271,17 @@ def cached_ann(job: dict, train: TensorDataset, device: torch.device) -> tuple[n
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model.eval(), True
-    model = train_ann(model, train, job["epochs"], job["seed"], device)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    for lr in (0.1, 0.05, 0.025):  # a run that diverges is trained again at half the peak rate
+        try:
+            model = train_ann(model, train, job["epochs"], job["seed"], device, lr=lr)
+            break
+        except Diverged as exc:
+            print(f"{job['arch']} seed {job['seed']} diverged ({exc}); training again", flush=True)
+            model.load_state_dict(start)
+    else:
+        raise Diverged(f"{job['arch']} seed {job['seed']} diverged at every peak rate")
+    job["ann_lr"] = lr
     os.makedirs(job["cache"], exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(model.state_dict(), tmp)

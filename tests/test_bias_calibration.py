@@ -443,3 +443,44 @@ def test_weight_fit_skips_shared_and_non_zero_padded_layers_and_refusals(trained
     with pytest.raises(ValueError, match="bias_calibration=True or weight_calibration=False"):
         snnconv.convert(trained_digits_cnn, digits_loaders[0], T=4, bias_calibration=False,
                         weight_calibration=True, progress=False)
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Linear(300, 7), torch.nn.Conv2d(8, 6, 3, groups=2, bias=False)],
+                         ids=["linear", "grouped_conv"])
+def test_the_weight_fit_from_fewer_positions_than_features_is_the_same_ridge_solution(layer):
+    """Fewer positions than features (VGG's 25,088-input classifier, one position per image):
+    the positions' Gram matrix gives the features' ridge solution (float64, to float32
+    rounding), in positions^2 memory; the features' own normal equations agree within their
+    float32 Gram matrix's rounding."""
+    from snnconv.calibration.weights import RIDGE, WeightFit, columns, layer_output
+
+    torch.manual_seed(0)
+    ref = copy.deepcopy(layer)
+    with torch.no_grad():
+        ref.weight.mul_(1.5)
+        if ref.bias is not None:
+            ref.bias.add_(0.2)
+    u = torch.rand(40, 300) if isinstance(layer, torch.nn.Linear) else torch.rand(3, 8, 3, 3)
+    with torch.no_grad():
+        y = layer_output(ref, u)
+    pos = torch.arange(len(y))
+    # the closed form in float64, per group: (U^T U + lam I) W^T = U^T (Y + db) + lam W0^T
+    cols = columns(layer, u, pos).double()  # [g, P, f]
+    g = cols.shape[0]
+    target = y.double().reshape(len(y), g, -1).transpose(0, 1)
+    if layer.bias is not None:
+        target = target + (ref.bias - layer.bias).detach().double().reshape(g, 1, -1)
+    w0 = layer.weight.detach().double().reshape(g, layer.weight.shape[0] // g, -1)
+    exact = []
+    for k in range(g):
+        lam = RIDGE * cols[k].pow(2).sum() / cols.shape[2]
+        a = cols[k].T @ cols[k] + lam * torch.eye(cols.shape[2], dtype=torch.float64)
+        exact.append(torch.linalg.solve(a, cols[k].T @ target[k] + lam * w0[k].T).T)
+    exact = torch.stack(exact).reshape(layer.weight.shape)
+    for dual, tol in ((True, 1e-6), (False, 1e-3)):
+        snn_layer = copy.deepcopy(layer)
+        fit = WeightFit(snn_layer, ref, positions=len(y) if dual else None)
+        assert fit.dual == dual and len(y) < cols.shape[2]
+        fit.add(u, y, pos)
+        assert fit.solve(RIDGE) > 0.01
+        assert float((snn_layer.weight.detach().double() - exact).abs().max()) < tol

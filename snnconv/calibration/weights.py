@@ -142,13 +142,19 @@ class WeightFit:
     few positions per chunk: one product each would be slow and add a float64 matrix per
     chunk)."""
 
-    def __init__(self, layer: nn.Module, ref_layer: nn.Module, steps: int | None = None):
+    def __init__(self, layer: nn.Module, ref_layer: nn.Module, steps: int | None = None,
+                 positions: int | None = None):
         self.layer, self.ref_layer, self.steps = layer, ref_layer, steps  # steps: U holds counts / steps
         self.G, self.C, self.s = 0.0, 0.0, 0.0
         self.groups = getattr(layer, "groups", 1)
         features = layer.weight[0].numel() * self.groups  # columns of all groups
         self.rows = max(1, _UNFOLD_BYTES // (features * layer.weight.element_size()))
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # fewer positions than features (a wide Linear: VGG's 25,088 inputs, one position per
+        # image): the same ridge solution from the positions' Gram matrix, U U^T, positions^2
+        # values instead of features^2 (5 GB of float64 for VGG's classifier)
+        self.dual = positions is not None and positions < layer.weight[0].numel()
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def add(self, rates: torch.Tensor, y: torch.Tensor, pos: torch.Tensor) -> None:
         """``rates``: the layer's input (a chunk of images); ``y``: the reference layer's
@@ -165,6 +171,9 @@ class WeightFit:
         t = torch.cat([t for _, t in self.pending]).to(u.dtype)
         self.pending = []
         t = t.reshape(len(t), self.groups, -1).transpose(0, 1)
+        if self.dual:
+            self.kept.append((u, t.double()))
+            return
         gram = count_gram(u, self.steps) if self.steps else None
         self.G = self.G + (upper_gram(u).double() if gram is None else gram)
         self.C = self.C + torch.bmm(u.transpose(1, 2), t).double()
@@ -174,7 +183,9 @@ class WeightFit:
         """Set the layer's weight to the ridge solution towards its present weight; return the
         relative change of the weight (Frobenius norms)."""
         self._flush()
-        layer, ref_layer = self.layer, self.ref_layer
+        if self.dual:
+            return self._solve_dual(ridge)
+        layer = self.layer
         w = layer.weight.detach().clone()
         gram = self.G.triu_()  # the upper triangle is complete; mirrored in place
         gram += gram.triu(1).transpose(1, 2)
@@ -183,12 +194,9 @@ class WeightFit:
         wg = w.double().reshape(g, w.shape[0] // g, -1)
         lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(1).clamp_min(1e-12)  # [g]
         rhs = self.C + lam[:, None, None] * wg.transpose(1, 2)
-        b, ba = layer.bias, ref_layer.bias
-        if b is not None or ba is not None:
-            zero = torch.zeros(w.shape[0], dtype=torch.float64, device=wg.device)
-            db = (zero if ba is None else ba.detach().double().to(wg.device)) - (
-                zero if b is None else b.detach().double())
-            rhs = rhs + self.s[:, :, None] * db.reshape(g, 1, -1)
+        shift = self._bias_shift(w)
+        if shift is not None:
+            rhs = rhs + self.s[:, :, None] * shift
         a = gram
         a.diagonal(dim1=1, dim2=2).add_(lam[:, None])
         chol, info = torch.linalg.cholesky_ex(a)  # positive definite with the ridge, unless float32
@@ -198,6 +206,56 @@ class WeightFit:
         with torch.no_grad():
             layer.weight.copy_(new.to(w.dtype))
         return float((new - w.double()).norm() / w.double().norm().clamp_min(1e-12))
+
+
+    def _bias_shift(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The reference's bias minus the layer's, ``[groups, 1, outputs per group]`` (None: neither
+        has one): the fit's target is the reference's output with its bias, less the layer's."""
+        b, ba = self.layer.bias, self.ref_layer.bias
+        if b is None and ba is None:
+            return None
+        zero = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device)
+        db = (zero if ba is None else ba.detach().double().to(w.device)) - (
+            zero if b is None else b.detach().double())
+        return db.reshape(self.groups, 1, -1)
+
+    def _solve_dual(self, ridge: float) -> float:
+        """:meth:`solve` where the positions are fewer than the features: with ``W0`` the present
+        weight, ``(U^T U + lam I)^-1 (U^T Y + lam W0) = W0 + U^T (U U^T + lam I)^-1 (Y - U W0)``
+        (the same solution; ``lam`` as there, ``ridge`` times the mean of ``U^T U``'s diagonal).
+        The products with the weight run over pieces of its inputs, in float64 one piece at a
+        time: the memory beyond the weight is positions x (features + outputs) values."""
+        w = self.layer.weight.detach()
+        g, o = self.groups, w.shape[0] // self.groups
+        u = torch.cat([u for u, _ in self.kept], dim=1)  # [g, P, f], the rates' dtype
+        y = torch.cat([t for _, t in self.kept], dim=1)  # [g, P, o], float64
+        self.kept = []
+        wg = w.reshape(g, o, -1)  # a view: [g, o, f]
+        shift = self._bias_shift(w)
+        resid = y if shift is None else y + shift
+        pieces = range(0, u.shape[2], _DUAL_PIECE)
+        k = 0.0
+        for a in pieces:  # U U^T and Y - U W0, a piece of the inputs at a time
+            ua = u[:, :, a:a + _DUAL_PIECE].double()
+            k = k + torch.bmm(ua, ua.transpose(1, 2))
+            resid = resid - torch.bmm(ua, wg[:, :, a:a + _DUAL_PIECE].double().transpose(1, 2))
+        lam = ridge * k.diagonal(dim1=1, dim2=2).sum(1).div(u.shape[2]).clamp_min(1e-12)  # [g]
+        k.diagonal(dim1=1, dim2=2).add_(lam[:, None])
+        alpha = torch.linalg.solve(k, resid)  # [g, P, o]
+        moved, norm = 0.0, max(float(torch.linalg.vector_norm(w, dtype=torch.float64)), 1e-12)
+        with torch.no_grad():
+            for a in pieces:  # W = W0 + (U^T alpha)^T
+                step = torch.bmm(u[:, :, a:a + _DUAL_PIECE].double().transpose(1, 2), alpha).transpose(1, 2)
+                moved += float(step.pow(2).sum())
+                part = wg[:, :, a:a + _DUAL_PIECE]
+                part.copy_((part.double() + step).to(w.dtype))
+            if wg.data_ptr() != w.data_ptr():  # a weight that reshape had to copy
+                w.copy_(wg.reshape(w.shape))
+        return math.sqrt(moved) / norm
+
+
+#: Inputs per piece of the positions' solve (:meth:`WeightFit._solve_dual`).
+_DUAL_PIECE = 2048
 
 
 # Ridge of the weight fit, relative to the mean of U^T U's diagonal (per group).
@@ -246,7 +304,8 @@ class WeightCalibration:
         positions, the rates over ``T`` steps against the reference at ``L = T``. ``rates``:
         those means over the steps, where already known (``values`` is then not read)."""
         layer, _, ref_layer = self.plan[node.name]
-        acc = WeightFit(layer, ref_layer, steps=self.T if rates is not None else None)
+        acc = WeightFit(layer, ref_layer, steps=self.T if rates is not None else None,
+                        positions=sum(len(pos) for pos, _ in self.targets[node.name]))
 
         def add(group: list, k: int, lo: int, hi: int) -> None:
             # the chunks of one batch together: a few gathers of many positions (the rates
