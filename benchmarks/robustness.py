@@ -40,6 +40,10 @@ mean and worst), ``<out>.png``, and per-job JSON under ``<out>_runs/`` (an inter
 keeps what finished; a re-run skips finished jobs). ANN checkpoints are cached under
 ``<out>_cache/`` (state dicts).
 
+``--torchvision`` runs torchvision's own ``resnet18``, ``vgg11_bn`` and ``mobilenet_v2`` (full
+widths, ``TV_ARCHS``) instead, on Fashion-MNIST resized to 32x32 and replicated to 3 channels
+("fmnist32"), trained ``--long-epochs``; with ``--low-t --cells ...`` the few-step cells.
+
 Floors checked in the table (worst seed): conversion within 3.0 points of the ANN at T=16 and
 1.0 at T=32; after fine-tuning, within 2.0 at T=4 and T=8 not below T=4 by more than 0.5.
 """

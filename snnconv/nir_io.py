@@ -600,4 +600,3 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
     snn.meta = {"input_shape": list(parsed.input_shape), "reset": parsed.reset,
                 "time_expanded": expanded, "nir": dict(parsed.metadata)}
     return snn
-

@@ -70,14 +70,17 @@ def load_prefix(graph: nir.NIRGraph, nir_path: str | os.PathLike,
     its output to the graph.
 
     Raises:
-        NIRError: the graph names no prefix file, or a name that is not a plain file name; the
+        NIRError: ``path`` is given for a graph that reads no prefix; the graph names no prefix file, or a name that is not a plain file name; the
             file is missing, larger than :data:`MAX_PREFIX_BYTES`, differs from the one the
             graph was saved with, or is not a saved network.
     """
     meta = graph.metadata or {}
-    if meta.get(INPUT_KEY) != ANALOG_PREFIX:
-        return None
     where = os.fspath(nir_path)
+    if meta.get(INPUT_KEY) != ANALOG_PREFIX:
+        if path is not None:
+            raise NIRError(f"{where} reads the network's input, not an analog prefix's output: "
+                           f"run it without the prefix file {os.fspath(path)}")
+        return None
     name, digest = meta.get(PREFIX_FILE_KEY), meta.get(PREFIX_SHA256_KEY)
     if path is None:
         if not isinstance(name, str) or not name or name != os.path.basename(name) or name in (".", ".."):

@@ -77,6 +77,8 @@ def test_a_network_without_a_prefix_writes_no_prefix_file(small_digits_snn, tmp_
     assert save_prefix(small_digits_snn, graph, tmp_path / "net.nir") is None
     assert list(tmp_path.iterdir()) == [] and PREFIX_FILE_KEY not in graph.metadata
     assert load_prefix(graph, tmp_path / "net.nir") is None
+    with pytest.raises(NIRError, match="not an analog prefix's output"):
+        load_prefix(graph, tmp_path / "net.nir", tmp_path / "some.prefix.pt")
 
 
 @pytest.mark.parametrize("damage", ["missing", "changed", "path_in_name", "not_a_prefix"])

@@ -207,7 +207,6 @@ class WeightFit:
             layer.weight.copy_(new.to(w.dtype))
         return float((new - w.double()).norm() / w.double().norm().clamp_min(1e-12))
 
-
     def _bias_shift(self, w: torch.Tensor) -> torch.Tensor | None:
         """The reference's bias minus the layer's, ``[groups, 1, outputs per group]`` (None: neither
         has one): the fit's target is the reference's output with its bias, less the layer's."""

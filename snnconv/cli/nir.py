@@ -83,6 +83,7 @@ def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
 def _cmd_inspect(args) -> int:
     """``snnconv inspect FILE.nir``: one row per op (node, type, shape, thresholds, parameters)."""
     from ..nir_io import load_nir
+    from ..nirformat import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY
 
     args.file = nir_path(args.file)
     graph = load_nir(args.file)
@@ -93,8 +94,8 @@ def _cmd_inspect(args) -> int:
           f"({totals['neurons']} neurons), {totals['parameters']} parameters; "
           f"reset={meta.get('reset')}, T={meta.get('T')}, producer={meta.get('producer')}, "
           f"{os.path.getsize(args.file) / 1e6:.2f} MB")
-    if meta.get("input") == "analog_prefix":
-        print(f"input: the output of the analog prefix in {meta.get('analog_prefix_file')} (run once per "
+    if meta.get(INPUT_KEY) == ANALOG_PREFIX:
+        print(f"input: the output of the analog prefix in {meta.get(PREFIX_FILE_KEY)} (run once per "
               "image; snnconv run applies it)")
     return 0
 
