@@ -131,7 +131,10 @@ def _budget(loader: Any, qcfs_train: QCFSTrainConfig | None, finetune_config: An
     out: dict[str, Any] = {"ann_epoch_steps": ann_epoch, "qcfs_steps": 0, "finetune_steps": 0}
     if qcfs_train is not None and qcfs_train.epochs:
         per = _epoch_steps(loader, qcfs_train.val_fraction)
-        out["qcfs_steps"] = None if per is None else qcfs_train.epochs * per
+        steps = None if per is None else qcfs_train.epochs * per
+        if qcfs_train.max_steps is not None:
+            steps = qcfs_train.max_steps if steps is None else min(steps, qcfs_train.max_steps)
+        out["qcfs_steps"] = steps
     if finetune_config is not None and finetune_config.epochs:
         cfg = finetune_config
         per = _epoch_steps(loader, cfg.val_fraction, cfg.batch_size if hasattr(loader, "dataset") else None)

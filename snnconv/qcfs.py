@@ -394,7 +394,10 @@ def _check_finite(x: torch.Tensor, where: str) -> None:
 
 @dataclass(frozen=True)
 class QCFSTrainConfig:
-    """QCFS-aware ANN training settings (validated on construction)."""
+    """QCFS-aware ANN training settings (validated on construction).
+
+    ``max_steps`` bounds the optimiser steps over all epochs (None: every batch of every epoch);
+    the cosine schedule spans the steps that run, and the epoch it ends in is validated."""
 
     epochs: int = 0
     optimizer: str = "sgd"
@@ -405,10 +408,14 @@ class QCFSTrainConfig:
     label_smoothing: float = 0.0
     val_fraction: float = 0.1
     seed: int = 0
+    max_steps: int | None = None
 
     def __post_init__(self):
         if self.epochs < 0 or int(self.epochs) != self.epochs:
             raise ConfigError(f"epochs must be a non-negative integer, got {self.epochs}")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or int(self.max_steps) != self.max_steps
+                                           or self.max_steps < 1):
+            raise ConfigError(f"max_steps must be None or an integer >= 1, got {self.max_steps!r}")
         if self.optimizer not in ("sgd", "adamw"):
             raise ConfigError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
         if self.lr <= 0 or (self.lambda_lr is not None and self.lambda_lr <= 0):
@@ -453,6 +460,8 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     opt = make_optimizer(gm, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
                          momentum=cfg.momentum, threshold_lr=cfg.lambda_lr, threshold_params=lams)
     steps = cfg.epochs * max(1, len(train)) if hasattr(train, "__len__") else None
+    if cfg.max_steps is not None:
+        steps = cfg.max_steps if steps is None else min(steps, cfg.max_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if steps else 1.0)
     history = []
@@ -463,8 +472,11 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         best = (evaluate(gm, val, device), copy.deepcopy(gm.state_dict()))
         summary["calibrated_val_acc"] = best[0]
     best_epoch = 0
+    total = 0
     torch.manual_seed(cfg.seed)
     for epoch in range(cfg.epochs):
+        if cfg.max_steps is not None and total >= cfg.max_steps:
+            break
         gm.train()
         loss_sum = n = correct = 0
         bar = progress_bar(bounded(train, where="the QCFS training loader"), total=_length(train),
@@ -472,6 +484,7 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         steps_done = 0
         for batch in bar:
             steps_done += 1
+            total += 1
             x, y = split_batch(batch, where="training loader")
             if y is None:
                 raise DataError("QCFS training needs labels, but the loader yields inputs only. "
@@ -491,6 +504,8 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             correct += (out.argmax(1) == y).sum().item()
             n += len(y)
             bar.set_postfix(loss=f"{loss_sum / n:.3f}", acc=f"{100 * correct / n:.1f}")
+            if cfg.max_steps is not None and total >= cfg.max_steps:
+                break
         gm.eval()
         record = {"epoch": epoch + 1, "loss": loss_sum / max(n, 1), "train_acc": 100.0 * correct / max(n, 1),
                   "steps": steps_done}

@@ -94,6 +94,32 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     assert _Counting.reads < 1000, _Counting.reads
 
 
+def test_max_steps_bounds_the_qcfs_training_steps(small_digits_ann):
+    """QCFS training of 5 epochs over 20 training batches with ``max_steps=7`` runs 7 optimiser
+    steps (counted in meta: planned and run), ending inside its first epoch."""
+    from snnconv.qcfs import QCFSTrainConfig
+
+    g = torch.Generator().manual_seed(0)
+    data = _Counting(torch.rand(352, 1, 8, 8, generator=g), torch.randint(0, 10, (352,), generator=g))
+    loader = DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, meta = snnconv.convert(small_digits_ann, loader, T=2, qcfs_train=QCFSTrainConfig(epochs=5, max_steps=7),
+                                  finetune_epochs=0, calib_batches=2, progress=False, on_collapse="warn")
+    budget = meta.settings["budget"]
+    assert budget["qcfs_steps"] == budget["qcfs_steps_run"] == 7
+    assert [h["steps"] for h in meta.stage("qcfs").changes["history"]] == [7]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_qcfs_max_steps_must_be_a_positive_count(bad):
+    from snnconv.errors import ConfigError
+    from snnconv.qcfs import QCFSTrainConfig
+
+    with pytest.raises(ConfigError, match="max_steps"):
+        QCFSTrainConfig(epochs=1, max_steps=bad)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_finetune_epochs_must_be_a_count(small_digits_ann, bad):
     loader = [(torch.rand(8, 1, 8, 8), torch.randint(0, 10, (8,)))]
