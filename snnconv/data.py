@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import math
 import os
 from typing import Any, Iterable, Iterator
 
@@ -313,6 +314,23 @@ def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tup
     val = [b for i, b in enumerate(batches) if i % k == k - 1]
     train = [b for i, b in enumerate(batches) if i % k != k - 1]
     return _BatchList(train), _BatchList(val)
+
+
+def split_steps(loader: Any, val_fraction: float) -> int | None:
+    """Batches in the training split that :func:`split_loader` makes of ``loader`` (without
+    reading it); None for a loader without a length."""
+    try:
+        if isinstance(loader, DataLoader) and hasattr(loader.dataset, "__len__") and val_fraction > 0:
+            n = len(loader.dataset)
+            n_train, batch = n - max(1, int(round(n * val_fraction))), loader.batch_size or 1
+            return n_train // batch if loader.drop_last else math.ceil(n_train / batch)
+        batches = len(loader)
+    except TypeError:
+        return None
+    if val_fraction == 0.0:
+        return batches
+    k = max(2, min(batches, int(round(1.0 / val_fraction))))
+    return batches - batches // k
 
 
 DATASETS = ("digits", "fashion_mnist", "cifar10", "synthetic")

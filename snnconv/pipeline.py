@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from .calibration import calibrate_bias, calibrate_thresholds
-from .data import check_labels, generators_kept
+from .data import check_labels, generators_kept, split_steps
 from .config import ConvertConfig
 from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .constructs import rewrite_constructs
@@ -130,8 +130,8 @@ def _budget(loader: Any, qcfs_train: QCFSTrainConfig | None, finetune_config: An
         ann_epoch = None
     out: dict[str, Any] = {"ann_epoch_steps": ann_epoch, "qcfs_steps": 0, "finetune_steps": 0}
     if qcfs_train is not None and qcfs_train.epochs:
-        per = _epoch_steps(loader, qcfs_train.val_fraction)
-        steps = None if per is None else qcfs_train.epochs * per
+        per = split_steps(loader, qcfs_train.val_fraction)
+        steps = None if per is None else qcfs_train.epochs * max(1, per)
         if qcfs_train.max_steps is not None:
             steps = qcfs_train.max_steps if steps is None else min(steps, qcfs_train.max_steps)
         out["qcfs_steps"] = steps
@@ -153,48 +153,44 @@ def seed_everything(seed: int) -> None:
 
 
 #: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
-#: max-pooling, as whole epochs of the training split (:func:`_maxpool_qcfs_epochs`). On the
-#: robustness matrix's VGG (2 and 10 training epochs, three seeds, AMD EPYC; 36 steps per epoch)
-#: the worst-seed gap to the ANN at T=16 / 32 after 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85,
-#: 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85 (2 epochs) and 5.80 / 6.20, 2.85 / 2.80,
-#: 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on the full Fashion-MNIST training set
-#: (422 steps per epoch) 2, 4 and 6 epochs gave the same T=16 / 32 accuracy within 0.65 points,
-#: two seeds (benchmarks/README.md, "QCFS training where max-pooling became average pooling:
-#: steps").
-_MAXPOOL_QCFS_STEPS = 576
+#: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at
+#: this count (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training
+#: epochs, three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at T=16 / 32
+#: after 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65,
+#: 1.00 / 0.85 (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25
+#: (10 epochs); on the full Fashion-MNIST training set (422 steps per epoch) 2, 4 and 6 epochs
+#: gave the same T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS
+#: training where max-pooling became average pooling: steps"). Networks without max-pooling
+#: get none by default: before the default fine-tuning at T=4 the same steps moved T=4 by
+#: +1.15 / -0.35 / -1.35 points (ResNet-20 / tv_resnet / MobileNet) and hard reset at T=8 by
+#: -3.4 / +3.9 (benchmarks/README.md, "The few-step matrix: levers").
+QCFS_STEPS = 576
 
 
-def _maxpool_qcfs_epochs(loader: Any) -> int:
-    """Epochs of :data:`_MAXPOOL_QCFS_STEPS` steps over the training split of ``loader`` (its
+def _qcfs_epochs(loader: Any) -> int:
+    """Epochs that hold :data:`QCFS_STEPS` steps over the training split of ``loader`` (its
     validation split held out), between 1 and 64 (a tiny loader: each epoch is also a
     validation pass); 16 (the matrix's) for a loader without a length."""
-    try:
-        steps = len(loader) * (1.0 - QCFSTrainConfig.val_fraction)
-    except TypeError:
-        return 16
-    return min(64, max(1, math.ceil(_MAXPOOL_QCFS_STEPS / max(1.0, steps))))
+    steps = split_steps(loader, QCFSTrainConfig.val_fraction)
+    return 16 if steps is None else min(64, max(1, math.ceil(QCFS_STEPS / max(1, steps))))
 
 
-def _qcfs_training(qcfs_epochs: int | None, qcfs_train: QCFSTrainConfig | None, maxpool: str,
-                   gm: nn.Module, health: "_Health", seed: int, loader: Any) -> QCFSTrainConfig | None:
-    """QCFS training settings; ``qcfs_epochs=None`` (default) trains
-    :data:`_MAXPOOL_QCFS_STEPS` steps (:func:`_maxpool_qcfs_epochs`) where ``maxpool="avg"``
-    replaces max-pooling (a different function: on the robustness matrix the QCFS-ANN of a
-    VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with 16 epochs;
-    benchmarks/README.md), none otherwise (on networks without max-pooling one epoch changed
-    little or cost accuracy at T >= 16)."""
+def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader: Any) -> QCFSTrainConfig | None:
+    """QCFS training settings; ``qcfs_epochs=None`` (default) trains :data:`QCFS_STEPS` steps
+    where ``maxpool="avg"`` replaces max-pooling (a different function: on the robustness
+    matrix the QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89%
+    with them), none otherwise."""
     import warnings
 
-    if qcfs_train is not None or qcfs_epochs:
-        return qcfs_train or QCFSTrainConfig(epochs=qcfs_epochs, seed=seed)
-    if qcfs_epochs is None and maxpool == "avg":
-        pools = max_pools(gm)
-        if pools and health.y:
-            return QCFSTrainConfig(epochs=_maxpool_qcfs_epochs(loader), seed=seed)
-        if pools:
-            warnings.warn(f"max-pooling ({', '.join(pools)}) becomes average pooling, which needs "
-                          "QCFS training to adapt the weights, but the loader has no labels: "
-                          "calibrating only (expect a large accuracy loss)", stacklevel=3)
+    if cfg.qcfs_train is not None or cfg.qcfs_epochs:
+        return cfg.qcfs_train or QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed)
+    pools = max_pools(gm) if cfg.qcfs_epochs is None and cfg.maxpool == "avg" else []
+    if pools and health.y:
+        return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed)
+    if pools:
+        warnings.warn(f"max-pooling ({', '.join(pools)}) becomes average pooling, which needs "
+                      "QCFS training to adapt the weights, but the loader has no labels: "
+                      "calibrating only (expect a large accuracy loss)", stacklevel=3)
     return None
 
 
@@ -403,9 +399,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN (labels needed; ``qcfs_train``
-            sets the rest). ``None`` (default): where ``maxpool="avg"`` replaced max-pooling,
-            :data:`_MAXPOOL_QCFS_STEPS` optimiser steps rounded up to whole epochs of the
-            training split (1 to 64); none otherwise.
+            sets the rest). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole
+            epochs of the training split, the last one cut) where ``maxpool="avg"`` replaced
+            max-pooling; none otherwise.
         qcfs_train: a :class:`QCFSTrainConfig`.
         per_channel: one threshold per channel or one per layer. Default: per channel for
             ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
@@ -498,8 +494,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
         if eval_loader is not None:
             meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-        qcfs_train = _qcfs_training(cfg.qcfs_epochs, cfg.qcfs_train, cfg.maxpool, gm, health, cfg.seed,
-                                    loader)
+        qcfs_train = _qcfs_training(cfg, gm, health, loader)
         record["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
         if qcfs_train is not None:
             record["qcfs_train"] = vars(qcfs_train).copy()

@@ -16,7 +16,7 @@ from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelErr
 from snnconv.fold import fold_batchnorm
 from snnconv.meta import ConversionMeta
 from snnconv.metrics import predictions
-from snnconv.pipeline import _MAXPOOL_QCFS_STEPS, _maxpool_qcfs_epochs
+from snnconv.pipeline import QCFS_STEPS, _qcfs_epochs
 from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
 from snnconv.network import SpikingNetwork
 
@@ -291,7 +291,7 @@ def test_other_activations_and_max_pooling_through_convert():
     assert not any(isinstance(m, nn.MaxPool2d) for m in snn.modules())
     # average pooling is another function: by default some epochs of QCFS training adapt to it
     epochs = meta.settings["qcfs_epochs"]
-    assert epochs == _maxpool_qcfs_epochs(_pairs()) >= 1 and len(meta.stage("qcfs").changes["history"]) == epochs
+    assert epochs == _qcfs_epochs(_pairs()) >= 1 and len(meta.stage("qcfs").changes["history"]) == epochs
     _, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", qcfs_epochs=0, progress=False)
     assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
     with pytest.warns(UserWarning, match="no labels"):
@@ -314,20 +314,25 @@ def test_bad_time_steps_are_refused_before_any_work(kwargs):
         snnconv.convert(_tiny(), [], progress=False, **kwargs)  # the empty loader is never read
 
 
-def test_maxpool_qcfs_training_is_a_number_of_steps_in_whole_epochs():
-    """Where max-pooling became average pooling, convert() trains QCFS for about
-    _MAXPOOL_QCFS_STEPS optimiser steps: 16 epochs of the robustness matrix's 5,000 images in
-    batches of 128, 2 of Fashion-MNIST's 60,000, capped for a tiny loader, and 16 for a loader
-    without a length."""
+def test_default_qcfs_training_is_a_number_of_steps_in_whole_epochs():
+    """Where convert() trains QCFS by default it runs QCFS_STEPS optimiser steps in whole
+    epochs, the last one cut: 16 epochs of the robustness matrix's 5,000 images in batches of
+    128, 2 of Fashion-MNIST's 60,000, capped for a tiny loader, and 16 for a loader without a
+    length; the planned steps are QCFS_STEPS wherever the epochs hold them."""
     from torch.utils.data import DataLoader, TensorDataset
+
+    from snnconv.pipeline import _budget
+    from snnconv.qcfs import QCFSTrainConfig
 
     def loader(n):
         return DataLoader(TensorDataset(torch.zeros(n, 1), torch.zeros(n)), batch_size=128)
 
-    assert _maxpool_qcfs_epochs(loader(5000)) == 16
-    assert _maxpool_qcfs_epochs(loader(60000)) == 2
-    assert _maxpool_qcfs_epochs(loader(10**7)) == 1
-    assert _maxpool_qcfs_epochs(loader(128)) == 64
-    assert _maxpool_qcfs_epochs(iter([])) == 16
-    steps = 40 * 0.9 * _maxpool_qcfs_epochs(loader(5000))
-    assert _MAXPOOL_QCFS_STEPS <= steps < _MAXPOOL_QCFS_STEPS + 40
+    assert _qcfs_epochs(loader(5000)) == 16
+    assert _qcfs_epochs(loader(60000)) == 2
+    assert _qcfs_epochs(loader(10**7)) == 1
+    assert _qcfs_epochs(loader(128)) == 64
+    assert _qcfs_epochs(iter([])) == 16
+    for n in (5000, 6000, 60000, 10**6):
+        cfg = QCFSTrainConfig(epochs=_qcfs_epochs(loader(n)), max_steps=QCFS_STEPS)
+        assert _budget(loader(n), cfg, None)["qcfs_steps"] == QCFS_STEPS
+    assert _budget(loader(128), QCFSTrainConfig(epochs=64, max_steps=QCFS_STEPS), None)["qcfs_steps"] == 64

@@ -55,6 +55,7 @@ def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, di
     budget = meta.settings["budget"]
     assert budget["finetune_steps_run"] == budget["finetune_steps"] > 0
     assert budget["finetune_seconds"] > 0 and budget["ann_epoch_steps"] == len(loader)
+    assert budget["qcfs_steps"] == 0  # no max-pooling: no QCFS training
 
     images = DataLoader(train_set.tensors[0], batch_size=64)
     _, meta = snnconv.convert(small_digits_ann, images, T=4, progress=False, on_collapse="warn")
