@@ -31,7 +31,7 @@ from .network import SpikingNetwork
 from .qcfs import QCFSTrainConfig, calibrate_qcfs, max_pools
 from .replace import to_spiking
 
-__all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finetune_recipe"]
+__all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finetune_recipe", "default_finetune_epochs"]
 
 #: The fine-tuning recipe of ``convert()`` (the rest as in :class:`FinetuneConfig`): unrolled
 #: for ``2 * T`` steps with readouts trained at ``T // 2``, ``T`` and ``2 * T``
@@ -51,9 +51,17 @@ CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill
 #: the smallest batch it goes down to (benchmarks/README.md, "Defaults").
 _FINETUNE_STEPS, _FINETUNE_MIN_BATCH = 256, 16
 
-#: The default budget of the BPTT stage: one epoch of the loader's training split, at most this
-#: many optimiser steps (a large data set is sampled, never run whole by default).
+#: The most optimiser steps of one fine-tuning epoch (a large data set is sampled, never run
+#: whole by default).
 FINETUNE_MAX_STEPS = 2000
+
+#: The least fine-tuning steps of the default budget: whole epochs of the training split until
+#: this many (at most :data:`FINETUNE_MAX_EPOCHS`; a large data set gets one epoch). On the
+#: few-step matrix (281 steps an epoch), two epochs against one at T=4, seed 0: T=2 / 4 / 8
+#: +2.95 / +1.25 / -0.05 (tv_resnet), +3.75 / +1.55 / -0.15 (ResNet-20), +0.80 / +1.80 / +0.90
+#: (MobileNet), +1.50 / +1.20 / +0.20 (small CNN) (benchmarks/README.md, "Defaults").
+FINETUNE_MIN_STEPS = 512
+FINETUNE_MAX_EPOCHS = 8
 
 #: Target T up to which convert() fine-tunes by default (with a labelled loader). At T >= 16
 #: the training-free calibration is within 3 points of the ANN at T=16 and 1 at T=32 on the
@@ -332,8 +340,9 @@ def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[int, str]:
-    """``finetune_epochs=None``: one epoch for a labelled loader of two batches or more at
-    ``T <= FINETUNE_UP_TO_T``, none otherwise; and why."""
+    """``finetune_epochs=None``: for a labelled loader of two batches or more at
+    ``T <= FINETUNE_UP_TO_T``, the epochs that reach :data:`FINETUNE_MIN_STEPS` steps
+    (:func:`default_finetune_epochs`), none otherwise; and why."""
     why = None
     if not labelled:
         why = "the loader has no labels"
@@ -341,7 +350,25 @@ def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[
         why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
     elif _batches_below(loader, 2):
         why = "the loader has one batch (none to validate on)"
-    return (0, f"none: {why}") if why else (1, f"one epoch (T <= {FINETUNE_UP_TO_T}, labelled)")
+    if why:
+        return 0, f"none: {why}"
+    epochs = default_finetune_epochs(loader)
+    return epochs, (f"{epochs} epoch(s), at least {FINETUNE_MIN_STEPS} steps where the data hold them "
+                    f"(T <= {FINETUNE_UP_TO_T}, labelled)")
+
+
+def default_finetune_epochs(loader: Any) -> int:
+    """Whole epochs of convert()'s fine-tuning (its batch size, at most
+    :data:`FINETUNE_MAX_STEPS` steps each) that reach :data:`FINETUNE_MIN_STEPS` steps, between
+    1 and :data:`FINETUNE_MAX_EPOCHS`; 1 for a loader without a length."""
+    from .finetune import FinetuneConfig
+
+    vf = FinetuneConfig.val_fraction
+    batch = _finetune_batch(loader, CONVERT_FINETUNE["batch_size"], vf)
+    per = _epoch_steps(loader, vf, batch if hasattr(loader, "dataset") else None)
+    if per is None:
+        return 1
+    return min(FINETUNE_MAX_EPOCHS, max(1, math.ceil(FINETUNE_MIN_STEPS / min(per, FINETUNE_MAX_STEPS))))
 
 
 def _check_loaders(loader: Any, eval_loader: Any) -> None:
@@ -360,8 +387,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
     Runs prepare -> fold BatchNorm -> QCFS calibration (and QCFS training where asked) -> IF
     replacement and calibration -> BPTT fine-tuning, with the no-BatchNorm guard after every
     stage. The caller's ``model`` is never changed. By default a labelled loader and a target
-    ``T <= 8`` get one epoch of fine-tuning (at most :data:`FINETUNE_MAX_STEPS` optimiser
-    steps, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
+    ``T <= 8`` get whole epochs of fine-tuning up to at least :data:`FINETUNE_MIN_STEPS`
+    optimiser steps (one epoch of a large data set, at most :data:`FINETUNE_MAX_STEPS` steps
+    each, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
     also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets.
     ``meta.settings`` records every setting as resolved and every default chosen from the data;
     ``meta.settings["budget"]`` the planned optimiser steps of each training stage, the steps
@@ -423,9 +451,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
             calibration.
         finetune_epochs: epochs of BPTT fine-tuning (labels needed), each at most
-            :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): 1 where the loader
-            is labelled, has two batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`), 0
-            otherwise.
+            :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): where the loader
+            is labelled, has two batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`),
+            the epochs that reach :data:`FINETUNE_MIN_STEPS` steps (1 to
+            :data:`FINETUNE_MAX_EPOCHS`); 0 otherwise.
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
             ``model`` is the teacher. Without one, :func:`finetune_recipe`.
         eval_T: extra T values at which to record SNN accuracy (with ``eval_loader``).

@@ -53,7 +53,7 @@ def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, di
     assert meta.settings["finetune"]["horizons"] == (2, 4, 8) and meta.settings["finetune"]["T"] == 8
     assert meta.settings["L"] == 4
     budget = meta.settings["budget"]
-    assert budget["finetune_steps_run"] == budget["finetune_steps"] > 0
+    assert budget["finetune_steps_run"] == budget["finetune_steps"] >= pipeline.FINETUNE_MIN_STEPS
     assert budget["finetune_seconds"] > 0 and budget["ann_epoch_steps"] == len(loader)
     assert budget["qcfs_steps"] == 0  # no max-pooling: no QCFS training
 
@@ -79,6 +79,7 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     """With the step cap at 3, a loader of 125 batches is fine-tuned for 3 optimiser steps,
     counted in meta and in the samples the loader gave (the planned steps are the ones run)."""
     monkeypatch.setattr(pipeline, "FINETUNE_MAX_STEPS", 3)
+    monkeypatch.setattr(pipeline, "FINETUNE_MIN_STEPS", 3)
     g = torch.Generator().manual_seed(0)
     data = _Counting(torch.rand(2000, 1, 8, 8, generator=g), torch.randint(0, 10, (2000,), generator=g))
     loader = DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
@@ -93,6 +94,19 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     # 3 steps, a few calibration batches and the 10% validation split: far from the 2,000
     # samples that one uncapped epoch would read
     assert _Counting.reads < 1000, _Counting.reads
+
+
+@pytest.mark.parametrize("images,batch,epochs", [(5000, 128, 2), (60000, 128, 1), (10**6, 128, 1),
+                                                 (1000, 128, 8), (None, 128, 1)])
+def test_the_default_budget_is_whole_epochs_that_reach_the_least_steps(images, batch, epochs):
+    """convert()'s default fine-tuning runs whole epochs until FINETUNE_MIN_STEPS steps: two of
+    the robustness matrix's 5,000 images (281 steps of 16 each), one of Fashion-MNIST's 60,000,
+    at most FINETUNE_MAX_EPOCHS for a small data set, one for a loader without a length."""
+    if images is None:
+        loader = iter(())
+    else:
+        loader = DataLoader(TensorDataset(torch.zeros(images, 1), torch.zeros(images)), batch_size=batch)
+    assert pipeline.default_finetune_epochs(loader) == epochs
 
 
 def test_max_steps_bounds_the_qcfs_training_steps(small_digits_ann):

@@ -327,8 +327,8 @@ with torch.no_grad():
 `convert` repeats fold (on its own copy), calibrates one QCFS threshold per ReLU call site from
 the training data, replaces each by an IF neuron with reset by subtraction, and evaluates on the
 test set at every T in `eval_T` (the test set is never used to choose anything). By default it
-also fine-tunes for one epoch where T <= 8; `finetune_epochs=0` here keeps this notebook to the
-training-free stages, and notebook 03 fine-tunes step by step.
+also fine-tunes where T <= 8 (whole epochs, at least 512 steps); `finetune_epochs=0` here keeps
+this notebook to the training-free stages, and notebook 03 fine-tunes step by step.
 '''),
     code('''
 t0 = time.perf_counter()

@@ -94,7 +94,7 @@ def _teacher(args, src: str, train):
 
 def _cmd_finetune(args) -> int:
     from ..finetune import finetune
-    from ..pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, finetune_recipe
+    from ..pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, default_finetune_epochs, finetune_recipe
     from ..network import SpikingNetwork
 
     src = snn_path(args.snn, "snn.pt")
@@ -107,14 +107,15 @@ def _cmd_finetune(args) -> int:
     T_train = args.train_T
     teacher = _teacher(args, src, train)
     # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T, distillation
-    config = finetune_recipe(T_train, train, epochs=args.epochs, seed=args.seed,
+    epochs = default_finetune_epochs(train) if args.epochs is None else args.epochs
+    config = finetune_recipe(T_train, train, epochs=epochs, seed=args.seed,
                              reset=snn.meta.get("reset", "subtract"),
                              max_steps=args.max_steps or FINETUNE_MAX_STEPS, lr=args.lr, alpha=args.alpha,
                              train_thresholds=not args.freeze_thresholds,
                              distill=CONVERT_FINETUNE["distill"] if teacher is not None else 0.0,
                              checkpoint_dir=os.path.join(out, "finetune"), resume=args.resume)
     say(args, f"fine-tuning {src} with BPTT for T={T_train} ({config.T} steps unrolled, readouts at "
-              f"{', '.join(map(str, config.horizons))}) for {args.epochs} epoch(s), "
+              f"{', '.join(map(str, config.horizons))}) for {epochs} epoch(s), "
               + ("distilling from the ANN ..." if teacher is not None else "labels only (no ANN given) ..."))
     tuned, history = finetune(snn, train, config=config, teacher=teacher, device=args.device,
                               progress=not args.quiet)
@@ -122,7 +123,7 @@ def _cmd_finetune(args) -> int:
     ev = evaluation(args, tuned.to(args.device), test, Ts, "snn_finetuned.pt")
     write_json(os.path.join(out, "evaluation.json"), ev)
     write_json(os.path.join(out, "finetune.json"),
-               {"source": src, "T": T_train, "epochs": args.epochs, "lr": args.lr, "alpha": args.alpha,
+               {"source": src, "T": T_train, "epochs": epochs, "lr": args.lr, "alpha": args.alpha,
                 "config": {k: v for k, v in vars(config).items() if k != "checkpoint_dir"},
                 "history": history, "accuracy": {"snn": ev["accuracy"]}})
     print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
@@ -145,8 +146,8 @@ def add_convert(sub, pa: dict) -> None:
     p.add_argument("--train-epochs", type=count, default=0, help="train --model here for N epochs first")
     p.add_argument("--lr", type=float, default=0.05, help="ANN training learning rate (default 0.05)")
     p.add_argument("--finetune-epochs", type=count, default=None,
-                   help="BPTT epochs, at most 2000 steps each (default: convert()'s, one at T <= 8; "
-                        "0 converts without training)")
+                   help="BPTT epochs, at most 2000 steps each (default: convert()'s, at T <= 8 the "
+                        "epochs that reach 512 steps; 0 converts without training)")
     p.add_argument("--qcfs-epochs", type=count, default=None,
                    help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
                         "became average pooling)")
@@ -167,7 +168,8 @@ def add_finetune(sub, pa: dict) -> None:
                         "and trains the readouts at T/2, T and 2T")
     p.add_argument("--teacher", help="the ANN to distil from, a state dict of --model (default: the "
                                      "run folder's ann.pt where --model is given)")
-    p.add_argument("--epochs", type=count, default=1)
+    p.add_argument("--epochs", type=count, default=None,
+                   help="BPTT epochs (default: convert()'s, the epochs that reach 512 steps)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument("--alpha", type=float, default=4.0,
                    help="ATan surrogate sharpness (default 4)")
