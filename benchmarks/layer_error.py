@@ -33,6 +33,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import robustness as R  # noqa: E402
 import snnconv  # noqa: E402
+from snnconv.calibration.bias import bias_path  # noqa: E402
+from snnconv.graph import module_of  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 from snnconv.neuron import neurons  # noqa: E402
 
@@ -40,13 +42,10 @@ VARIANTS = {"calibrated": {}, "uncalibrated": dict(bias_calibration=False, thres
 
 
 def _kind(snn, name: str) -> str:
-    """The layer that feeds IF layer ``name``: conv<k>, depthwise<k> or linear."""
-    mods = dict(snn.net.named_modules())
+    """The layer that feeds IF layer ``name``: conv<k>, depthwise<k>, linear, or input."""
     node = next(n for n in snn.net.graph.nodes if n.op == "call_module" and n.target == name)
-    arg = node.args[0] if node.args else None
-    while hasattr(arg, "op") and not (arg.op == "call_module" and isinstance(mods[arg.target], (nn.Conv2d, nn.Linear))):
-        arg = arg.args[0] if arg.args else None
-    m = mods[arg.target] if hasattr(arg, "op") else None
+    hit = bias_path(snn.net, node)
+    m = None if hit is None else module_of(snn.net, hit[0])
     if isinstance(m, nn.Linear):
         return "linear"
     if isinstance(m, nn.Conv2d):

@@ -59,7 +59,9 @@ FINETUNE_MAX_STEPS = 2000
 #: this many (at most :data:`FINETUNE_MAX_EPOCHS`; a large data set gets one epoch). On the
 #: few-step matrix (281 steps an epoch), two epochs against one at T=4, seed 0: T=2 / 4 / 8
 #: +2.95 / +1.25 / -0.05 (tv_resnet), +3.75 / +1.55 / -0.15 (ResNet-20), +0.80 / +1.80 / +0.90
-#: (MobileNet), +1.50 / +1.20 / +0.20 (small CNN) (benchmarks/README.md, "Defaults").
+#: (MobileNet), +1.50 / +1.20 / +0.20 (small CNN); four epochs gain another 0.60-2.10 at T=4
+#: on three networks and lose 1.15 on the small CNN, for 1.4-1.8x the cost
+#: (benchmarks/README.md, "Fine-tuning budget").
 FINETUNE_MIN_STEPS = 512
 FINETUNE_MAX_EPOCHS = 8
 
@@ -171,7 +173,8 @@ def seed_everything(seed: int) -> None:
 #: training where max-pooling became average pooling: steps"). Networks without max-pooling
 #: get none by default: before the default fine-tuning at T=4 the same steps moved T=4 by
 #: +1.15 / -0.35 / -1.35 points (ResNet-20 / tv_resnet / MobileNet) and hard reset at T=8 by
-#: -3.4 / +3.9 (benchmarks/README.md, "The few-step matrix: levers").
+#: -3.4 / +3.9 / +8.5 / +0.15 (with the small CNN) (benchmarks/README.md, "Levers tried on the
+#: few-step matrix").
 QCFS_STEPS = 576
 
 

@@ -84,6 +84,21 @@ def run_dir(tmp_path_factory):
     return out
 
 
+def test_finetune_without_epochs_takes_convert_s_default_budget(run_dir, tmp_path):
+    """``snnconv finetune`` without ``--epochs`` runs the epochs convert() would
+    (:func:`snnconv.pipeline.default_finetune_epochs` over the same training loader)."""
+    from snnconv.cli import build_parser
+    from snnconv.cli.common import loaders
+    from snnconv.pipeline import default_finetune_epochs
+
+    argv = ["finetune", run_dir, "--model", "small_cnn", "--data", "digits", "--T", "4", "--max-steps", "2",
+            "--out", str(tmp_path / "ft"), "--quiet"]
+    assert main(argv) == 0
+    ft = json.load(open(tmp_path / "ft" / "finetune.json"))
+    want = default_finetune_epochs(loaders(build_parser().parse_args(argv))[0])
+    assert ft["epochs"] == len(ft["history"]) == want > 1
+
+
 def test_convert_and_finetune_write_the_run_folder(run_dir):
     for name in ("ann.pt", "snn.pt", "meta.json", "evaluation.json", "snn_finetuned.pt", "finetune.json",
                  "accuracy_vs_T.png"):

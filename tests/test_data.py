@@ -275,3 +275,16 @@ def test_split_batch_and_first_batch_refuse_what_they_cannot_read():
         data.split_batch("not a batch")
     with pytest.raises(DataError, match="empty"):
         data.first_batch([])
+
+
+@pytest.mark.parametrize("n,batch,drop_last,val_fraction", [(5000, 128, False, 0.1), (1000, 64, True, 0.1),
+                                                           (1437, 16, False, 0.2), (100, 32, False, 0.0)])
+def test_split_steps_counts_the_batches_split_loader_gives(n, batch, drop_last, val_fraction):
+    """split_steps (read without iterating) equals the length of split_loader's training split,
+    for a DataLoader over a sized dataset and for a list of batches."""
+    ds = TensorDataset(torch.zeros(n, 1), torch.zeros(n))
+    loader = DataLoader(ds, batch_size=batch, drop_last=drop_last)
+    assert data.split_steps(loader, val_fraction) == len(data.split_loader(loader, val_fraction)[0])
+    batches = list(DataLoader(ds, batch_size=batch))
+    assert data.split_steps(batches, val_fraction) == len(data.split_loader(batches, val_fraction)[0])
+    assert data.split_steps(iter(batches), val_fraction) is None
