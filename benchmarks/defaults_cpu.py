@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import robustness as rb  # noqa: E402
+import matrix_anns as rb  # noqa: E402
 
 import snnconv  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402

@@ -25,13 +25,13 @@ import warnings
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import robustness as R  # noqa: E402
+import matrix_anns as R  # noqa: E402
 import snnconv  # noqa: E402
 from snnconv.calibration.bias import bias_path  # noqa: E402
 from snnconv.graph import module_of  # noqa: E402

@@ -23,7 +23,7 @@ import snnconv
 from snnconv.meta import atomic_write_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from robustness import build, datasets, train_ann  # noqa: E402
+from matrix_anns import build, datasets, train_ann  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import robustness as R  # noqa: E402
+import matrix_anns as R  # noqa: E402
 from snnconv.fold import fold_graph  # noqa: E402
 from snnconv.graph import prepare  # noqa: E402
 from snnconv.qcfs import calibrate_qcfs  # noqa: E402

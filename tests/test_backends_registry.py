@@ -118,3 +118,19 @@ def test_import_contracts_hold():
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "broken" in proc.stdout and " 0 broken" in proc.stdout
+
+
+#: The layout's size rule (DESIGN.md): one job per module, none over this many lines.
+MAX_MODULE_LINES = 700
+
+
+def test_no_python_file_of_the_project_is_over_the_module_size_limit():
+    """Every tracked Python file (the packages, backends, benchmarks, tutorials' builder, tests)
+    stays within MAX_MODULE_LINES lines."""
+    proc = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip("not a git checkout")
+    sizes = {p: len((REPO / p).read_text(encoding="utf-8").splitlines())
+             for p in proc.stdout.split() if (REPO / p).is_file()}
+    assert len(sizes) > 50  # the listing found the project
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}

@@ -1,0 +1,161 @@
+"""The conversion cells of the robustness matrix: one ``convert()`` call per cell, and the
+few-step cells (``--low-t``) with their floors, table and plot."""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def convert_cell(ann, loader, test, device, Ts, **options) -> dict:
+    import snnconv
+
+    has_on_collapse = "on_collapse" in inspect.signature(snnconv.convert).parameters
+    t0 = time.perf_counter()
+    record: dict = {"options": {k: dict(vars(v)) if k == "qcfs_train" else v
+                                for k, v in options.items() if k != "finetune_config"}}
+    try:
+        _, meta = snnconv.convert(ann, loader, eval_loader=test, eval_T=Ts, device=device,
+                                  progress=False, **options)
+    except snnconv.SnnconvError as exc:
+        if not (has_on_collapse and type(exc).__name__ == "ConversionError"):
+            raise
+        record["collapse"] = str(exc)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, meta = snnconv.convert(ann, loader, eval_loader=test, eval_T=Ts, device=device,
+                                      progress=False, on_collapse="warn", **options)
+    record["seconds"] = time.perf_counter() - t0
+    acc = meta.accuracy
+    record.update(ann=acc.get("ann"), folded=acc.get("folded"), qcfs=acc.get("qcfs"),
+                  snn={int(t): a for t, a in acc.get("snn", {}).items()},
+                  stage_seconds={s.name: s.seconds for s in meta.stages},
+                  budget=meta.settings.get("budget"))
+    for s in meta.stages:
+        if s.name == "finetune":
+            record["finetune_history"] = s.changes.get("history")
+    activity = {s.name: s.changes["activity"] for s in meta.stages if "activity" in s.changes}
+    if activity:
+        record["activity"] = activity
+    return record
+
+
+#: The few-step cells (``--low-t``): name -> (convert() arguments, T values evaluated, floors).
+#: A floor is (kind, T, points): "gap" = worst-seed ANN - SNN at T; "qcfs_gap" = QCFS-ANN - SNN
+#: at T; "not_below" = SNN at T minus SNN at 4 (worst seed) must be >= -points.
+LOW_T_CELLS = {
+    "T4": (dict(T=4), (2, 4, 8), (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
+    "free_T8": (dict(T=8, unlabelled=True), (8,), (("gap", 8, 2.0),)),
+    "qcfs_L4": (dict(T=4, L=4, qcfs_epochs=3, finetune_epochs=0), (4,), (("qcfs_gap", 4, 3.0),)),
+    "hard_T8": (dict(T=8, reset="zero"), (8,), (("gap", 8, 2.0),)),
+}
+
+
+def _unlabelled(loader: DataLoader) -> DataLoader:
+    """The same images in the same order, without labels."""
+    return DataLoader(TensorDataset(loader.dataset.tensors[0]), batch_size=loader.batch_size, shuffle=True,
+                      generator=torch.Generator().manual_seed(loader.generator.initial_seed()),
+                      collate_fn=lambda b: torch.stack([t[0] for t in b]))
+
+
+def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
+    """The cells of :data:`LOW_T_CELLS` for one ANN (vgg_max: no training-free cell, its
+    QCFS training at convert()'s default)."""
+    cells = {}
+    for name, (options, Ts, _) in LOW_T_CELLS.items():
+        if job.get("cells") and name not in job["cells"]:
+            continue
+        options = dict(options)
+        if "vgg" in job["arch"]:
+            if options.pop("unlabelled", False):
+                continue
+            if "qcfs_epochs" in options:
+                options["qcfs_epochs"] = None
+        data = _unlabelled(loader) if options.pop("unlabelled", False) else loader
+        if job["smoke"] and options.get("qcfs_epochs"):
+            options["qcfs_epochs"] = 1
+        cells[name] = convert_cell(ann, data, test, device, Ts, seed=job["seed"], **extra, **options)
+    return cells
+
+
+def low_t_summary(records: list[dict]) -> list[dict]:
+    """One row per (arch, epochs, cell) of the few-step cells: worst seed, floors."""
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for r in records:
+        for cell, c in r.get("cells", {}).items():
+            groups.setdefault((r["dataset"], r["arch"], r["epochs"], cell), []).append((r, c))
+    rows = []
+    for (dataset, arch, epochs, cell), rcs in sorted(groups.items()):
+        cs = [dict(c, snn={int(t): v for t, v in c["snn"].items()}) for _, c in rcs]
+        row = {"dataset": dataset, "arch": arch, "epochs": epochs, "cell": cell, "seeds": len(cs),
+               "ann": [c["ann"] for c in cs], "qcfs": [c["qcfs"] for c in cs],
+               "snn": {t: [c["snn"][t] for c in cs] for t in sorted(cs[0]["snn"])}, "floors": []}
+        for kind, t, points in LOW_T_CELLS[cell][2]:
+            if kind == "gap":
+                worst = max(c["ann"] - c["snn"][t] for c in cs)
+            elif kind == "qcfs_gap":
+                worst = max(c["qcfs"] - c["snn"][t] for c in cs)
+            else:
+                worst = max(c["snn"][4] - c["snn"][t] for c in cs)
+            row["floors"].append({"kind": kind, "T": t, "points": points, "worst": worst,
+                                  "met": worst <= points})
+        ratios = [c["seconds"] / r["ann_epoch_seconds"] for r, c in rcs if r.get("ann_epoch_seconds")]
+        row["cost_ann_epochs"] = statistics.fmean(ratios) if ratios else None
+        row["seconds"] = statistics.fmean(c["seconds"] for c in cs)
+        rows.append(row)
+    return rows
+
+
+def low_t_table(rows: list[dict]) -> str:
+    """The markdown table of the few-step cells: mean (worst) accuracy, each floor's worst value."""
+    head = ["network", "cell", "ANN", "QCFS-ANN", "SNN by T: mean (worst)", "floors: worst seed",
+            "cost (ANN epochs)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def mw(v):
+        return f"{statistics.fmean(v):.2f} ({min(v):.2f})"
+
+    names = {"gap": "ANN - T={}", "qcfs_gap": "QCFS-ANN - T={}", "not_below": "T=4 - T={}"}
+    for r in rows:
+        snn = ", ".join(f"T={t}: {mw(v)}" for t, v in r["snn"].items())
+        floors = "; ".join(f"{names[f['kind']].format(f['T'])} {f['worst']:.2f} "
+                           f"{'<=' if f['met'] else '**>**'} {f['points']:.1f}" for f in r["floors"])
+        cost = "-" if r["cost_ann_epochs"] is None else f"{r['cost_ann_epochs']:.1f}"
+        lines.append("| " + " | ".join([f"{r['arch']} ({r['epochs']} ep)", r["cell"], mw(r["ann"]),
+                                        mw(r["qcfs"]), snn, floors, cost]) + " |")
+    return "\n".join(lines)
+
+
+def low_t_plot(rows: list[dict], path: str) -> None:
+    """Worst-seed gap to the ANN against T of the default cell (``T4``), one line per network,
+    with the floors at T=2 and T=4."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in rows:
+        if r["cell"] != "T4":
+            continue
+        Ts = sorted(r["snn"])
+        gaps = [max(a - s for a, s in zip(r["ann"], r["snn"][t])) for t in Ts]
+        ax.plot(Ts, gaps, marker="o", label=f"{r['arch']} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
+    ax.plot([2, 4], [3.0, 1.0], "k_", markersize=18, mew=2, label="floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([2, 4, 8], ["2", "4", "8"])
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("ANN - SNN, worst seed (points)")
+    ax.set_title("convert(model, loader, T=4): gap to the ANN")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
