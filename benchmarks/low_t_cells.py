@@ -159,3 +159,51 @@ def low_t_plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
+
+
+def budget_points(records: list[dict], seed: int = 0) -> dict[str, list[tuple[int, dict[int, float]]]]:
+    """arch -> [(fine-tuning steps run, {T: accuracy})] of the ``T4`` cells of ``seed``."""
+    points: dict[str, list[tuple[int, dict[int, float]]]] = {}
+    for r in records:
+        c = r.get("cells", {}).get("T4")
+        if r["seed"] != seed or not c or not c.get("budget"):
+            continue
+        points.setdefault(r["arch"], []).append(
+            (int(c["budget"]["finetune_steps_run"]), {int(t): a for t, a in c["snn"].items()}))
+    return {a: sorted(p, key=lambda s: s[0]) for a, p in sorted(points.items())}
+
+
+def budget_plot(paths: list[str], out: str, seed: int = 0) -> None:
+    """Accuracy against the fine-tuning budget (optimiser steps) of the ``T4`` cells in the
+    sweeps ``paths`` (one per budget), one panel per evaluated T, one line per network."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            records += json.load(fh)["records"]
+    points = budget_points(records, seed)
+    Ts = sorted({t for p in points.values() for _, snn in p for t in snn})
+    fig, axes = plt.subplots(1, len(Ts), figsize=(3.6 * len(Ts), 3.6), squeeze=False)
+    for ax, t in zip(axes[0], Ts):
+        for arch, p in points.items():
+            steps = [s for s, snn in p if t in snn]
+            ax.plot(steps, [snn[t] for _, snn in p if t in snn], marker="o", label=arch)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({s for p in points.values() for s, _ in p})
+        ax.set_xticks(ticks, [str(s) for s in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("fine-tuning optimiser steps")
+        ax.set_title(f"T = {t}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"SNN accuracy (%), seed {seed}")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle("convert(model, loader, T=4): accuracy against the fine-tuning budget")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)

@@ -70,7 +70,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 TS = (1, 2, 4, 8, 16, 32)
 
-from low_t_cells import LOW_T_CELLS, convert_cell, low_t_cells, low_t_plot, low_t_summary, low_t_table  # noqa: E402
+from low_t_cells import (LOW_T_CELLS, budget_plot, convert_cell, low_t_cells, low_t_plot,  # noqa: E402
+                         low_t_summary, low_t_table)
 from matrix_anns import FT_ARCHS, TV_ARCHS, cached_ann, datasets  # noqa: E402
 
 
@@ -355,6 +356,9 @@ def main(argv=None) -> int:
                    help="only the fine-tuning cells (no default cell; to compare a fine-tuning setting)")
     p.add_argument("--cache", help="ANN checkpoint folder (default <out>_cache; share it between runs)")
     p.add_argument("--table", metavar="JSON", help="print the markdown table of a finished sweep")
+    p.add_argument("--budget-plot", nargs="+", metavar="JSON",
+                   help="with --out PNG: accuracy against the fine-tuning budget of the T4 cells of "
+                        "--low-t sweeps run at different budgets")
     p.add_argument("--compare", nargs="+", metavar="JSON",
                    help="print the cells of finished sweeps side by side (one setting changed)")
     p.add_argument("--job", help=argparse.SUPPRESS)
@@ -362,6 +366,9 @@ def main(argv=None) -> int:
 
     if args.compare:
         print(compare(args.compare))
+        return 0
+    if args.budget_plot:
+        budget_plot(args.budget_plot, args.out)
         return 0
     if args.table:
         with open(args.table) as fh:
