@@ -346,7 +346,8 @@ def main(argv=None) -> int:
                    help="FinetuneConfig settings for the fine-tuning cells (epochs 1, T=4 unless set)")
     p.add_argument("--low-t", action="store_true",
                    help="the few-step cells instead (LOW_T_CELLS): T=4 defaults, training-free T=8, "
-                        "QCFS at L=T=4, hard reset at T=8, on the long-trained networks")
+                        "QCFS at L=T=4, hard reset at T=8 (and T=4 without labels: nolabel_T4), on the "
+                        "long-trained networks")
     p.add_argument("--cells", nargs="*", choices=sorted(LOW_T_CELLS),
                    help="with --low-t: only these few-step cells")
     p.add_argument("--torchvision", action="store_true",

@@ -9,7 +9,6 @@ Runs under ``torchrun`` with DistributedDataParallel (gloo on CPU, NCCL on GPUs)
 
 from __future__ import annotations
 
-import atexit
 import copy
 import hashlib
 import io
@@ -21,13 +20,14 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from .progress import progress_bar
 
+from .distributed import (all_reduce_sum, local_device, maybe_init_distributed,
+                          rank_world, rng_state, set_rng_state)
 from .data import bounded, check_labels, split_batch, split_dataset
 from .errors import CheckpointError, ConfigError, DataError, StageOrderError
 from .meta import atomic_write_bytes
@@ -57,7 +57,9 @@ class FinetuneConfig:
     best epoch is then the one with the best mean validation accuracy over them.
     ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
     that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
-    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau). ``keep_start``: the
+    KL(teacher || snn)`` at temperature ``distill_temperature`` (tau); at ``distill=1`` the
+    loader needs no labels (the teacher's outputs are the only targets, and the accuracies
+    recorded for an unlabelled split are top-1 agreement with the teacher). ``keep_start``: the
     network as given competes as epoch 0 in the best-epoch choice (one validation pass more),
     so that fine-tuning never returns a network worse on validation than it was given.
     """
@@ -261,61 +263,6 @@ _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "w
                 "distill", "distill_temperature")
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _launched_distributed() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available()
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _maybe_init_distributed(device: torch.device) -> None:
-    """Join the process group torchrun set up, once per process; it lives until exit.
-
-    Destroying it after each call and creating it again on the next one can deadlock (gloo
-    and DDP under torch 2.14), so a script may call finetune() any number of times.
-    """
-    if _launched_distributed() and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        atexit.register(_destroy_process_group)
-
-
-def _local_device(device: torch.device) -> torch.device:
-    """Under torchrun, a bare ``"cuda"`` means this process's GPU (``LOCAL_RANK``), not GPU 0."""
-    if device.type == "cuda" and _launched_distributed():
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)  # NCCL and DDP use the current device
-    return device
-
-
-def _all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum ``t`` over processes into a new tensor (on ``device``: NCCL reduces GPU tensors only)."""
-    out = t.to(device, copy=True)
-    dist.all_reduce(out)
-    return out.to(t.device)
-
-
-def _rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 @dataclass
 class _Data:
     train: Iterable
@@ -405,7 +352,7 @@ def finetune(
 
     Raises:
         StageOrderError: ``snn`` is not a SpikingNetwork.
-        DataError: the loader has no labels, or is empty.
+        DataError: the loader has no labels (and ``distill < 1``), or is empty.
         CheckpointError: a checkpoint to resume is corrupted, from another model, or from a
             run with other settings.
     """
@@ -429,9 +376,9 @@ def finetune(
             f"{type(teacher).__name__ if teacher is not None else None} and distill={cfg.distill}")
     if teacher is not None and not isinstance(teacher, nn.Module):
         raise ConfigError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
-    device = _local_device(torch.device(device))
-    _maybe_init_distributed(device)
-    rank, world = _rank_world()
+    device = local_device(torch.device(device))
+    maybe_init_distributed(device)
+    rank, world = rank_world()
     rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
         if device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
@@ -480,6 +427,22 @@ def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | No
     return (1 - cfg.distill) * ce + cfg.distill * kd
 
 
+class _TeacherLabelled:
+    """The batches of ``loader`` as ``(x, y)``, ``y`` the teacher's top-1 where a batch has no
+    labels (validation of label-free distillation: agreement with the teacher)."""
+
+    def __init__(self, loader: Iterable, teacher: nn.Module, device: torch.device):
+        self.loader, self.teacher, self.device = loader, teacher, device
+
+    def __iter__(self):
+        for batch in self.loader:
+            x, y = split_batch(batch, where="the validation split")
+            if y is None:
+                with torch.no_grad():
+                    y = self.teacher(x.to(self.device)).argmax(1).cpu()
+            yield x, y
+
+
 def _val_accuracy(model: SpikingNetwork, val: Iterable, cfg: FinetuneConfig, device) -> float:
     """Validation accuracy: the mean over the trained readouts (one run), else at ``model.T``."""
     if cfg.horizons:
@@ -525,6 +488,9 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         m.theta.requires_grad_(cfg.train_thresholds)
     thresholds = [m.theta for m in neurons(model).values()] if cfg.train_thresholds else []
     data = _loaders(loader, cfg, rank, world)
+    label_free = teacher is not None and cfg.distill == 1
+    if label_free and data.val is not None:
+        data.val = _TeacherLabelled(data.val, teacher, device)
     steps_per_epoch = len(data.train) if hasattr(data.train, "__len__") else None
     if steps_per_epoch == 0:
         raise DataError("the fine-tuning loader yields no full batch after the validation split")
@@ -565,7 +531,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         start_epoch, start_step = state["epoch"], state["step"]
         history = list(state["history"])
         best_val, best_state = state["best_val"], state["best_state"]
-        _set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
+        set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
         if start_step:
             # mid-epoch: replaying the epoch's first batches may draw random numbers (dataset
             # transforms), so the state is set again once they are passed
@@ -583,7 +549,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             "epoch": epoch, "step": step, "partial": partial,
             "model": model.state_dict(), "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
-            "rng": _rng_state(device), "history": history, "best_val": best_val,
+            "rng": rng_state(device), "history": history, "best_val": best_val,
             "best_state": best_state})
 
     start_val = None
@@ -611,17 +577,22 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             seen = step + 1
             if step < skip:
                 if step == skip - 1:
-                    _set_rng_state(resume_rng, device)
+                    set_rng_state(resume_rng, device)
                 continue
             x, y = split_batch(batch, where="fine-tuning loader")
-            if y is None:
+            if y is None and not label_free:
                 raise DataError("fine-tuning needs labels, but the loader yields inputs only; pass "
-                                "(x, y) batches")
-            x, y = x.to(device), y.to(device)
+                                "(x, y) batches, or distill=1.0 with a teacher to learn from its "
+                                "outputs alone")
+            x = x.to(device)
             soft = None
             if teacher is not None:
                 with torch.no_grad():
-                    soft = F.softmax(teacher(x).float() / cfg.distill_temperature, dim=1)
+                    logits = teacher(x).float()
+                    soft = F.softmax(logits / cfg.distill_temperature, dim=1)
+                if y is None:  # no labels: the teacher's top-1 (a cross-entropy weight of 0)
+                    y = logits.argmax(1)
+            y = y.to(device)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
                 if cfg.horizons:
                     # anytime readout: cross-entropy of the running average after each horizon
@@ -650,7 +621,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             bar.update(1)
             bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{100 * sums[1] / sums[2]:.1f}")
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                partial = _all_reduce_sum(sums, device) if world > 1 else sums
+                partial = all_reduce_sum(sums, device) if world > 1 else sums
                 save(epoch, step + 1, partial.tolist())
         bar.close()
         if seen < skip:
@@ -658,7 +629,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                 f"{ckpt_path} stopped after step {skip} of epoch {epoch + 1}, but the loader now "
                 f"yields only {seen} batches per epoch; resume with the same data")
         if world > 1:
-            sums = _all_reduce_sum(sums, device)
+            sums = all_reduce_sum(sums, device)
         if sums[2] == 0:
             raise DataError(
                 f"the fine-tuning loader yielded no batch in epoch {epoch + 1}; a one-shot iterator "

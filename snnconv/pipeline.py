@@ -70,6 +70,10 @@ FINETUNE_MAX_EPOCHS = 8
 #: robustness matrix, and BPTT through 2T steps would cost 4-8x what it costs at T=4.
 FINETUNE_UP_TO_T = 8
 
+#: The distillation weight of the default fine-tuning where the loader has no labels: the
+#: ANN's outputs are the only targets (benchmarks/README.md, "Defaults").
+LABEL_FREE_DISTILL = 1.0
+
 
 def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 0,
                     max_steps: int | None = FINETUNE_MAX_STEPS, reset: str = "subtract", **changes: Any):
@@ -343,21 +347,20 @@ def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Ten
 
 
 def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[int, str]:
-    """``finetune_epochs=None``: for a labelled loader of two batches or more at
+    """``finetune_epochs=None``: for a loader of two batches or more at
     ``T <= FINETUNE_UP_TO_T``, the epochs that reach :data:`FINETUNE_MIN_STEPS` steps
     (:func:`default_finetune_epochs`), none otherwise; and why."""
     why = None
-    if not labelled:
-        why = "the loader has no labels"
-    elif cfg.T > FINETUNE_UP_TO_T:
+    if cfg.T > FINETUNE_UP_TO_T:
         why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
     elif _batches_below(loader, 2):
         why = "the loader has one batch (none to validate on)"
     if why:
         return 0, f"none: {why}"
     epochs = default_finetune_epochs(loader)
+    source = "labelled" if labelled else "no labels: distilled from the ANN's outputs alone"
     return epochs, (f"{epochs} epoch(s), at least {FINETUNE_MIN_STEPS} steps where the data hold them "
-                    f"(T <= {FINETUNE_UP_TO_T}, labelled)")
+                    f"(T <= {FINETUNE_UP_TO_T}, {source})")
 
 
 def default_finetune_epochs(loader: Any) -> int:
@@ -389,11 +392,12 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
 
     Runs prepare -> fold BatchNorm -> QCFS calibration (and QCFS training where asked) -> IF
     replacement and calibration -> BPTT fine-tuning, with the no-BatchNorm guard after every
-    stage. The caller's ``model`` is never changed. By default a labelled loader and a target
-    ``T <= 8`` get whole epochs of fine-tuning up to at least :data:`FINETUNE_MIN_STEPS`
-    optimiser steps (one epoch of a large data set, at most :data:`FINETUNE_MAX_STEPS` steps
-    each, :func:`finetune_recipe`); ``finetune_epochs=0`` converts without training, which is
-    also what an unlabelled loader, a loader of one batch or ``T >= 16`` gets.
+    stage. The caller's ``model`` is never changed. By default a target ``T <= 8`` gets whole
+    epochs of fine-tuning up to at least :data:`FINETUNE_MIN_STEPS` optimiser steps (one epoch
+    of a large data set, at most :data:`FINETUNE_MAX_STEPS` steps each, :func:`finetune_recipe`),
+    distilled from ``model``'s outputs alone where the loader has no labels;
+    ``finetune_epochs=0`` converts without training, which is also what a loader of one batch
+    or ``T >= 16`` gets.
     ``meta.settings`` records every setting as resolved and every default chosen from the data;
     ``meta.settings["budget"]`` the planned optimiser steps of each training stage, the steps
     that ran, their seconds, and the loader's length (one ANN training epoch).
@@ -453,9 +457,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         weight_calibration: with bias calibration, refit the weights of every layer that reads
             spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
             calibration.
-        finetune_epochs: epochs of BPTT fine-tuning (labels needed), each at most
-            :data:`FINETUNE_MAX_STEPS` optimiser steps. ``None`` (default): where the loader
-            is labelled, has two batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`),
+        finetune_epochs: epochs of BPTT fine-tuning, each at most :data:`FINETUNE_MAX_STEPS`
+            optimiser steps; with an unlabelled loader the targets are ``model``'s outputs
+            alone (:data:`LABEL_FREE_DISTILL`). ``None`` (default): where the loader has two
+            batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`),
             the epochs that reach :data:`FINETUNE_MIN_STEPS` steps (1 to
             :data:`FINETUNE_MAX_EPOCHS`); 0 otherwise.
         finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
@@ -505,8 +510,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             cfg = cfg.replace(finetune_epochs=epochs)
             record.update(finetune_epochs=epochs, finetune_default=why)
         if finetune_config is None and cfg.finetune_epochs:
+            # no labels: the ANN's outputs are the only targets (LABEL_FREE_DISTILL)
+            unlabelled = {} if y0 is not None else {"distill": LABEL_FREE_DISTILL}
             finetune_config = finetune_recipe(cfg.T, loader, epochs=cfg.finetune_epochs, seed=cfg.seed,
-                                              max_steps=FINETUNE_MAX_STEPS, reset=cfg.reset)
+                                              max_steps=FINETUNE_MAX_STEPS, reset=cfg.reset, **unlabelled)
         if finetune_config is not None:
             record["finetune"] = vars(finetune_config).copy()
         meta = ConversionMeta(settings=record, seed=cfg.seed)

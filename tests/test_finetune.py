@@ -397,6 +397,28 @@ def test_a_loader_without_labels_is_a_data_error(small_digits_snn, digits_data):
         finetune(small_digits_snn, [x[:64], x[64:128]], T=2, val_fraction=0.0, progress=False)
 
 
+def test_distillation_alone_needs_no_labels_and_validates_against_the_teacher(small_digits_snn,
+                                                                               small_digits_ann, digits_data):
+    """distill=1: an unlabelled loader trains exactly as the same images labelled by the
+    teacher's top-1 (the loss reads only the teacher's outputs), and validation is agreement
+    with the teacher."""
+    x = digits_data[0].tensors[0][:512]
+    with torch.no_grad():
+        top1 = small_digits_ann.eval()(x).argmax(1)
+    opts = dict(T=2, epochs=1, distill=1.0, teacher=small_digits_ann, batch_size=64, progress=False)
+    free, h_free = finetune(small_digits_snn, DataLoader(TensorDataset(x), batch_size=64), **opts)
+    told, h_told = finetune(small_digits_snn, DataLoader(TensorDataset(x, top1), batch_size=64), **opts)
+    assert h_free[0]["val_acc"] == pytest.approx(h_told[0]["val_acc"])
+    assert h_free[0]["steps"] == h_told[0]["steps"] > 0
+    for (name, a), b in zip(free.state_dict().items(), told.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not all(torch.equal(a, b) for a, b in zip(free.state_dict().values(),
+                                                     small_digits_snn.state_dict().values()))
+    with pytest.raises(DataError, match="distill=1.0"):
+        finetune(small_digits_snn, DataLoader(TensorDataset(x), batch_size=64),
+                 **dict(opts, distill=0.5))
+
+
 def test_an_empty_or_too_small_loader_is_a_data_error(small_digits_snn, digits_data):
     x, y = digits_data[0].tensors
     with pytest.raises(DataError):

@@ -44,8 +44,9 @@ def test_qcfs_path_at_T_equal_L_comes_within_three_points_of_its_qcfs_ann(digits
 
 
 def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, digits_data):
-    """convert(model, loader) fine-tunes (readouts at T/2, T, 2T) where labels exist and T <= 8;
-    an unlabelled loader or T = 16 gets the training-free conversion; L follows T."""
+    """convert(model, loader) fine-tunes (readouts at T/2, T, 2T) at T <= 8, from the labels
+    and the ANN's outputs, or from the ANN's outputs alone where the loader has no labels;
+    T = 16 gets the training-free conversion; L follows T."""
     train_set, _ = digits_data
     loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
     _, meta = snnconv.convert(small_digits_ann, loader, T=4, progress=False, on_collapse="warn")
@@ -59,8 +60,12 @@ def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, di
 
     images = DataLoader(train_set.tensors[0], batch_size=64)
     _, meta = snnconv.convert(small_digits_ann, images, T=4, progress=False, on_collapse="warn")
+    assert [s.name for s in meta.stages][-1] == "finetune"
+    assert "no labels" in meta.settings["finetune_default"] and meta.settings["finetune"]["distill"] == 1.0
+    assert meta.settings["budget"]["finetune_steps_run"] == budget["finetune_steps"]
+    _, meta = snnconv.convert(small_digits_ann, images, T=4, finetune_epochs=0, progress=False,
+                              on_collapse="warn")
     assert "finetune" not in [s.name for s in meta.stages]
-    assert "no labels" in meta.settings["finetune_default"]
     _, meta = snnconv.convert(small_digits_ann, loader, T=16, progress=False, on_collapse="warn")
     assert "finetune" not in [s.name for s in meta.stages] and meta.settings["budget"]["finetune_steps"] == 0
 
