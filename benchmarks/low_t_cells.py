@@ -136,9 +136,13 @@ def low_t_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def low_t_plot(rows: list[dict], path: str) -> None:
-    """Worst-seed gap to the ANN against T of the default cell (``T4``), one line per network,
-    with the floors at T=2 and T=4."""
+def low_t_plot(rows: list[dict], path: str) -> bool:
+    """Worst-seed gap to the ANN against T of the cells evaluated at several T (``T4``,
+    ``nolabel_T4``), one line per network and cell, with the floors at T=2 and T=4. Writes
+    nothing, and returns False, where no cell has more than one T."""
+    rows = [r for r in rows if len(r["snn"]) > 1]
+    if not rows:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,23 +150,22 @@ def low_t_plot(rows: list[dict], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in rows:
-        if r["cell"] != "T4":
-            continue
         Ts = sorted(r["snn"])
         gaps = [max(a - s for a, s in zip(r["ann"], r["snn"][t])) for t in Ts]
-        ax.plot(Ts, gaps, marker="o", label=f"{r['arch']} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
+        cell = "" if r["cell"] == "T4" else f" {r['cell']}"
+        ax.plot(Ts, gaps, marker="o", label=f"{r['arch']}{cell} ({r['seeds']} seed{'s' * (r['seeds'] > 1)})")
     ax.plot([2, 4], [3.0, 1.0], "k_", markersize=18, mew=2, label="floor")
     ax.set_xscale("log", base=2)
     ax.set_xticks([2, 4, 8], ["2", "4", "8"])
     ax.set_xlabel("time steps T")
     ax.set_ylabel("ANN - SNN, worst seed (points)")
-    ax.set_title("convert(model, loader, T=4): gap to the ANN")
+    ax.set_title("convert(..., T=4): gap to the ANN")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
+    return True
 
 
 def budget_points(records: list[dict], seed: int = 0) -> dict[str, list[tuple[int, dict[int, float]]]]:

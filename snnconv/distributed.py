@@ -14,6 +14,7 @@ __all__ = ["rank_world", "launched_distributed", "maybe_init_distributed", "loca
 
 
 def rank_world() -> tuple[int, int]:
+    """This process's rank and the number of processes ((0, 1) outside a process group)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -57,6 +58,7 @@ def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def rng_state(device: torch.device) -> dict:
+    """The CPU generator's state, and ``device``'s where it is a GPU."""
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -64,6 +66,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
