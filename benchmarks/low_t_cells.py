@@ -70,15 +70,15 @@ def _unlabelled(loader: DataLoader) -> DataLoader:
 
 def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
     """The cells of :data:`LOW_T_CELLS` for one ANN (vgg_max: no training-free cell, its
-    QCFS training at convert()'s default)."""
+    QCFS training at convert()'s default, distilled from the ANN without labels)."""
     cells = {}
     for name, (options, Ts, _) in LOW_T_CELLS.items():
         if job.get("cells") and name not in job["cells"]:
             continue
         options = dict(options)
         if "vgg" in job["arch"]:
-            if options.pop("unlabelled", False):
-                continue
+            if options.get("unlabelled") and options.get("finetune_epochs") == 0:
+                continue  # training-free: max-pooling becomes average pooling, trained for
             if "qcfs_epochs" in options:
                 options["qcfs_epochs"] = None
         data = _unlabelled(loader) if options.pop("unlabelled", False) else loader

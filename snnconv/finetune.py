@@ -22,16 +22,15 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from .progress import progress_bar
 
 from .distributed import (all_reduce_sum, local_device, maybe_init_distributed,
                           rank_world, rng_state, set_rng_state)
-from .data import bounded, check_labels, split_batch, split_dataset
+from .data import bounded, split_batch, split_dataset
 from .errors import CheckpointError, ConfigError, DataError, StageOrderError
 from .meta import atomic_write_bytes
-from .metrics import accuracy_by_T, evaluate
+from .metrics import TeacherLabelled, accuracy_by_T, distillation_loss, evaluate, teacher_targets
 from .qcfs import make_optimizer
 from .network import SpikingNetwork
 from .neuron import IFNeuron, neurons
@@ -418,29 +417,8 @@ def _check_resumable(path: str, state: dict, fingerprint: str, cfg: FinetuneConf
 def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None,
                   cfg: FinetuneConfig) -> torch.Tensor:
     """Cross-entropy of one readout, mixed with distillation from the teacher's ``soft`` targets."""
-    check_labels(y, logits.shape[1], where="the fine-tuning loader")
-    ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-    if soft is None:
-        return ce
-    tau = cfg.distill_temperature
-    kd = F.kl_div(F.log_softmax(logits / tau, dim=1), soft, reduction="batchmean") * tau * tau
-    return (1 - cfg.distill) * ce + cfg.distill * kd
-
-
-class _TeacherLabelled:
-    """The batches of ``loader`` as ``(x, y)``, ``y`` the teacher's top-1 where a batch has no
-    labels (validation of label-free distillation: agreement with the teacher)."""
-
-    def __init__(self, loader: Iterable, teacher: nn.Module, device: torch.device):
-        self.loader, self.teacher, self.device = loader, teacher, device
-
-    def __iter__(self):
-        for batch in self.loader:
-            x, y = split_batch(batch, where="the validation split")
-            if y is None:
-                with torch.no_grad():
-                    y = self.teacher(x.to(self.device)).argmax(1).cpu()
-            yield x, y
+    return distillation_loss(logits, y, soft, weight=cfg.distill, temperature=cfg.distill_temperature,
+                             label_smoothing=cfg.label_smoothing, where="the fine-tuning loader")
 
 
 def _val_accuracy(model: SpikingNetwork, val: Iterable, cfg: FinetuneConfig, device) -> float:
@@ -490,7 +468,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     data = _loaders(loader, cfg, rank, world)
     label_free = teacher is not None and cfg.distill == 1
     if label_free and data.val is not None:
-        data.val = _TeacherLabelled(data.val, teacher, device)
+        data.val = TeacherLabelled(data.val, teacher, device)
     steps_per_epoch = len(data.train) if hasattr(data.train, "__len__") else None
     if steps_per_epoch == 0:
         raise DataError("the fine-tuning loader yields no full batch after the validation split")
@@ -585,14 +563,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                                 "(x, y) batches, or distill=1.0 with a teacher to learn from its "
                                 "outputs alone")
             x = x.to(device)
-            soft = None
-            if teacher is not None:
-                with torch.no_grad():
-                    logits = teacher(x).float()
-                    soft = F.softmax(logits / cfg.distill_temperature, dim=1)
-                if y is None:  # no labels: the teacher's top-1 (a cross-entropy weight of 0)
-                    y = logits.argmax(1)
-            y = y.to(device)
+            soft, y = teacher_targets(teacher, x, y, cfg.distill_temperature, device)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
                 if cfg.horizons:
                     # anytime readout: cross-entropy of the running average after each horizon

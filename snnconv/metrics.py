@@ -1,4 +1,5 @@
-"""Accuracy and agreement measures shared by the stages, the demo and the benchmarks.
+"""Accuracy and agreement measures shared by the stages, the demo and the benchmarks, and the
+distillation loss both training stages (QCFS training, fine-tuning) learn from a teacher with.
 
 Evaluation never touches the global RNG: it runs under ``torch.random.fork_rng`` (creating a
 DataLoader iterator draws a worker base seed from the global generator even with
@@ -12,11 +13,12 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .data import bounded, check_labels, split_batch
 from .errors import DataError
 
-__all__ = ["evaluate", "predictions", "accuracy_by_T"]
+__all__ = ["evaluate", "predictions", "accuracy_by_T", "distillation_loss", "TeacherLabelled", "teacher_targets"]
 
 
 @contextlib.contextmanager
@@ -85,3 +87,55 @@ def accuracy_by_T(snn: nn.Module, loader: Iterable, Ts: Iterable[int],
     if total == 0:
         raise DataError("the evaluation loader is empty: it yielded no batch")
     return {t: 100.0 * c / total for t, c in correct.items()}
+
+
+def teacher_targets(teacher: nn.Module | None, x: torch.Tensor, y: torch.Tensor | None,
+                    temperature: float, device: torch.device | str
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The teacher's softened outputs at ``temperature`` (None without a teacher) and the labels
+    on ``device``: ``y``, or the teacher's top-1 where the batch has none (the cross-entropy
+    weight is then 0). No gradients reach the teacher."""
+    if teacher is None:
+        return None, y.to(device)
+    with torch.no_grad():
+        logits = teacher(x).float()
+    return F.softmax(logits / temperature, dim=1), (logits.argmax(1) if y is None else y).to(device)
+
+
+def distillation_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None, *,
+                      weight: float, temperature: float, label_smoothing: float = 0.0,
+                      where: str) -> torch.Tensor:
+    """``(1 - weight) * CE(logits, y) + weight * tau^2 * KL(soft || softmax(logits / tau))``.
+
+    ``soft``: the teacher's softened outputs (:func:`teacher_targets`), or None for the
+    cross-entropy alone. Without labels ``y`` is the teacher's top-1 and ``weight`` is 1: the
+    cross-entropy term has weight 0 and the teacher's outputs are the only targets."""
+    check_labels(y, logits.shape[1], where=where)
+    ce = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+    if soft is None:
+        return ce
+    kd = F.kl_div(F.log_softmax(logits / temperature, dim=1), soft, reduction="batchmean")
+    return (1 - weight) * ce + weight * temperature * temperature * kd
+
+
+class TeacherLabelled:
+    """The batches of ``loader`` as ``(x, y)``, ``y`` the teacher's top-1 where a batch has no
+    labels: the validation split of label-free distillation scores agreement with the teacher.
+    Without a teacher an unlabelled batch raises ``DataError(missing)``."""
+
+    def __init__(self, loader: Iterable, teacher: nn.Module | None, device: torch.device | str,
+                 missing: str = "validation needs labels or a teacher"):
+        self.loader, self.teacher, self.device, self.missing = loader, teacher, device, missing
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            x, y = split_batch(batch, where="the validation split")
+            if y is None:
+                if self.teacher is None:
+                    raise DataError(self.missing)
+                with torch.no_grad():
+                    y = self.teacher(x.to(self.device)).argmax(1).cpu()
+            yield x, y

@@ -194,18 +194,16 @@ def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader:
     """QCFS training settings; ``qcfs_epochs=None`` (default) trains :data:`QCFS_STEPS` steps
     where ``maxpool="avg"`` replaces max-pooling (a different function: on the robustness
     matrix the QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89%
-    with them), none otherwise."""
-    import warnings
-
-    if cfg.qcfs_train is not None or cfg.qcfs_epochs:
-        return cfg.qcfs_train or QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed)
+    with them), none otherwise. Without labels it learns from the ANN's outputs alone
+    (:data:`LABEL_FREE_DISTILL`)."""
+    unlabelled = {} if health.y else {"distill": LABEL_FREE_DISTILL}
+    if cfg.qcfs_train is not None:
+        return cfg.qcfs_train
+    if cfg.qcfs_epochs:
+        return QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, **unlabelled)
     pools = max_pools(gm) if cfg.qcfs_epochs is None and cfg.maxpool == "avg" else []
-    if pools and health.y:
-        return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed)
     if pools:
-        warnings.warn(f"max-pooling ({', '.join(pools)}) becomes average pooling, which needs "
-                      "QCFS training to adapt the weights, but the loader has no labels: "
-                      "calibrating only (expect a large accuracy loss)", stacklevel=3)
+        return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed, **unlabelled)
     return None
 
 
@@ -433,8 +431,8 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
-        qcfs_epochs: epochs of QCFS-aware training of the ANN (labels needed; ``qcfs_train``
-            sets the rest). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole
+        qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
+            with an unlabelled loader the targets are ``model``'s outputs alone). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole
             epochs of the training split, the last one cut) where ``maxpool="avg"`` replaced
             max-pooling; none otherwise.
         qcfs_train: a :class:`QCFSTrainConfig`.
@@ -557,7 +555,8 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             qgm = calibrate_qcfs(gm, loader if qcfs_train is not None else calib, L=cfg.L,
                                  percentile=cfg.percentile, per_channel=cfg.per_channel,
                                  num_batches=len(calib), maxpool=cfg.maxpool, train=qcfs_train,
-                                 device=device, progress=cfg.progress)
+                                 device=device, progress=cfg.progress,
+                                 teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None)
             assert_no_batchnorm(qgm, stage="qcfs")
             rec.changes = dict(qgm.meta["qcfs"])
             qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]

@@ -23,11 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .progress import progress_bar
 
-from .data import bounded, check_labels, split_batch, split_loader
+from .data import bounded, split_batch, split_loader
 from .errors import ConfigError, DataError, UnsupportedLayerError
 from .graph import capture, describe_node, module_of, prepare, set_module
 from .guards import assert_no_batchnorm
-from .metrics import evaluate
+from .metrics import TeacherLabelled, distillation_loss, evaluate, teacher_targets
 
 __all__ = ["QCFS", "calibrate_qcfs", "qcfs_sites", "relu_sites", "QCFSTrainConfig", "FloorSTE",
            "check_activations"]
@@ -397,7 +397,11 @@ class QCFSTrainConfig:
     """QCFS-aware ANN training settings (validated on construction).
 
     ``max_steps`` bounds the optimiser steps over all epochs (None: every batch of every epoch);
-    the cosine schedule spans the steps that run, and the epoch it ends in is validated."""
+    the cosine schedule spans the steps that run, and the epoch it ends in is validated.
+    ``distill`` in [0, 1] mixes distillation from a teacher (``calibrate_qcfs(teacher=)``, the
+    ANN before QCFS) into the loss, as in fine-tuning (:func:`snnconv.metrics.distillation_loss`
+    at ``distill_temperature``); at 1 the loader needs no labels and the validation split
+    scores agreement with the teacher."""
 
     epochs: int = 0
     optimizer: str = "sgd"
@@ -409,8 +413,14 @@ class QCFSTrainConfig:
     val_fraction: float = 0.1
     seed: int = 0
     max_steps: int | None = None
+    distill: float = 0.0
+    distill_temperature: float = 2.0
 
     def __post_init__(self):
+        if not 0 <= self.distill <= 1:
+            raise ConfigError(f"distill must be in [0, 1], got {self.distill}")
+        if self.distill_temperature <= 0:
+            raise ConfigError(f"distill_temperature must be positive, got {self.distill_temperature}")
         if self.epochs < 0 or int(self.epochs) != self.epochs:
             raise ConfigError(f"epochs must be a non-negative integer, got {self.epochs}")
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or int(self.max_steps) != self.max_steps
@@ -449,13 +459,21 @@ def make_optimizer(model: nn.Module, name: str, lr: float, *, weight_decay: floa
     return torch.optim.AdamW(groups, lr=lr)
 
 
+_NEEDS_LABELS = ("QCFS training needs labels, but the loader yields inputs only. Pass a loader of "
+                 "(x, y) batches, distill=1.0 with a teacher to learn from its outputs alone, or "
+                 "qcfs_epochs=0 to calibrate only.")
+
+
 def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
-                progress: bool, summary: dict[str, Any]) -> list[dict[str, float]]:
+                progress: bool, summary: dict[str, Any], teacher: nn.Module | None) -> list[dict[str, float]]:
     """Train weights and lambdas; keep the best epoch on the validation split, where the
     calibrated state counts as epoch 0 (``summary`` gets ``calibrated_val_acc`` and ``best_epoch``)."""
     train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
     if val is not None and hasattr(val, "__len__") and len(val) == 0:
         val = None  # too few batches to hold any out: train without best-epoch selection
+    label_free = teacher is not None and cfg.distill == 1
+    if val is not None:
+        val = TeacherLabelled(val, teacher if label_free else None, device, missing=_NEEDS_LABELS)
     lams = [m.lam for m in qcfs_sites(gm).values()]
     opt = make_optimizer(gm, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
                          momentum=cfg.momentum, threshold_lr=cfg.lambda_lr, threshold_params=lams)
@@ -486,13 +504,13 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             steps_done += 1
             total += 1
             x, y = split_batch(batch, where="training loader")
-            if y is None:
-                raise DataError("QCFS training needs labels, but the loader yields inputs only. "
-                                "Pass a loader of (x, y) batches, or qcfs_epochs=0 to calibrate only.")
-            x, y = x.to(device), y.to(device)
+            if y is None and not label_free:
+                raise DataError(_NEEDS_LABELS)
+            x = x.to(device)
+            soft, y = teacher_targets(teacher, x, y, cfg.distill_temperature, device)
             out = gm(x)
-            check_labels(y, out.shape[1], where="the QCFS training loader")
-            loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+            loss = distillation_loss(out, y, soft, weight=cfg.distill, temperature=cfg.distill_temperature,
+                                     label_smoothing=cfg.label_smoothing, where="the QCFS training loader")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -541,20 +559,31 @@ def calibrate_qcfs(
     train: QCFSTrainConfig | None = None,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    teacher: nn.Module | None = None,
 ) -> fx.GraphModule:
     """Replace every ReLU call site of a BatchNorm-free ``model`` with its own calibrated QCFS.
 
     lambda starts at the ``percentile`` of each site's pre-activation over ``num_batches`` batches
     (per layer, or per channel), then ``train`` optionally runs QCFS-aware training (labels
-    needed; validation split from ``loader``). Works on a copy; returns a GraphModule whose
+    needed unless ``train.distill`` is 1; validation split from ``loader``). ``teacher`` (an ANN
+    mapping the same inputs to the same classes, used on a copy in eval mode) is required
+    exactly when ``train.distill > 0``. Works on a copy; returns a GraphModule whose
     ``meta["qcfs"]`` records lambda per site and the training history.
 
     Raises:
         BatchNormRemainsError: the model still holds BatchNorm (fold it first).
         UnsupportedLayerError: another activation (GELU, SiLU, ...), or max-pooling without
             ``maxpool="avg"``.
-        DataError: empty loader, NaN/inf data, or training without labels.
+        DataError: empty loader, NaN/inf data, or training without labels (and ``distill < 1``).
+        ConfigError: a teacher without ``train.distill > 0``, or the other way round.
     """
+    distill = train.distill if train is not None and train.epochs > 0 else 0.0
+    if (teacher is None) != (distill == 0):
+        raise ConfigError("QCFS distillation needs both a teacher and train.distill > 0 (with epochs >= 1); "
+                          f"got teacher={type(teacher).__name__ if teacher is not None else None} "
+                          f"and distill={distill}")
+    if teacher is not None and not isinstance(teacher, nn.Module):
+        raise ConfigError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
     if maxpool not in ("error", "avg"):
         raise ConfigError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
     if not 0 < percentile <= 100:
@@ -603,7 +632,9 @@ def calibrate_qcfs(
     gm.delete_all_unused_submodules()
     gm.recompile()
     if train is not None and train.epochs > 0:
-        record["history"] = _train_qcfs(gm, loader, train, device, progress, record)
+        if teacher is not None:
+            teacher = copy.deepcopy(teacher).to(device).eval().requires_grad_(False)
+        record["history"] = _train_qcfs(gm, loader, train, device, progress, record, teacher)
     for name, q in qcfs_sites(gm).items():
         site = record["sites"].setdefault(name, {"replaces": "an existing QCFS module (kept)"})
         site["lambda"] = q.lam.detach().cpu().tolist()

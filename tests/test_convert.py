@@ -196,7 +196,7 @@ def _nan_in_third_batch():
     return batches[:2] + [(x, y)]
 
 
-@pytest.mark.parametrize("failure", ["nan in a later batch", "training without labels"])
+@pytest.mark.parametrize("failure", ["nan in a later batch", "training on a batch without labels"])
 def test_caller_model_is_unchanged_when_convert_fails_midway(failure):
     model = _half_training(_tiny())
     before = _snapshot(model)
@@ -204,9 +204,10 @@ def test_caller_model_is_unchanged_when_convert_fails_midway(failure):
         with pytest.raises(DataError, match="NaN"):
             snnconv.convert(model, _nan_in_third_batch(), T=2, progress=False)
     else:
-        x, _ = _data(192)
+        x, y = _data(192)
+        batches = list(zip(x.split(32), y.split(32)))[:2] + list(x[64:].split(32))
         with pytest.raises(DataError, match="labels"):
-            snnconv.convert(model, list(x.split(32)), T=2, qcfs_epochs=1, progress=False)
+            snnconv.convert(model, batches, T=2, qcfs_epochs=1, progress=False)
     assert _snapshot(model) == before
 
 
@@ -265,11 +266,12 @@ def test_nan_data_is_refused():
         snnconv.convert(_tiny(), [(x, y)], progress=False)
 
 
-def test_qcfs_training_needs_labels():
+def test_qcfs_training_without_labels_learns_from_the_model():
     x, _ = _data(192)
-    with pytest.raises(DataError, match="labels"):
-        snnconv.convert(_tiny(), DataLoader(TensorDataset(x), batch_size=32), qcfs_epochs=1,
-                        progress=False)
+    _, meta = snnconv.convert(_tiny(), DataLoader(TensorDataset(x), batch_size=32), qcfs_epochs=1,
+                              finetune_epochs=0, progress=False)
+    assert meta.settings["qcfs_train"]["distill"] == 1.0
+    assert len(meta.stage("qcfs").changes["history"]) == 1
 
 
 def test_a_one_shot_iterator_is_refused():
@@ -294,9 +296,9 @@ def test_other_activations_and_max_pooling_through_convert():
     assert epochs == _qcfs_epochs(_pairs()) >= 1 and len(meta.stage("qcfs").changes["history"]) == epochs
     _, meta = snnconv.convert(model, _pairs(), T=2, maxpool="avg", qcfs_epochs=0, progress=False)
     assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
-    with pytest.warns(UserWarning, match="no labels"):
-        _, meta = snnconv.convert(model, [x for x, _ in _pairs()], T=2, maxpool="avg", progress=False)
-    assert meta.settings["qcfs_epochs"] == 0
+    # without labels the same steps learn from the model's outputs alone
+    _, meta = snnconv.convert(model, [x for x, _ in _pairs()], T=2, maxpool="avg", progress=False)
+    assert meta.settings["qcfs_epochs"] == epochs and meta.settings["qcfs_train"]["distill"] == 1.0
     _, meta = snnconv.convert(_tiny(), _pairs(), T=2, progress=False)  # no max-pooling: no training
     assert meta.settings["qcfs_epochs"] == 0 and "history" not in meta.stage("qcfs").changes
 

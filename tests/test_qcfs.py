@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
 from snnconv import models
-from snnconv.errors import BatchNormRemainsError, DataError, UnsupportedLayerError
+from snnconv.errors import BatchNormRemainsError, ConfigError, DataError, UnsupportedLayerError
 from snnconv.fold import fold_batchnorm
 from snnconv.qcfs import QCFS, QCFSTrainConfig, make_optimizer, qcfs_sites, relu_sites
 
@@ -351,6 +351,39 @@ def test_training_without_labels_is_refused():
     with pytest.raises(DataError, match="labels"):
         snnconv.calibrate_qcfs(Act(nn.ReLU()).eval(), list(x.split(16)),
                                train=QCFSTrainConfig(epochs=1), progress=False)
+
+
+def test_distilled_training_needs_no_labels_and_validates_against_the_teacher(small_digits_ann, digits_data):
+    """distill=1 with a teacher: an unlabelled loader trains exactly as the same images labelled
+    by the teacher's top-1 (the loss reads only the teacher's outputs), validation is agreement
+    with the teacher, and a teacher without distillation (or the other way round) is refused."""
+    ann = fold_batchnorm(small_digits_ann.eval())
+    x = digits_data[0].tensors[0][:512]
+    with torch.no_grad():
+        top1 = small_digits_ann(x).argmax(1)
+    train = QCFSTrainConfig(epochs=2, lr=0.02, distill=1.0, val_fraction=0.25)
+    runs = []
+    for data in (TensorDataset(x), TensorDataset(x, top1)):
+        loader = DataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+        runs.append(snnconv.calibrate_qcfs(ann, loader, L=4, train=train, teacher=small_digits_ann,
+                                           progress=False))
+    free, told = runs
+    h_free, h_told = free.meta["qcfs"]["history"], told.meta["qcfs"]["history"]
+    assert [h["val_acc"] for h in h_free] == pytest.approx([h["val_acc"] for h in h_told])
+    assert free.meta["qcfs"]["calibrated_val_acc"] == pytest.approx(told.meta["qcfs"]["calibrated_val_acc"])
+    assert all(h["steps"] > 0 for h in h_free)
+    for (name, a), b in zip(free.state_dict().items(), told.state_dict().values()):
+        assert torch.equal(a, b), name
+    unlabelled = DataLoader(TensorDataset(x), batch_size=64)
+    with pytest.raises(DataError, match="distill=1.0"):
+        snnconv.calibrate_qcfs(ann, unlabelled, train=QCFSTrainConfig(epochs=1, distill=0.5),
+                               teacher=small_digits_ann, progress=False)
+    with pytest.raises(ConfigError, match="teacher"):
+        snnconv.calibrate_qcfs(ann, unlabelled, train=QCFSTrainConfig(epochs=1, distill=1.0), progress=False)
+    with pytest.raises(ConfigError, match="teacher"):
+        snnconv.calibrate_qcfs(ann, unlabelled, teacher=small_digits_ann, progress=False)
+    with pytest.raises(ConfigError, match="distill"):
+        QCFSTrainConfig(epochs=1, distill=1.5)
 
 
 def test_lambda_stays_positive_during_training():
