@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from .progress import progress_bar
 
 from .data import bounded, split_batch, split_loader
@@ -468,9 +469,11 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
                 progress: bool, summary: dict[str, Any], teacher: nn.Module | None) -> list[dict[str, float]]:
     """Train weights and lambdas; keep the best epoch on the validation split, where the
     calibrated state counts as epoch 0 (``summary`` gets ``calibrated_val_acc`` and ``best_epoch``)."""
-    train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
+    few = not isinstance(loader, DataLoader) and (_length(loader) or 2) < 2
+    # a single batch holds nothing out: train on it without best-epoch selection
+    train, val = split_loader(loader, 0.0 if few else cfg.val_fraction, seed=cfg.seed)
     if val is not None and hasattr(val, "__len__") and len(val) == 0:
-        val = None  # too few batches to hold any out: train without best-epoch selection
+        val = None
     label_free = teacher is not None and cfg.distill == 1
     if val is not None:
         val = TeacherLabelled(val, teacher if label_free else None, device, missing=_NEEDS_LABELS)

@@ -27,9 +27,9 @@ def _random_batches(size: int, n: int = 2, batch: int = 2) -> list[torch.Tensor]
 @pytest.mark.parametrize("spec", _SMALL, ids=[s.name for s in _SMALL])
 def test_a_torchvision_classifier_converts_exports_and_runs_bit_identically(spec):
     model = build(spec)
-    loader = _random_batches(spec.size)  # unlabelled: no training stage runs
-    snn, meta = snnconv.convert(model, loader, T=4, finetune_epochs=0, bias_calibration=False,
-                                progress=False, on_collapse="warn")
+    loader = _random_batches(spec.size)
+    snn, meta = snnconv.convert(model, loader, T=4, qcfs_epochs=0, finetune_epochs=0,
+                                bias_calibration=False, progress=False, on_collapse="warn")
     snnconv.assert_no_batchnorm(snn)
     assert meta.settings["qcfs_epochs"] == 0 and "finetune" not in [r.name for r in meta.stages]
     graph = snnconv.export_nir(snn)
