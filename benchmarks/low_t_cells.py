@@ -50,7 +50,8 @@ def convert_cell(ann, loader, test, device, Ts, **options) -> dict:
 #: A floor is (kind, T, points): "gap" = worst-seed ANN - SNN at T; "qcfs_gap" = QCFS-ANN - SNN
 #: at T; "not_below" = SNN at T minus SNN at 4 (worst seed) must be >= -points. ``free_T8``:
 #: training-free without labels; ``nolabel_T4``: convert()'s default on the same unlabelled
-#: images (fine-tuning distilled from the ANN's outputs alone).
+#: images (fine-tuning distilled from the ANN's outputs alone); ``kd_qcfs_T4``: ``T4`` with
+#: convert()'s QCFS training steps on every network, distilled from the ANN (labels unread).
 LOW_T_CELLS = {
     "T4": (dict(T=4), (2, 4, 8), (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
     "free_T8": (dict(T=8, unlabelled=True, finetune_epochs=0), (8,), (("gap", 8, 2.0),)),
@@ -58,6 +59,8 @@ LOW_T_CELLS = {
                    (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
     "qcfs_L4": (dict(T=4, L=4, qcfs_epochs=3, finetune_epochs=0), (4,), (("qcfs_gap", 4, 3.0),)),
     "hard_T8": (dict(T=8, reset="zero"), (8,), (("gap", 8, 2.0),)),
+    "kd_qcfs_T4": (dict(T=4, qcfs_distill=1.0), (2, 4, 8),
+                   (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
 }
 
 
@@ -82,6 +85,12 @@ def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
             if "qcfs_epochs" in options:
                 options["qcfs_epochs"] = None
         data = _unlabelled(loader) if options.pop("unlabelled", False) else loader
+        if "qcfs_distill" in options:  # convert()'s default QCFS steps, distilled from the ANN
+            from snnconv.pipeline import QCFS_STEPS, _qcfs_epochs
+            from snnconv.qcfs import QCFSTrainConfig
+
+            options["qcfs_train"] = QCFSTrainConfig(epochs=_qcfs_epochs(data), max_steps=QCFS_STEPS,
+                                                    seed=job["seed"], distill=options.pop("qcfs_distill"))
         if job["smoke"] and options.get("qcfs_epochs"):
             options["qcfs_epochs"] = 1
         cells[name] = convert_cell(ann, data, test, device, Ts, seed=job["seed"], **extra, **options)
