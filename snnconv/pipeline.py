@@ -556,7 +556,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                                  percentile=cfg.percentile, per_channel=cfg.per_channel,
                                  num_batches=len(calib), maxpool=cfg.maxpool, train=qcfs_train,
                                  device=device, progress=cfg.progress,
-                                 teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None)
+                                 teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None,
+                                 # trained: the function of the neurons the SNN will have
+                                 reset=cfg.reset if qcfs_train is not None and qcfs_train.epochs else "subtract")
             assert_no_batchnorm(qgm, stage="qcfs")
             rec.changes = dict(qgm.meta["qcfs"])
             qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]

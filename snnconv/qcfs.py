@@ -30,7 +30,7 @@ from .graph import capture, describe_node, module_of, prepare, set_module
 from .guards import assert_no_batchnorm
 from .metrics import TeacherLabelled, distillation_loss, evaluate, teacher_targets
 
-__all__ = ["QCFS", "calibrate_qcfs", "qcfs_sites", "relu_sites", "QCFSTrainConfig", "FloorSTE",
+__all__ = ["QCFS", "hard_reset_rate", "calibrate_qcfs", "qcfs_sites", "relu_sites", "QCFSTrainConfig", "FloorSTE",
            "check_activations"]
 
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
@@ -69,28 +69,53 @@ class FloorSTE(torch.autograd.Function):
         return grad
 
 
+def hard_reset_rate(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """Spike rate of a hard-reset IF neuron (threshold 1, membrane from 0, reset to 0) over
+    ``steps`` steps of the constant input ``u``: it fires every ``k = ceil(1 / u)`` steps.
+
+    .. math::
+        r(u) = \\lfloor \\mathrm{steps} / \\lceil 1 / u \\rceil \\rfloor / \\mathrm{steps}
+        \\ (u > 0), \\qquad r(u) = 0 \\ (u \\le 0)
+
+    A staircase with the levels ``floor(steps / k) / steps`` (at 8 steps: 0, 1/8, 2/8, 4/8, 1),
+    where subtractive reset gives ``floor(u * steps + 1/2) / steps``. No gradient.
+    """
+    k = torch.ceil(1.0 / u.clamp(min=1.0 / (steps + 1)))
+    return torch.where(u > 0, torch.floor(steps / k) / steps, torch.zeros_like(u))
+
+
 class QCFS(nn.Module):
-    """Quantization-clip-floor-shift activation.
+    """Quantization-clip-floor-shift activation, or the hard-reset neuron's rate.
 
     .. math::
         a = \\lambda \\, \\mathrm{clip}(\\lfloor z L / \\lambda + \\varphi \\rfloor / L, 0, 1)
+        \\quad (\\texttt{reset="subtract"}), \\qquad
+        a = \\lambda \\, r(z / \\lambda) \\quad (\\texttt{reset="zero"},
+        :func:`hard_reset_rate` over L steps)
 
-    ``floor`` has a straight-through gradient; ``lam`` is a trainable parameter, one value per
+    ``floor`` has a straight-through gradient (``reset="zero"``: the gradient of
+    ``lambda * clip(z / lambda, 0, 1)``); ``lam`` is a trainable parameter, one value per
     layer (shape ``[]``) or per channel (shape ``[C]``, channels on dim 1 of the input).
+    ``reset="zero"`` is the function a hard-reset IF neuron with threshold lambda computes on a
+    constant input over L steps, which QCFS training then teaches the network.
 
     Shape:
         input ``[B, C, ...]`` or ``[B, C]``; output: same.
     """
 
-    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5):
+    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5,
+                 reset: str = "subtract"):
         super().__init__()
         if int(L) != L or L < 1:
             raise ConfigError(f"QCFS needs an integer L >= 1, got {L}")
+        if reset not in ("subtract", "zero"):
+            raise ConfigError(f"QCFS reset must be 'subtract' or 'zero', got {reset!r}")
         lam = torch.as_tensor(lam, dtype=torch.float32).clone()
         if lam.dim() > 1 or not torch.isfinite(lam).all() or (lam <= 0).any():
             raise ConfigError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
         self.L = int(L)
         self.phi = float(phi)
+        self.reset = reset
         self.lam = nn.Parameter(lam)
 
     def lam_view(self, ndim: int) -> torch.Tensor:
@@ -101,12 +126,17 @@ class QCFS(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lam = self.lam_view(x.dim())
+        if self.reset == "zero":
+            u = x / lam
+            c = u.clamp(0, 1)
+            return lam * (c + (hard_reset_rate(u.detach(), self.L) - c).detach())
         q = FloorSTE.apply(x * (self.L / lam) + self.phi)
         return torch.clamp(q, 0, self.L) * (lam / self.L)
 
     def extra_repr(self) -> str:
         shape = "per-layer" if self.lam.dim() == 0 else f"per-channel[{self.lam.numel()}]"
-        return f"L={self.L}, phi={self.phi}, lam={shape}"
+        kind = ", reset=zero" if self.reset == "zero" else ""
+        return f"L={self.L}, phi={self.phi}, lam={shape}{kind}"
 
 
 def relu_sites(gm: fx.GraphModule) -> list[fx.Node]:
@@ -340,7 +370,11 @@ def _site_name(node: fx.Node, used: set[str]) -> str:
 def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, percentile: float,
                  per_channel: bool, num_batches: int, device: torch.device,
                  progress: bool, max_samples: int = 1 << 18,
-                 ndims: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+                 ndims: dict[str, int] | None = None,
+                 hard_reset_steps: int | None = None) -> dict[str, torch.Tensor]:
+    """Per site, lambda: the ``percentile`` of its pre-activation; with ``hard_reset_steps``
+    that lambda times the factor of :data:`HARD_RESET_FACTORS` whose hard-reset rate
+    (:func:`hard_reset_rate`) fits the ReLU clipped at the percentile best on the samples."""
     inputs = {s.name: _relu_input(s).name for s in sites}
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
@@ -383,8 +417,29 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
         else:
             v = torch.cat(chunks)
             lam = torch.quantile(v[: 16_000_000], q)
-        out[site] = lam.clamp_min(1e-3)
+        lam = lam.clamp_min(1e-3)
+        out[site] = lam if hard_reset_steps is None else lam * _hard_reset_factor(v, lam, hard_reset_steps)
     return out
+
+
+#: lambda's factors tried for a hard-reset site: its staircase lies under the identity (inputs in
+#: [lambda/2, lambda) give lambda/2), so the best fit of the clipped ReLU has a lower lambda.
+HARD_RESET_FACTORS = tuple(k / 20 for k in range(4, 21))
+
+
+def _hard_reset_factor(v: torch.Tensor, lam: torch.Tensor, steps: int) -> torch.Tensor:
+    """The factor of :data:`HARD_RESET_FACTORS` (per channel where ``v`` is ``[C, N]``) of
+    least squared error between ``f lam r(v / (f lam))`` and ``clip(v, 0, lam)``."""
+    lam = lam.reshape(-1, 1) if v.dim() == 2 else lam
+    v = v.float()
+    target = torch.minimum(v.clamp_min(0), lam)
+    best = torch.full(v.shape[:-1] if v.dim() == 2 else (), float("inf"), device=v.device)
+    factor = torch.ones_like(best)
+    for f in HARD_RESET_FACTORS:
+        err = ((f * lam * hard_reset_rate(v / (f * lam), steps) - target) ** 2).mean(-1)
+        factor = torch.where(err < best, torch.full_like(factor, f), factor)
+        best = torch.minimum(best, err)
+    return factor.reshape(-1) if v.dim() == 2 else factor
 
 
 def _check_finite(x: torch.Tensor, where: str) -> None:
@@ -563,6 +618,7 @@ def calibrate_qcfs(
     device: str | torch.device = "cpu",
     progress: bool = True,
     teacher: nn.Module | None = None,
+    reset: str = "subtract",
 ) -> fx.GraphModule:
     """Replace every ReLU call site of a BatchNorm-free ``model`` with its own calibrated QCFS.
 
@@ -570,7 +626,9 @@ def calibrate_qcfs(
     (per layer, or per channel), then ``train`` optionally runs QCFS-aware training (labels
     needed unless ``train.distill`` is 1; validation split from ``loader``). ``teacher`` (an ANN
     mapping the same inputs to the same classes, used on a copy in eval mode) is required
-    exactly when ``train.distill > 0``. Works on a copy; returns a GraphModule whose
+    exactly when ``train.distill > 0``. ``reset="zero"``: every site computes the hard-reset
+    neuron's rate over L steps (:func:`hard_reset_rate`) instead of QCFS, so that training
+    teaches the function a hard-reset SNN computes. Works on a copy; returns a GraphModule whose
     ``meta["qcfs"]`` records lambda per site and the training history.
 
     Raises:
@@ -589,6 +647,8 @@ def calibrate_qcfs(
         raise ConfigError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
     if maxpool not in ("error", "avg"):
         raise ConfigError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
+    if reset not in ("subtract", "zero"):
+        raise ConfigError(f"reset must be 'subtract' or 'zero', got {reset!r}")
     if not 0 < percentile <= 100:
         raise ConfigError(f"percentile must be in (0, 100], got {percentile}")
     if isinstance(L, bool) or int(L) != L or L < 1:
@@ -605,9 +665,10 @@ def calibrate_qcfs(
     sites = relu_sites(gm)
     ndims: dict[str, int] = {}
     lams = _percentiles(gm, loader, sites, percentile=percentile, per_channel=per_channel,
-                        num_batches=num_batches, device=device, progress=progress, ndims=ndims)
+                        num_batches=num_batches, device=device, progress=progress, ndims=ndims,
+                        hard_reset_steps=L if reset == "zero" else None)
     used: set[str] = set(n for n, _ in gm.named_modules())
-    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled}
+    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled, "reset": reset}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sites:
         name = _site_name(node, used)
@@ -616,7 +677,7 @@ def calibrate_qcfs(
         cap = getattr(module_of(gm, node), "cap", None)  # a clipped ReLU (snnconv.clip)
         if cap is not None:
             lams[node.name] = lams[node.name].clamp(max=cap)
-        site = QCFS(L, lams[node.name]).to(device)
+        site = QCFS(L, lams[node.name], reset=reset).to(device)
         # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
         # that reads this site's output on the right dimension
         site.input_ndim = ndims.get(node.name)
