@@ -432,9 +432,11 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
-            with an unlabelled loader the targets are ``model``'s outputs alone). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole
-            epochs of the training split, the last one cut) where ``maxpool="avg"`` replaced
-            max-pooling; none otherwise.
+            with an unlabelled loader the targets are ``model``'s outputs alone; with
+            ``reset="zero"`` it trains the hard-reset neuron's rate instead of QCFS,
+            :func:`snnconv.qcfs.hard_reset_rate`). ``None`` (default): :data:`QCFS_STEPS`
+            optimiser steps (in whole epochs of the training split, the last one cut) where
+            ``maxpool="avg"`` replaced max-pooling; none otherwise.
         qcfs_train: a :class:`QCFSTrainConfig`.
         per_channel: one threshold per channel or one per layer. Default: per channel for
             ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
