@@ -32,7 +32,7 @@ __all__ = ["activity", "collapse_report", "dead_layers", "accuracy_of", "chance_
 
 
 def _relu_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    from .qcfs import relu_sites
+    from .activation import relu_sites
 
     return relu_sites(gm)
 
@@ -44,7 +44,7 @@ def activity(model: nn.Module, batches: list[torch.Tensor],
     pass gives both, see :func:`accuracy_of`)."""
     from .network import SpikingNetwork
     from .neuron import IFNeuron, channel_view
-    from .qcfs import QCFS
+    from .activation import QCFS
 
     sums: dict[str, list[float]] = {}
 

@@ -212,7 +212,7 @@ class IFNeuron(nn.Module):
         if self.reset != "subtract":
             raise ConfigError("SpikingNetwork.rate() is the QCFS limit of subtractive-reset "
                              "neurons; this network resets to zero")
-        from .qcfs import FloorSTE  # QCFS's floor; imported here, so the step stays stage-free
+        from .activation import FloorSTE  # QCFS's floor; imported here, so the step stays stage-free
 
         # the spike count of T = L steps on a constant input, divided by L: QCFS(L, theta)/theta
         L = self.rate_levels

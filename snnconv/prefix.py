@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .graph import describe_node, module_of
-from .qcfs import relu_sites
+from .activation import relu_sites
 
 __all__ = ["AnalogPrefix", "PREFIX_NAME", "split_prefix", "analog_prefix"]
 

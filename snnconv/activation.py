@@ -1,0 +1,350 @@
+"""The activation every ReLU call site becomes, and which graphs can become spiking.
+
+:class:`QCFS` (Bu et al., ICLR 2022) and the hard-reset neuron's rate (:func:`hard_reset_rate`)
+are the functions an IF neuron computes on a constant input; :func:`relu_sites` finds the call
+sites they replace, :func:`check_activations` refuses by name what has no IF form (another
+activation, max-pooling, an operation between neurons that would need analog values), and
+:func:`replace_maxpool` makes max-pooling average pooling where asked.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import ConfigError, UnsupportedLayerError
+from .graph import describe_node, module_of, set_module
+
+__all__ = ["QCFS", "FloorSTE", "hard_reset_rate", "relu_sites", "qcfs_sites", "check_activations",
+           "max_pools", "replace_maxpool"]
+
+_RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
+_RELU_METHODS = {"relu", "relu_"}
+
+#: Activations with no exact IF equivalent: refused by name.
+_UNSUPPORTED_MODULES = (nn.GELU, nn.SiLU, nn.LeakyReLU, nn.Sigmoid, nn.Tanh, nn.ELU, nn.SELU,
+                        nn.CELU, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.PReLU, nn.Softplus,
+                        nn.Mish, nn.RReLU, nn.GLU, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid,
+                        nn.Softmax, nn.Threshold)
+_UNSUPPORTED_FUNCTIONS = {F.gelu, F.silu, F.leaky_relu, F.leaky_relu_, torch.sigmoid, F.sigmoid,
+                          torch.tanh, F.tanh, F.elu, F.elu_, F.selu, F.celu, F.hardswish,
+                          F.hardsigmoid, F.relu6, F.hardtanh, F.hardtanh_, F.softplus, F.mish,
+                          F.prelu, F.rrelu, F.glu, F.softsign, F.logsigmoid, F.threshold}
+_UNSUPPORTED_FUNCTIONS |= {torch.selu, torch.celu, torch.special.expit, torch.softmax,
+                           torch.log_softmax, F.softmax, F.log_softmax, F.softmin}
+_UNSUPPORTED_METHODS = {"sigmoid", "sigmoid_", "tanh", "tanh_", "softmax", "log_softmax"}
+_MAXPOOL_TO_AVG = {nn.MaxPool1d: nn.AvgPool1d, nn.MaxPool2d: nn.AvgPool2d, nn.MaxPool3d: nn.AvgPool3d}
+_ADAPTIVE_MAX_TO_AVG = {nn.AdaptiveMaxPool1d: nn.AdaptiveAvgPool1d,
+                        nn.AdaptiveMaxPool2d: nn.AdaptiveAvgPool2d,
+                        nn.AdaptiveMaxPool3d: nn.AdaptiveAvgPool3d}
+_MAXPOOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d,
+                      F.adaptive_max_pool2d, F.adaptive_max_pool3d, torch.max_pool2d,
+                      torch.max_pool1d, torch.max_pool3d}
+
+
+class FloorSTE(torch.autograd.Function):
+    """``floor`` with a straight-through gradient (QCFS's, and the IF neuron's rate limit)."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: D102
+        return torch.floor(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        return grad
+
+
+def hard_reset_rate(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """Spike rate of a hard-reset IF neuron (threshold 1, membrane from 0, reset to 0) over
+    ``steps`` steps of the constant input ``u``: it fires every ``k = ceil(1 / u)`` steps.
+
+    .. math::
+        r(u) = \\lfloor \\mathrm{steps} / \\lceil 1 / u \\rceil \\rfloor / \\mathrm{steps}
+        \\ (u > 0), \\qquad r(u) = 0 \\ (u \\le 0)
+
+    A staircase with the levels ``floor(steps / k) / steps`` (at 8 steps: 0, 1/8, 2/8, 4/8, 1),
+    where subtractive reset gives ``floor(u * steps + 1/2) / steps``. No gradient.
+    """
+    k = torch.ceil(1.0 / u.clamp(min=1.0 / (steps + 1)))
+    return torch.where(u > 0, torch.floor(steps / k) / steps, torch.zeros_like(u))
+
+
+class QCFS(nn.Module):
+    """Quantization-clip-floor-shift activation, or the hard-reset neuron's rate.
+
+    .. math::
+        a = \\lambda \\, \\mathrm{clip}(\\lfloor z L / \\lambda + \\varphi \\rfloor / L, 0, 1)
+        \\quad (\\texttt{reset="subtract"}), \\qquad
+        a = \\lambda \\, r(z / \\lambda) \\quad (\\texttt{reset="zero"},
+        :func:`hard_reset_rate` over L steps)
+
+    ``floor`` has a straight-through gradient (``reset="zero"``: the gradient of
+    ``lambda * clip(z / lambda, 0, 1)``); ``lam`` is a trainable parameter, one value per
+    layer (shape ``[]``) or per channel (shape ``[C]``, channels on dim 1 of the input).
+    ``reset="zero"`` is the function a hard-reset IF neuron with threshold lambda computes on a
+    constant input over L steps, which QCFS training then teaches the network.
+
+    Shape:
+        input ``[B, C, ...]`` or ``[B, C]``; output: same.
+    """
+
+    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5,
+                 reset: str = "subtract"):
+        super().__init__()
+        if int(L) != L or L < 1:
+            raise ConfigError(f"QCFS needs an integer L >= 1, got {L}")
+        if reset not in ("subtract", "zero"):
+            raise ConfigError(f"QCFS reset must be 'subtract' or 'zero', got {reset!r}")
+        lam = torch.as_tensor(lam, dtype=torch.float32).clone()
+        if lam.dim() > 1 or not torch.isfinite(lam).all() or (lam <= 0).any():
+            raise ConfigError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
+        self.L = int(L)
+        self.phi = float(phi)
+        self.reset = reset
+        self.lam = nn.Parameter(lam)
+
+    def lam_view(self, ndim: int) -> torch.Tensor:
+        """lambda shaped to broadcast over an input with ``ndim`` dimensions (channels on dim 1)."""
+        if self.lam.dim() == 0:
+            return self.lam
+        return self.lam.reshape((1, -1) + (1,) * (ndim - 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lam = self.lam_view(x.dim())
+        if self.reset == "zero":
+            u = x / lam
+            c = u.clamp(0, 1)
+            return lam * (c + (hard_reset_rate(u.detach(), self.L) - c).detach())
+        q = FloorSTE.apply(x * (self.L / lam) + self.phi)
+        return torch.clamp(q, 0, self.L) * (lam / self.L)
+
+    def extra_repr(self) -> str:
+        shape = "per-layer" if self.lam.dim() == 0 else f"per-channel[{self.lam.numel()}]"
+        kind = ", reset=zero" if self.reset == "zero" else ""
+        return f"L={self.L}, phi={self.phi}, lam={shape}{kind}"
+
+
+def relu_sites(gm: fx.GraphModule) -> list[fx.Node]:
+    """Every ReLU call site of ``gm``: ``nn.ReLU`` calls, ``F.relu``, ``torch.relu``, ``Tensor.relu``."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and isinstance(module_of(gm, node), nn.ReLU):
+            sites.append(node)
+        elif node.op == "call_function" and node.target in _RELU_FUNCTIONS:
+            sites.append(node)
+        elif node.op == "call_method" and node.target in _RELU_METHODS:
+            sites.append(node)
+    return sites
+
+
+def _relu_input(node: fx.Node) -> Any:
+    """The tensor a ReLU call site reads (``F.relu(input=x)`` passes it by keyword)."""
+    return node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
+
+
+def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a ReLU call site overwrites its input (``inplace=True``, ``relu_``)."""
+    mod = module_of(gm, node)
+    if mod is not None:
+        return bool(getattr(mod, "inplace", False))
+    if node.op == "call_method":
+        return node.target == "relu_"
+    if node.target in (torch.relu_, F.relu_):
+        return True
+    return bool(node.args[1] if len(node.args) > 1 else node.kwargs.get("inplace", False))
+
+
+def qcfs_sites(model: nn.Module) -> dict[str, QCFS]:
+    """The QCFS modules of ``model`` by qualified name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QCFS)}
+
+
+def check_activations(gm: fx.GraphModule, maxpool: str, *, stage: str = "QCFS calibration") -> None:
+    """Refuse activations other than ReLU, and max-pooling unless ``maxpool == "avg"``."""
+    for node in gm.graph.nodes:
+        mod = module_of(gm, node)
+        bad = None
+        if mod is not None and isinstance(mod, _UNSUPPORTED_MODULES):
+            bad = f"{type(mod).__name__} at {describe_node(node)}"
+        elif node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS:
+            bad = describe_node(node)
+        elif node.op == "call_method" and node.target in _UNSUPPORTED_METHODS:
+            bad = describe_node(node)
+        if bad:
+            raise UnsupportedLayerError(
+                f"unsupported activation {bad} found at {stage}: only ReLU maps onto "
+                "integrate-and-fire neurons (QCFS). Replace it with nn.ReLU and retrain the ANN "
+                "before converting.")
+        is_max = (mod is not None and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}) or (
+            node.op == "call_function" and node.target in _MAXPOOL_FUNCTIONS)
+        if is_max and (maxpool != "avg" or mod is None):
+            if mod is not None:
+                hint = ("pass maxpool='avg' to calibrate_qcfs/convert to replace it with average "
+                        "pooling (retraining or QCFS training recovers the accuracy)")
+            else:
+                hint = "replace the functional call with an nn.MaxPool module or nn.AvgPool2d"
+            raise UnsupportedLayerError(
+                f"max-pooling at {describe_node(node)} found at {stage}: a max over spike trains "
+                f"is not the spike train of the max, so it has no exact IF equivalent; {hint}.")
+    _check_between_neurons(gm, maxpool, stage)
+
+
+# --- what may stand between two spiking layers ------------------------------------------------
+#
+# Between neurons only spike trains travel, and a layer sees the average of its input over T.
+# An operation f keeps the converted network right only if the average of f over the steps is
+# f of the average: linear maps (conv, linear, average pooling, sums, scaling by a constant),
+# selections and rearrangements (reshape, flatten, slicing, concatenation, zero padding), and
+# identities at inference (dropout). Anything else (clamp, abs, max, min, a product of two
+# activations, normalisation...) is refused by name.
+
+_ALLOWED_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                    nn.ConvTranspose3d, nn.Linear, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+                    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.Flatten,
+                    nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
+                    nn.ReLU, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.modules.batchnorm._BatchNorm)
+_ALLOWED_FUNCTIONS = {operator.add, operator.sub, operator.neg, operator.pos, operator.getitem,
+                      torch.add, torch.sub, torch.subtract, torch.neg, torch.cat, torch.concat,
+                      torch.stack, torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze,
+                      torch.transpose, torch.permute, torch.chunk, torch.split, torch.narrow,
+                      F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, torch.avg_pool1d,
+                      F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+                      F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.linear, F.conv1d,
+                      F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d, getattr,
+                      builtins.len, torch.nn.functional.pad, torch.flip, torch.roll}
+_ALLOWED_FUNCTIONS |= _RELU_FUNCTIONS
+_ALLOWED_METHODS = {"view", "reshape", "flatten", "size", "dim", "contiguous", "permute", "transpose",
+                    "squeeze", "unsqueeze", "chunk", "split", "narrow", "add", "add_", "sub", "sub_",
+                    "neg", "expand", "expand_as", "view_as", "reshape_as", "float", "to", "type_as",
+                    "clone", "detach", "__getitem__", "flip", "roll"} | _RELU_METHODS
+_SCALING_FUNCTIONS = {operator.mul, operator.truediv, torch.mul, torch.multiply, torch.div,
+                      torch.true_divide, operator.matmul, torch.matmul, torch.mm, operator.imul}
+_SCALING_METHODS = {"mul", "mul_", "div", "div_", "matmul", "__mul__", "__truediv__"}
+_REDUCTIONS_FUNCTIONS = {torch.mean, torch.sum}
+_REDUCTION_METHODS = {"mean", "sum"}
+
+
+def _spike_carriers(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on the output of an activation site (a neuron after conversion)."""
+    seeds = set(relu_sites(gm))
+    for node in gm.graph.nodes:
+        mod = module_of(gm, node)
+        if mod is not None and (isinstance(mod, QCFS) or type(mod).__name__ == "IFNeuron"):
+            seeds.add(node)
+    carriers: set[fx.Node] = set()
+    for node in gm.graph.nodes:  # topological order
+        if node in seeds or any(i in carriers for i in node.all_input_nodes):
+            carriers.add(node)
+    return carriers
+
+
+def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool: str) -> str | None:
+    """Why ``node`` (reading spike trains) cannot be converted, or None when it can."""
+    if node.op in ("output", "placeholder", "get_attr"):
+        return None
+    mod = module_of(gm, node)
+    if node.op == "call_module":
+        if isinstance(mod, _ALLOWED_MODULES) or isinstance(mod, QCFS) or type(mod).__name__ in (
+                "IFNeuron", "Scale", "TimeExpand"):
+            return None
+        if maxpool == "avg" and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}:
+            return None
+        return f"{type(mod).__name__} module"
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    moving = [a for a in node.all_input_nodes if a in carriers]
+    if node.op == "call_function":
+        if target in _ALLOWED_FUNCTIONS:
+            if target is torch.nn.functional.pad:
+                value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0)
+                mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+                if mode != "constant" or value not in (0, 0.0, None):
+                    return f"padding with mode {mode!r} and value {value!r} (only zero padding commutes)"
+            return None
+        if target in _SCALING_FUNCTIONS:
+            if len(moving) > 1:
+                return f"'{name}' of two activations (a product is not linear in the spike rates)"
+            if target in (operator.truediv, torch.div, torch.true_divide) and node.args[1:2] and \
+                    node.args[1] in carriers:
+                return f"'{name}' by an activation"
+            return None
+        if target in _REDUCTIONS_FUNCTIONS:
+            return _reduction_refusal(node, name, 1)
+        return f"'{name}'"
+    if node.op == "call_method":
+        if target in _ALLOWED_METHODS:
+            return None
+        if target in _SCALING_METHODS:
+            if len(moving) > 1:
+                return f"'{name}' of two activations (a product is not linear in the spike rates)"
+            if target in ("div", "div_", "__truediv__") and node.args[1:2] and node.args[1] in carriers:
+                return f"'{name}' by an activation"
+            return None
+        if target in _REDUCTION_METHODS:
+            return _reduction_refusal(node, name, 1)
+        return f"method '{name}'"
+    return f"{node.op} '{name}'"
+
+
+def _reduction_refusal(node: fx.Node, name: str, dim_pos: int) -> str | None:
+    dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim")
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if dim is None or any(not isinstance(d, int) or d == 0 for d in dims):
+        return f"'{name}' over the batch dimension (or all dimensions); reduce over dims >= 1 only"
+    return None
+
+
+def _check_between_neurons(gm: fx.GraphModule, maxpool: str, stage: str) -> None:
+    """Refuse any operation on spike trains outside the allow-list (see above), by fx node."""
+    carriers = _spike_carriers(gm)
+    bad = []
+    for node in gm.graph.nodes:
+        if node in carriers:
+            why = _refusal(gm, node, carriers, maxpool)
+            if why is not None:
+                bad.append(f"{why} at {describe_node(node)}")
+    if bad:
+        raise UnsupportedLayerError(
+            f"{len(bad)} operation(s) after a ReLU found at {stage} have no spiking equivalent: "
+            + "; ".join(bad) + ". Between spiking layers only operations that commute with "
+            "averaging over time steps are exact: conv, linear, average pooling, flatten/reshape/"
+            "view, add/sub, concatenation, slicing, zero padding, dropout, identity, scaling by a "
+            "constant. Remove or replace the operation (e.g. a clamp by a ReLU, max-pooling by "
+            "average pooling) and retrain the ANN.")
+
+
+def max_pools(gm: fx.GraphModule) -> list[str]:
+    """The max-pooling modules of ``gm`` that ``maxpool="avg"`` would replace."""
+    return [str(n.target) for n in gm.graph.nodes
+            if type(module_of(gm, n)) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}]
+
+
+def replace_maxpool(gm: fx.GraphModule) -> list[str]:
+    replaced = []
+    for node in gm.graph.nodes:
+        mod = module_of(gm, node)
+        if mod is None:
+            continue
+        if type(mod) in _MAXPOOL_TO_AVG:
+            if mod.return_indices or (mod.dilation not in (1, (1,), (1, 1), (1, 1, 1))):
+                raise UnsupportedLayerError(
+                    f"max-pooling at {describe_node(node)} uses dilation or return_indices, which "
+                    "average pooling cannot reproduce; change the layer before converting")
+            # padding counted in the average: the form NIR's AvgPool2d has (a padded max-pool is
+            # another function either way; QCFS training adapts the weights to it)
+            avg = _MAXPOOL_TO_AVG[type(mod)](mod.kernel_size, mod.stride, mod.padding,
+                                             ceil_mode=mod.ceil_mode, count_include_pad=True)
+            set_module(gm, str(node.target), avg)
+            replaced.append(str(node.target))
+        elif type(mod) in _ADAPTIVE_MAX_TO_AVG:
+            if mod.return_indices:
+                raise UnsupportedLayerError(f"{describe_node(node)} returns indices; remove that first")
+            set_module(gm, str(node.target), _ADAPTIVE_MAX_TO_AVG[type(mod)](mod.output_size))
+            replaced.append(str(node.target))
+    return replaced
