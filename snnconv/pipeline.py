@@ -166,20 +166,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-#: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
-#: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at
-#: this count (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training
-#: epochs, three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at T=16 / 32
-#: after 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65,
-#: 1.00 / 0.85 (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25
-#: (10 epochs); on the full Fashion-MNIST training set (422 steps per epoch) 2, 4 and 6 epochs
-#: gave the same T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS
-#: training where max-pooling became average pooling: steps"). Networks without max-pooling
-#: get none by default: before the default fine-tuning at T=4 the same steps moved T=4 by
-#: +1.15 / -0.35 / -1.35 points (ResNet-20 / tv_resnet / MobileNet) and hard reset at T=8 by
-#: -3.4 / +3.9 / +8.5 / +0.15 (with the small CNN) (benchmarks/README.md, "Levers tried on the
-#: few-step matrix").
+#: QCFS training steps of ``convert(qcfs_epochs=None)``, where ``maxpool="avg"`` replaced
+#: max-pooling and before the default fine-tuning at ``T <= QCFS_UP_TO_T``: whole epochs of
+#: the training split (:func:`_qcfs_epochs`), the last one cut at this count
+#: (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training epochs,
+#: three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at T=16 / 32 after
+#: 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85
+#: (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on
+#: the full Fashion-MNIST training set (422 steps per epoch) 2, 4 and 6 epochs gave the same
+#: T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS training where
+#: max-pooling became average pooling: steps").
 QCFS_STEPS = 576
+
+#: Target T up to which these steps also run before the default fine-tuning on every network.
+#: The few-step matrix, seed 0, ``kd_qcfs_T4`` against ``T4`` (same ANNs), T = 2 / 4 / 8:
+#: +0.87 / +0.12 / -0.19 (tv_resnet), +1.02 / -0.69 / -0.55 (ResNet-20), +6.29 / +2.01 / -0.40
+#: (MobileNet), -0.16 / -0.20 / -0.54 (small CNN), for 1.05-1.4x the time (benchmarks/README.md,
+#: "Defaults"). T=8 gets none: its own readout loses up to 0.55 points.
+QCFS_UP_TO_T = 4
+
+#: QCFS training in convert() learns from the ANN's outputs alone (labels unread): the matrix's
+#: VGG, three seeds, mean (worst) at T = 2 / 4 / 8 after distilled QCFS training then the default
+#: fine-tuning: 86.97 (86.50) / 87.90 (87.60) / 88.27 (87.86), against 86.36 (85.07) / 87.78
+#: (87.59) / 87.47 (86.10) trained on the labels (``kd_qcfs_T4`` against ``T4``).
+QCFS_DISTILL = 1.0
 
 
 def _qcfs_epochs(loader: Any) -> int:
@@ -191,19 +201,21 @@ def _qcfs_epochs(loader: Any) -> int:
 
 
 def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader: Any) -> QCFSTrainConfig | None:
-    """QCFS training settings; ``qcfs_epochs=None`` (default) trains :data:`QCFS_STEPS` steps
-    where ``maxpool="avg"`` replaces max-pooling (a different function: on the robustness
-    matrix the QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89%
-    with them), none otherwise. Without labels it learns from the ANN's outputs alone
-    (:data:`LABEL_FREE_DISTILL`)."""
-    unlabelled = {} if health.y else {"distill": LABEL_FREE_DISTILL}
+    """QCFS training settings, distilled from the ANN (:data:`QCFS_DISTILL`): ``qcfs_epochs``
+    epochs, or with ``qcfs_epochs=None`` (default) :data:`QCFS_STEPS` steps where
+    ``maxpool="avg"`` replaces max-pooling (a different function: on the robustness matrix the
+    QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with them)
+    or where fine-tuning follows at ``T <= QCFS_UP_TO_T``; none otherwise."""
     if cfg.qcfs_train is not None:
         return cfg.qcfs_train
     if cfg.qcfs_epochs:
-        return QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, **unlabelled)
-    pools = max_pools(gm) if cfg.qcfs_epochs is None and cfg.maxpool == "avg" else []
-    if pools:
-        return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed, **unlabelled)
+        return QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, distill=QCFS_DISTILL)
+    if cfg.qcfs_epochs is not None:
+        return None
+    pools = max_pools(gm) if cfg.maxpool == "avg" else []
+    if pools or (cfg.T <= QCFS_UP_TO_T and health.finetune_follows):
+        return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed,
+                               distill=QCFS_DISTILL)
     return None
 
 
@@ -431,12 +443,13 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
-        qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
-            with an unlabelled loader the targets are ``model``'s outputs alone; with
-            ``reset="zero"`` it trains the hard-reset neuron's rate instead of QCFS,
-            :func:`snnconv.qcfs.hard_reset_rate`). ``None`` (default): :data:`QCFS_STEPS`
+        qcfs_epochs: epochs of QCFS-aware training of the ANN, learning from ``model``'s
+            outputs alone (:data:`QCFS_DISTILL`; ``qcfs_train`` sets the rest, labels
+            included); with ``reset="zero"`` it trains the hard-reset neuron's rate instead of
+            QCFS (:func:`snnconv.qcfs.hard_reset_rate`). ``None`` (default): :data:`QCFS_STEPS`
             optimiser steps (in whole epochs of the training split, the last one cut) where
-            ``maxpool="avg"`` replaced max-pooling; none otherwise.
+            ``maxpool="avg"`` replaced max-pooling or where fine-tuning follows at
+            ``T <= QCFS_UP_TO_T``; none otherwise. ``0``: none.
         qcfs_train: a :class:`QCFSTrainConfig`.
         per_channel: one threshold per channel or one per layer. Default: per channel for
             ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
