@@ -50,9 +50,8 @@ def convert_cell(ann, loader, test, device, Ts, **options) -> dict:
 #: A floor is (kind, T, points): "gap" = worst-seed ANN - SNN at T; "qcfs_gap" = QCFS-ANN - SNN
 #: at T; "not_below" = SNN at T minus SNN at 4 (worst seed) must be >= -points. ``free_T8``:
 #: training-free without labels; ``nolabel_T4``: convert()'s default on the same unlabelled
-#: images (fine-tuning distilled from the ANN's outputs alone); ``kd_qcfs_T4`` / ``kd_qcfs_hard_T8``:
-#: ``T4`` / ``hard_T8`` with convert()'s QCFS training steps on every network, distilled from the
-#: ANN (labels unread; under hard reset QCFS trains the hard-reset neuron's rate).
+#: images (fine-tuning distilled from the ANN's outputs alone); ``kd_qcfs_T4``: ``T4`` with
+#: convert()'s QCFS training steps on every network, distilled from the ANN (labels unread).
 LOW_T_CELLS = {
     "T4": (dict(T=4), (2, 4, 8), (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
     "free_T8": (dict(T=8, unlabelled=True, finetune_epochs=0), (8,), (("gap", 8, 2.0),)),
@@ -62,7 +61,6 @@ LOW_T_CELLS = {
     "hard_T8": (dict(T=8, reset="zero"), (8,), (("gap", 8, 2.0),)),
     "kd_qcfs_T4": (dict(T=4, qcfs_distill=1.0), (2, 4, 8),
                    (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
-    "kd_qcfs_hard_T8": (dict(T=8, reset="zero", qcfs_distill=1.0), (8,), (("gap", 8, 2.0),)),
 }
 
 

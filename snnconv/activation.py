@@ -1,7 +1,7 @@
 """The activation every ReLU call site becomes, and which graphs can become spiking.
 
-:class:`QCFS` (Bu et al., ICLR 2022) and the hard-reset neuron's rate (:func:`hard_reset_rate`)
-are the functions an IF neuron computes on a constant input; :func:`relu_sites` finds the call
+:class:`QCFS` (Bu et al., ICLR 2022) is the function an IF neuron computes on a constant input
+over L steps; :func:`relu_sites` finds the call
 sites they replace, :func:`check_activations` refuses by name what has no IF form (another
 activation, max-pooling, an operation between neurons that would need analog values), and
 :func:`replace_maxpool` makes max-pooling average pooling where asked.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .errors import ConfigError, UnsupportedLayerError
 from .graph import describe_node, module_of, set_module
 
-__all__ = ["QCFS", "FloorSTE", "hard_reset_rate", "relu_sites", "qcfs_sites", "check_activations",
+__all__ = ["QCFS", "FloorSTE", "relu_sites", "qcfs_sites", "check_activations",
            "max_pools", "replace_maxpool"]
 
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
@@ -60,53 +60,28 @@ class FloorSTE(torch.autograd.Function):
         return grad
 
 
-def hard_reset_rate(u: torch.Tensor, steps: int) -> torch.Tensor:
-    """Spike rate of a hard-reset IF neuron (threshold 1, membrane from 0, reset to 0) over
-    ``steps`` steps of the constant input ``u``: it fires every ``k = ceil(1 / u)`` steps.
-
-    .. math::
-        r(u) = \\lfloor \\mathrm{steps} / \\lceil 1 / u \\rceil \\rfloor / \\mathrm{steps}
-        \\ (u > 0), \\qquad r(u) = 0 \\ (u \\le 0)
-
-    A staircase with the levels ``floor(steps / k) / steps`` (at 8 steps: 0, 1/8, 2/8, 4/8, 1),
-    where subtractive reset gives ``floor(u * steps + 1/2) / steps``. No gradient.
-    """
-    k = torch.ceil(1.0 / u.clamp(min=1.0 / (steps + 1)))
-    return torch.where(u > 0, torch.floor(steps / k) / steps, torch.zeros_like(u))
-
-
 class QCFS(nn.Module):
-    """Quantization-clip-floor-shift activation, or the hard-reset neuron's rate.
+    """Quantization-clip-floor-shift activation.
 
     .. math::
         a = \\lambda \\, \\mathrm{clip}(\\lfloor z L / \\lambda + \\varphi \\rfloor / L, 0, 1)
-        \\quad (\\texttt{reset="subtract"}), \\qquad
-        a = \\lambda \\, r(z / \\lambda) \\quad (\\texttt{reset="zero"},
-        :func:`hard_reset_rate` over L steps)
 
-    ``floor`` has a straight-through gradient (``reset="zero"``: the gradient of
-    ``lambda * clip(z / lambda, 0, 1)``); ``lam`` is a trainable parameter, one value per
+    ``floor`` has a straight-through gradient; ``lam`` is a trainable parameter, one value per
     layer (shape ``[]``) or per channel (shape ``[C]``, channels on dim 1 of the input).
-    ``reset="zero"`` is the function a hard-reset IF neuron with threshold lambda computes on a
-    constant input over L steps, which QCFS training then teaches the network.
 
     Shape:
         input ``[B, C, ...]`` or ``[B, C]``; output: same.
     """
 
-    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5,
-                 reset: str = "subtract"):
+    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5):
         super().__init__()
         if int(L) != L or L < 1:
             raise ConfigError(f"QCFS needs an integer L >= 1, got {L}")
-        if reset not in ("subtract", "zero"):
-            raise ConfigError(f"QCFS reset must be 'subtract' or 'zero', got {reset!r}")
         lam = torch.as_tensor(lam, dtype=torch.float32).clone()
         if lam.dim() > 1 or not torch.isfinite(lam).all() or (lam <= 0).any():
             raise ConfigError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
         self.L = int(L)
         self.phi = float(phi)
-        self.reset = reset
         self.lam = nn.Parameter(lam)
 
     def lam_view(self, ndim: int) -> torch.Tensor:
@@ -117,17 +92,12 @@ class QCFS(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lam = self.lam_view(x.dim())
-        if self.reset == "zero":
-            u = x / lam
-            c = u.clamp(0, 1)
-            return lam * (c + (hard_reset_rate(u.detach(), self.L) - c).detach())
         q = FloorSTE.apply(x * (self.L / lam) + self.phi)
         return torch.clamp(q, 0, self.L) * (lam / self.L)
 
     def extra_repr(self) -> str:
         shape = "per-layer" if self.lam.dim() == 0 else f"per-channel[{self.lam.numel()}]"
-        kind = ", reset=zero" if self.reset == "zero" else ""
-        return f"L={self.L}, phi={self.phi}, lam={shape}{kind}"
+        return f"L={self.L}, phi={self.phi}, lam={shape}"
 
 
 def relu_sites(gm: fx.GraphModule) -> list[fx.Node]:

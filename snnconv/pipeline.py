@@ -445,8 +445,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN, learning from ``model``'s
             outputs alone (:data:`QCFS_DISTILL`; ``qcfs_train`` sets the rest, labels
-            included); with ``reset="zero"`` it trains the hard-reset neuron's rate instead of
-            QCFS (:func:`snnconv.qcfs.hard_reset_rate`). ``None`` (default): :data:`QCFS_STEPS`
+            included). ``None`` (default): :data:`QCFS_STEPS`
             optimiser steps (in whole epochs of the training split, the last one cut) where
             ``maxpool="avg"`` replaced max-pooling or where fine-tuning follows at
             ``T <= QCFS_UP_TO_T``; none otherwise. ``0``: none.
@@ -571,9 +570,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                                  percentile=cfg.percentile, per_channel=cfg.per_channel,
                                  num_batches=len(calib), maxpool=cfg.maxpool, train=qcfs_train,
                                  device=device, progress=cfg.progress,
-                                 teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None,
-                                 # trained: the function of the neurons the SNN will have
-                                 reset=cfg.reset if qcfs_train is not None and qcfs_train.epochs else "subtract")
+                                 teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None)
             assert_no_batchnorm(qgm, stage="qcfs")
             rec.changes = dict(qgm.meta["qcfs"])
             qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]

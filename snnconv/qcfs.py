@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from .activation import (QCFS, FloorSTE, _is_inplace, _relu_input, check_activations, hard_reset_rate,
+from .activation import (QCFS, FloorSTE, _is_inplace, _relu_input, check_activations,
                          max_pools, qcfs_sites, relu_sites, replace_maxpool)
 from .data import bounded, split_batch, split_loader
 from .errors import ConfigError, DataError
@@ -30,7 +30,7 @@ from .guards import assert_no_batchnorm
 from .metrics import TeacherLabelled, distillation_loss, evaluate, teacher_targets
 
 # QCFS and the site helpers live in snnconv.activation; importable from here as before
-__all__ = ["QCFS", "FloorSTE", "hard_reset_rate", "calibrate_qcfs", "qcfs_sites", "relu_sites",
+__all__ = ["QCFS", "FloorSTE", "calibrate_qcfs", "qcfs_sites", "relu_sites",
            "QCFSTrainConfig", "check_activations", "max_pools", "make_optimizer"]
 
 def _site_name(node: fx.Node, used: set[str]) -> str:
@@ -44,11 +44,8 @@ def _site_name(node: fx.Node, used: set[str]) -> str:
 def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, percentile: float,
                  per_channel: bool, num_batches: int, device: torch.device,
                  progress: bool, max_samples: int = 1 << 18,
-                 ndims: dict[str, int] | None = None,
-                 hard_reset_steps: int | None = None) -> dict[str, torch.Tensor]:
-    """Per site, lambda: the ``percentile`` of its pre-activation; with ``hard_reset_steps``
-    that lambda times the factor of :data:`HARD_RESET_FACTORS` whose hard-reset rate
-    (:func:`hard_reset_rate`) fits the ReLU clipped at the percentile best on the samples."""
+                 ndims: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """Per site, lambda: the ``percentile`` of its pre-activation."""
     inputs = {s.name: _relu_input(s).name for s in sites}
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
@@ -91,29 +88,8 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
         else:
             v = torch.cat(chunks)
             lam = torch.quantile(v[: 16_000_000], q)
-        lam = lam.clamp_min(1e-3)
-        out[site] = lam if hard_reset_steps is None else lam * _hard_reset_factor(v, lam, hard_reset_steps)
+        out[site] = lam.clamp_min(1e-3)
     return out
-
-
-#: lambda's factors tried for a hard-reset site: its staircase lies under the identity (inputs in
-#: [lambda/2, lambda) give lambda/2), so the best fit of the clipped ReLU has a lower lambda.
-HARD_RESET_FACTORS = tuple(k / 20 for k in range(4, 21))
-
-
-def _hard_reset_factor(v: torch.Tensor, lam: torch.Tensor, steps: int) -> torch.Tensor:
-    """The factor of :data:`HARD_RESET_FACTORS` (per channel where ``v`` is ``[C, N]``) of
-    least squared error between ``f lam r(v / (f lam))`` and ``clip(v, 0, lam)``."""
-    lam = lam.reshape(-1, 1) if v.dim() == 2 else lam
-    v = v.float()
-    target = torch.minimum(v.clamp_min(0), lam)
-    best = torch.full(v.shape[:-1] if v.dim() == 2 else (), float("inf"), device=v.device)
-    factor = torch.ones_like(best)
-    for f in HARD_RESET_FACTORS:
-        err = ((f * lam * hard_reset_rate(v / (f * lam), steps) - target) ** 2).mean(-1)
-        factor = torch.where(err < best, torch.full_like(factor, f), factor)
-        best = torch.minimum(best, err)
-    return factor.reshape(-1) if v.dim() == 2 else factor
 
 
 def _check_finite(x: torch.Tensor, where: str) -> None:
@@ -292,7 +268,6 @@ def calibrate_qcfs(
     device: str | torch.device = "cpu",
     progress: bool = True,
     teacher: nn.Module | None = None,
-    reset: str = "subtract",
 ) -> fx.GraphModule:
     """Replace every ReLU call site of a BatchNorm-free ``model`` with its own calibrated QCFS.
 
@@ -300,9 +275,7 @@ def calibrate_qcfs(
     (per layer, or per channel), then ``train`` optionally runs QCFS-aware training (labels
     needed unless ``train.distill`` is 1; validation split from ``loader``). ``teacher`` (an ANN
     mapping the same inputs to the same classes, used on a copy in eval mode) is required
-    exactly when ``train.distill > 0``. ``reset="zero"``: every site computes the hard-reset
-    neuron's rate over L steps (:func:`hard_reset_rate`) instead of QCFS, so that training
-    teaches the function a hard-reset SNN computes. Works on a copy; returns a GraphModule whose
+    exactly when ``train.distill > 0``. Works on a copy; returns a GraphModule whose
     ``meta["qcfs"]`` records lambda per site and the training history.
 
     Raises:
@@ -321,8 +294,6 @@ def calibrate_qcfs(
         raise ConfigError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
     if maxpool not in ("error", "avg"):
         raise ConfigError(f"maxpool must be 'error' or 'avg', got {maxpool!r}")
-    if reset not in ("subtract", "zero"):
-        raise ConfigError(f"reset must be 'subtract' or 'zero', got {reset!r}")
     if not 0 < percentile <= 100:
         raise ConfigError(f"percentile must be in (0, 100], got {percentile}")
     if isinstance(L, bool) or int(L) != L or L < 1:
@@ -339,10 +310,9 @@ def calibrate_qcfs(
     sites = relu_sites(gm)
     ndims: dict[str, int] = {}
     lams = _percentiles(gm, loader, sites, percentile=percentile, per_channel=per_channel,
-                        num_batches=num_batches, device=device, progress=progress, ndims=ndims,
-                        hard_reset_steps=L if reset == "zero" else None)
+                        num_batches=num_batches, device=device, progress=progress, ndims=ndims)
     used: set[str] = set(n for n, _ in gm.named_modules())
-    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled, "reset": reset}
+    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sites:
         name = _site_name(node, used)
@@ -351,7 +321,7 @@ def calibrate_qcfs(
         cap = getattr(module_of(gm, node), "cap", None)  # a clipped ReLU (snnconv.clip)
         if cap is not None:
             lams[node.name] = lams[node.name].clamp(max=cap)
-        site = QCFS(L, lams[node.name], reset=reset).to(device)
+        site = QCFS(L, lams[node.name]).to(device)
         # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
         # that reads this site's output on the right dimension
         site.input_ndim = ndims.get(node.name)

@@ -221,10 +221,6 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
         q = module_of(gm, node)
         if not isinstance(q, QCFS):
             continue
-        if getattr(q, "reset", "subtract") == "zero" and reset != "zero":
-            raise ConfigError(f"{describe_node(node)} was trained as a hard-reset neuron's rate "
-                              "(QCFS reset='zero'); a subtractive IF neuron computes another "
-                              "function. Pass reset='zero', or calibrate with reset='subtract'.")
         theta = q.lam.detach().clone().float()
         target = str(node.target)
         base = target.replace("qcfs_", "if_", 1) if target.startswith("qcfs_") else f"if_{node.name}"
