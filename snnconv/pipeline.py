@@ -166,24 +166,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-#: QCFS training steps of ``convert(qcfs_epochs=None)``, where ``maxpool="avg"`` replaced
-#: max-pooling and before the default fine-tuning at ``T <= QCFS_UP_TO_T``: whole epochs of
-#: the training split (:func:`_qcfs_epochs`), the last one cut at this count
+#: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
+#: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at this count
 #: (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training epochs,
 #: three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at T=16 / 32 after
 #: 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85
 #: (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on
 #: the full Fashion-MNIST training set (422 steps per epoch) 2, 4 and 6 epochs gave the same
 #: T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS training where
-#: max-pooling became average pooling: steps").
+#: max-pooling became average pooling: steps"). Networks without max-pooling get none by
+#: default: before the default fine-tuning at T=4 the same steps (distilled) moved the
+#: worst-seed T=4 gap of two seeds from 2.00 / 3.57 / 9.73 / 1.55 to 2.36 / 4.26 / 7.72 / 5.47
+#: (tv_resnet / ResNet-20 / MobileNet / small CNN) while T=2 gained 1.9 points on the mean
+#: (benchmarks/README.md, "Levers tried on the few-step matrix").
 QCFS_STEPS = 576
-
-#: Target T up to which these steps also run before the default fine-tuning on every network.
-#: The few-step matrix, seed 0, ``kd_qcfs_T4`` against ``T4`` (same ANNs), T = 2 / 4 / 8:
-#: +0.87 / +0.12 / -0.19 (tv_resnet), +1.02 / -0.69 / -0.55 (ResNet-20), +6.29 / +2.01 / -0.40
-#: (MobileNet), -0.16 / -0.20 / -0.54 (small CNN), for 1.05-1.4x the time (benchmarks/README.md,
-#: "Defaults"). T=8 gets none: its own readout loses up to 0.55 points.
-QCFS_UP_TO_T = 4
 
 #: QCFS training in convert() learns from the ANN's outputs alone (labels unread): the matrix's
 #: VGG, three seeds, mean (worst) at T = 2 / 4 / 8 after distilled QCFS training then the default
@@ -200,12 +196,12 @@ def _qcfs_epochs(loader: Any) -> int:
     return 16 if steps is None else min(64, max(1, math.ceil(QCFS_STEPS / max(1, steps))))
 
 
-def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader: Any) -> QCFSTrainConfig | None:
+def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, loader: Any) -> QCFSTrainConfig | None:
     """QCFS training settings, distilled from the ANN (:data:`QCFS_DISTILL`): ``qcfs_epochs``
     epochs, or with ``qcfs_epochs=None`` (default) :data:`QCFS_STEPS` steps where
     ``maxpool="avg"`` replaces max-pooling (a different function: on the robustness matrix the
-    QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with them)
-    or where fine-tuning follows at ``T <= QCFS_UP_TO_T``; none otherwise."""
+    QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with them);
+    none otherwise."""
     if cfg.qcfs_train is not None:
         return cfg.qcfs_train
     if cfg.qcfs_epochs:
@@ -213,7 +209,7 @@ def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader:
     if cfg.qcfs_epochs is not None:
         return None
     pools = max_pools(gm) if cfg.maxpool == "avg" else []
-    if pools or (cfg.T <= QCFS_UP_TO_T and health.finetune_follows):
+    if pools:
         return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed,
                                distill=QCFS_DISTILL)
     return None
@@ -447,8 +443,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             outputs alone (:data:`QCFS_DISTILL`; ``qcfs_train`` sets the rest, labels
             included). ``None`` (default): :data:`QCFS_STEPS`
             optimiser steps (in whole epochs of the training split, the last one cut) where
-            ``maxpool="avg"`` replaced max-pooling or where fine-tuning follows at
-            ``T <= QCFS_UP_TO_T``; none otherwise. ``0``: none.
+            ``maxpool="avg"`` replaced max-pooling; none otherwise. ``0``: none.
         qcfs_train: a :class:`QCFSTrainConfig`.
         per_channel: one threshold per channel or one per layer. Default: per channel for
             ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
@@ -545,7 +540,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
         if eval_loader is not None:
             meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-        qcfs_train = _qcfs_training(cfg, gm, health, loader)
+        qcfs_train = _qcfs_training(cfg, gm, loader)
         record["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
         if qcfs_train is not None:
             record["qcfs_train"] = vars(qcfs_train).copy()

@@ -45,9 +45,8 @@ def test_qcfs_path_at_T_equal_L_comes_within_three_points_of_its_qcfs_ann(digits
 
 def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, digits_data):
     """convert(model, loader) fine-tunes (readouts at T/2, T, 2T) at T <= 8, from the labels
-    and the ANN's outputs, or from the ANN's outputs alone where the loader has no labels,
-    after QCFS training distilled from the ANN at T <= 4; T = 16 gets the training-free
-    conversion; L follows T."""
+    and the ANN's outputs, or from the ANN's outputs alone where the loader has no labels;
+    T = 16 gets the training-free conversion; L follows T."""
     train_set, _ = digits_data
     loader = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
     _, meta = snnconv.convert(small_digits_ann, loader, T=4, progress=False, on_collapse="warn")
@@ -57,8 +56,7 @@ def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, di
     budget = meta.settings["budget"]
     assert budget["finetune_steps_run"] == budget["finetune_steps"] >= pipeline.FINETUNE_MIN_STEPS
     assert budget["finetune_seconds"] > 0 and budget["ann_epoch_steps"] == len(loader)
-    assert budget["qcfs_steps"] == budget["qcfs_steps_run"] == pipeline.QCFS_STEPS
-    assert meta.settings["qcfs_train"]["distill"] == pipeline.QCFS_DISTILL == 1.0
+    assert budget["qcfs_steps"] == 0  # no max-pooling: no QCFS training
 
     images = DataLoader(train_set.tensors[0], batch_size=64)
     _, meta = snnconv.convert(small_digits_ann, images, T=4, progress=False, on_collapse="warn")
@@ -90,14 +88,15 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     monkeypatch.setattr(pipeline, "FINETUNE_MAX_STEPS", 3)
     monkeypatch.setattr(pipeline, "FINETUNE_MIN_STEPS", 3)
     monkeypatch.setattr(pipeline, "QCFS_STEPS", 3)
+    qcfs = pipeline.QCFSTrainConfig(epochs=1, max_steps=3, seed=0, distill=pipeline.QCFS_DISTILL)
     g = torch.Generator().manual_seed(0)
     data = _Counting(torch.rand(2000, 1, 8, 8, generator=g), torch.randint(0, 10, (2000,), generator=g))
     loader = DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
     _Counting.reads = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, meta = snnconv.convert(small_digits_ann, loader, T=2, calib_batches=2, progress=False,
-                                  on_collapse="warn")
+        _, meta = snnconv.convert(small_digits_ann, loader, T=2, calib_batches=2, qcfs_train=qcfs,
+                                  progress=False, on_collapse="warn")
     budget = meta.settings["budget"]
     assert budget["finetune_steps"] == budget["finetune_steps_run"] == 3
     assert meta.stage("finetune").changes["steps"] == 3
