@@ -176,9 +176,10 @@ def seed_everything(seed: int) -> None:
 #: T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS training where
 #: max-pooling became average pooling: steps"). Networks without max-pooling get none by
 #: default: before the default fine-tuning at T=4 the same steps (distilled) moved the
-#: worst-seed T=4 gap of two seeds from 2.00 / 3.57 / 9.73 / 1.55 to 2.36 / 4.26 / 7.72 / 5.47
-#: (tv_resnet / ResNet-20 / MobileNet / small CNN) while T=2 gained 1.9 points on the mean
-#: (benchmarks/README.md, "Levers tried on the few-step matrix").
+#: worst-seed T=4 gap from 2.00 / 4.13 / 9.73 / 1.55 to 2.36 / 4.60 / 7.72 / 5.47 (tv_resnet
+#: and ResNet-20 three seeds, MobileNet and the small CNN two) while T=2 gained 1.7 points
+#: and T=8 lost 0.8 on the mean of the ten pairs (benchmarks/README.md, "Levers tried on the
+#: few-step matrix").
 QCFS_STEPS = 576
 
 #: QCFS training in convert() learns from the ANN's outputs alone (labels unread): the matrix's
