@@ -167,8 +167,8 @@ def seed_everything(seed: int) -> None:
 
 
 #: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
-#: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at this count
-#: (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training epochs,
+#: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at
+#: this count (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training epochs,
 #: three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at T=16 / 32 after
 #: 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85
 #: (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on
@@ -442,9 +442,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN, learning from ``model``'s
             outputs alone (:data:`QCFS_DISTILL`; ``qcfs_train`` sets the rest, labels
-            included). ``None`` (default): :data:`QCFS_STEPS`
-            optimiser steps (in whole epochs of the training split, the last one cut) where
-            ``maxpool="avg"`` replaced max-pooling; none otherwise. ``0``: none.
+            included). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole epochs
+            of the training split, the last one cut) where ``maxpool="avg"`` replaced
+            max-pooling; none otherwise. ``0``: none.
         qcfs_train: a :class:`QCFSTrainConfig`.
         per_channel: one threshold per channel or one per layer. Default: per channel for
             ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
