@@ -182,13 +182,6 @@ def seed_everything(seed: int) -> None:
 #: few-step matrix").
 QCFS_STEPS = 576
 
-#: QCFS training in convert() learns from the ANN's outputs alone (labels unread): the matrix's
-#: VGG, three seeds, mean (worst) at T = 2 / 4 / 8 after distilled QCFS training then the default
-#: fine-tuning: 86.97 (86.50) / 87.90 (87.60) / 88.27 (87.86), against 86.36 (85.07) / 87.78
-#: (87.59) / 87.47 (86.10) trained on the labels (``kd_qcfs_T4`` against ``T4``).
-QCFS_DISTILL = 1.0
-
-
 def _qcfs_epochs(loader: Any) -> int:
     """Epochs that hold :data:`QCFS_STEPS` steps over the training split of ``loader`` (its
     validation split held out), between 1 and 64 (a tiny loader: each epoch is also a
@@ -197,22 +190,21 @@ def _qcfs_epochs(loader: Any) -> int:
     return 16 if steps is None else min(64, max(1, math.ceil(QCFS_STEPS / max(1, steps))))
 
 
-def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, loader: Any) -> QCFSTrainConfig | None:
-    """QCFS training settings, distilled from the ANN (:data:`QCFS_DISTILL`): ``qcfs_epochs``
-    epochs, or with ``qcfs_epochs=None`` (default) :data:`QCFS_STEPS` steps where
-    ``maxpool="avg"`` replaces max-pooling (a different function: on the robustness matrix the
-    QCFS-ANN of a VGG drops from 82-89% to 45-58% without it and recovers to 82-89% with them);
-    none otherwise."""
+def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader: Any) -> QCFSTrainConfig | None:
+    """QCFS training settings: ``qcfs_epochs`` epochs, or with ``qcfs_epochs=None`` (default)
+    :data:`QCFS_STEPS` steps where ``maxpool="avg"`` replaces max-pooling (a different
+    function: on the robustness matrix the QCFS-ANN of a VGG drops from 82-89% to 45-58%
+    without it and recovers to 82-89% with them); none otherwise. Without labels it learns from
+    the ANN's outputs alone (:data:`LABEL_FREE_DISTILL`)."""
+    unlabelled = {} if health.y else {"distill": LABEL_FREE_DISTILL}
     if cfg.qcfs_train is not None:
         return cfg.qcfs_train
     if cfg.qcfs_epochs:
-        return QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, distill=QCFS_DISTILL)
-    if cfg.qcfs_epochs is not None:
-        return None
-    pools = max_pools(gm) if cfg.maxpool == "avg" else []
+        return QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, **unlabelled)
+    pools = max_pools(gm) if cfg.qcfs_epochs is None and cfg.maxpool == "avg" else []
     if pools:
         return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed,
-                               distill=QCFS_DISTILL)
+                               **unlabelled)
     return None
 
 
@@ -440,9 +432,8 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
-        qcfs_epochs: epochs of QCFS-aware training of the ANN, learning from ``model``'s
-            outputs alone (:data:`QCFS_DISTILL`; ``qcfs_train`` sets the rest, labels
-            included). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole epochs
+        qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
+            with an unlabelled loader the targets are ``model``'s outputs alone). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole epochs
             of the training split, the last one cut) where ``maxpool="avg"`` replaced
             max-pooling; none otherwise. ``0``: none.
         qcfs_train: a :class:`QCFSTrainConfig`.
@@ -541,7 +532,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
         if eval_loader is not None:
             meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-        qcfs_train = _qcfs_training(cfg, gm, loader)
+        qcfs_train = _qcfs_training(cfg, gm, health, loader)
         record["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
         if qcfs_train is not None:
             record["qcfs_train"] = vars(qcfs_train).copy()

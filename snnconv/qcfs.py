@@ -107,7 +107,10 @@ class QCFSTrainConfig:
     ``distill`` in [0, 1] mixes distillation from a teacher (``calibrate_qcfs(teacher=)``, the
     ANN before QCFS) into the loss, as in fine-tuning (:func:`snnconv.metrics.distillation_loss`
     at ``distill_temperature``); at 1 the loader needs no labels and the validation split
-    scores agreement with the teacher."""
+    scores agreement with the teacher. The temperature is 1 by default: the distillation term
+    is scaled by its square, and at 2 SGD at ``lr`` 0.01 diverged on a BatchNorm-free ResNet-20
+    (the matrix's, Fashion-MNIST, L=4, three epochs: validation 10.4% each epoch), where at 1 it
+    reached 86.15% on 2,000 test images (86.90 from the labels)."""
 
     epochs: int = 0
     optimizer: str = "sgd"
@@ -120,7 +123,7 @@ class QCFSTrainConfig:
     seed: int = 0
     max_steps: int | None = None
     distill: float = 0.0
-    distill_temperature: float = 2.0
+    distill_temperature: float = 1.0
 
     def __post_init__(self):
         if not 0 <= self.distill <= 1:

@@ -149,8 +149,8 @@ def add_convert(sub, pa: dict) -> None:
                    help="BPTT epochs, at most 2000 steps each (default: convert()'s, at T <= 8 the "
                         "epochs that reach 512 steps; 0 converts without training)")
     p.add_argument("--qcfs-epochs", type=count, default=None,
-                   help="QCFS-aware training epochs, learning from the ANN's outputs (default: "
-                        "convert()'s, none unless max-pooling became average pooling)")
+                   help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
+                        "became average pooling)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
                    help="one threshold per channel (the default)")
