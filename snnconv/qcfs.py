@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -247,6 +248,13 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     if best[1] is not None:
         gm.load_state_dict(best[1])
         summary["best_epoch"] = best_epoch
+        if best_epoch == 0 and history:
+            warnings.warn(
+                f"QCFS training did not beat the calibrated network on the validation split in "
+                f"{len(history)} epoch(s) ({best[0]:.1f}% at the start, {history[-1]['val_acc']:.1f}% "
+                "after the last): the calibrated network is kept. Far below the start means the "
+                "training diverged: lower QCFSTrainConfig.lr (or distill_temperature), or pass "
+                "qcfs_epochs=0.", RuntimeWarning, stacklevel=3)
     gm.eval()
     return history
 

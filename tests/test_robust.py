@@ -395,12 +395,14 @@ def test_the_stage_checks_accuracy_is_that_of_the_network_on_its_two_batches(sma
 
 
 def test_qcfs_training_never_returns_worse_than_the_calibrated_state(small_digits_ann, digits_data):
-    """A learning rate that wrecks the network: the calibrated state (epoch 0) is kept."""
+    """A learning rate that wrecks the network: the calibrated state (epoch 0) is kept, and a
+    warning says so."""
     train = DataLoader(digits_data[0], batch_size=64)  # the same calibration batches both times
     folded = snnconv.fold_batchnorm(small_digits_ann)
     calibrated = snnconv.calibrate_qcfs(folded, train, L=4, progress=False)
-    wrecked = snnconv.calibrate_qcfs(folded, train, L=4, progress=False,
-                                     train=snnconv.QCFSTrainConfig(epochs=1, lr=1e4, weight_decay=0.0))
+    with pytest.warns(RuntimeWarning, match="did not beat the calibrated network"):
+        wrecked = snnconv.calibrate_qcfs(folded, train, L=4, progress=False,
+                                         train=snnconv.QCFSTrainConfig(epochs=1, lr=1e4, weight_decay=0.0))
     record = wrecked.meta["qcfs"]
     assert record["best_epoch"] == 0 and record["history"][0]["val_acc"] < record["calibrated_val_acc"]
     a, b = calibrated.state_dict(), wrecked.state_dict()
