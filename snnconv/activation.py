@@ -1,10 +1,10 @@
 """The activation every ReLU call site becomes, and which graphs can become spiking.
 
 :class:`QCFS` (Bu et al., ICLR 2022) is the function an IF neuron computes on a constant input
-over L steps; :func:`relu_sites` finds the call
-sites they replace, :func:`check_activations` refuses by name what has no IF form (another
-activation, max-pooling, an operation between neurons that would need analog values), and
-:func:`replace_maxpool` makes max-pooling average pooling where asked.
+over L steps; :func:`relu_sites` finds the call sites it replaces, :func:`check_activations`
+refuses by name what has no IF form (another activation, max-pooling, an operation between
+neurons that would need analog values), and :func:`replace_maxpool` makes max-pooling average
+pooling where asked.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from .errors import ConfigError, UnsupportedLayerError
 from .graph import describe_node, module_of, set_module
 
-__all__ = ["QCFS", "FloorSTE", "relu_sites", "qcfs_sites", "check_activations",
-           "max_pools", "replace_maxpool"]
+__all__ = ["QCFS", "FloorSTE", "relu_sites", "relu_input", "is_inplace", "qcfs_sites",
+           "check_activations", "max_pools", "replace_maxpool"]
 
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
 _RELU_METHODS = {"relu", "relu_"}
@@ -113,12 +113,12 @@ def relu_sites(gm: fx.GraphModule) -> list[fx.Node]:
     return sites
 
 
-def _relu_input(node: fx.Node) -> Any:
+def relu_input(node: fx.Node) -> Any:
     """The tensor a ReLU call site reads (``F.relu(input=x)`` passes it by keyword)."""
     return node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
 
 
-def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+def is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether a ReLU call site overwrites its input (``inplace=True``, ``relu_``)."""
     mod = module_of(gm, node)
     if mod is not None:
@@ -296,6 +296,8 @@ def max_pools(gm: fx.GraphModule) -> list[str]:
 
 
 def replace_maxpool(gm: fx.GraphModule) -> list[str]:
+    """Make every max-pooling module of ``gm`` average pooling, in place (padding counted);
+    returns the qualified names replaced."""
     replaced = []
     for node in gm.graph.nodes:
         mod = module_of(gm, node)

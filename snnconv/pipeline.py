@@ -168,9 +168,9 @@ def seed_everything(seed: int) -> None:
 
 #: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
 #: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at
-#: this count (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10 training epochs,
-#: three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at T=16 / 32 after
-#: 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85
+#: this count (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10
+#: training epochs, three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at
+#: T=16 / 32 after 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85
 #: (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on
 #: the full Fashion-MNIST training set (422 steps per epoch) 2, 4 and 6 epochs gave the same
 #: T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS training where
@@ -178,8 +178,9 @@ def seed_everything(seed: int) -> None:
 #: default: before the default fine-tuning at T=4 the same steps (distilled) moved the
 #: worst-seed T=4 gap from 2.00 / 4.13 / 9.73 / 1.55 to 2.36 / 4.60 / 7.72 / 5.47 (tv_resnet
 #: and ResNet-20 three seeds, MobileNet and the small CNN two) while T=2 gained 1.7 points
-#: and T=8 lost 0.8 on the mean of the ten pairs (benchmarks/README.md, "Levers tried on the
-#: few-step matrix").
+#: and T=8 lost 0.8 on the mean of the ten pairs; before the hard-reset fine-tuning at T=8
+#: (from the labels) they moved T=8 by -3.4 to +8.5 (benchmarks/README.md, "Levers tried on
+#: the few-step matrix").
 QCFS_STEPS = 576
 
 def _qcfs_epochs(loader: Any) -> int:
@@ -433,9 +434,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
-            with an unlabelled loader the targets are ``model``'s outputs alone). ``None`` (default): :data:`QCFS_STEPS` optimiser steps (in whole epochs
-            of the training split, the last one cut) where ``maxpool="avg"`` replaced
-            max-pooling; none otherwise. ``0``: none.
+            with an unlabelled loader the targets are ``model``'s outputs alone). ``None``
+            (default): :data:`QCFS_STEPS` optimiser steps (in whole epochs of the training
+            split, the last one cut) where ``maxpool="avg"`` replaced max-pooling; none
+            otherwise. ``0``: none.
         qcfs_train: a :class:`QCFSTrainConfig`.
         per_channel: one threshold per channel or one per layer. Default: per channel for
             ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes

@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from .activation import (QCFS, FloorSTE, _is_inplace, _relu_input, check_activations,
+from .activation import (QCFS, FloorSTE, check_activations, is_inplace, relu_input,
                          max_pools, qcfs_sites, relu_sites, replace_maxpool)
 from .data import bounded, split_batch, split_loader
 from .errors import ConfigError, DataError
@@ -47,7 +47,7 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
                  progress: bool, max_samples: int = 1 << 18,
                  ndims: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """Per site, lambda: the ``percentile`` of its pre-activation."""
-    inputs = {s.name: _relu_input(s).name for s in sites}
+    inputs = {s.name: relu_input(s).name for s in sites}
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
     seen = 0
@@ -180,9 +180,9 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
                 progress: bool, summary: dict[str, Any], teacher: nn.Module | None) -> list[dict[str, float]]:
     """Train weights and lambdas; keep the best epoch on the validation split, where the
     calibrated state counts as epoch 0 (``summary`` gets ``calibrated_val_acc`` and ``best_epoch``)."""
-    few = not isinstance(loader, DataLoader) and (_length(loader) or 2) < 2
-    # a single batch holds nothing out: train on it without best-epoch selection
-    train, val = split_loader(loader, 0.0 if few else cfg.val_fraction, seed=cfg.seed)
+    # a list of one batch holds nothing out: train on it without best-epoch selection
+    one_batch = not isinstance(loader, DataLoader) and _length(loader) == 1
+    train, val = split_loader(loader, 0.0 if one_batch else cfg.val_fraction, seed=cfg.seed)
     if val is not None and hasattr(val, "__len__") and len(val) == 0:
         val = None
     label_free = teacher is not None and cfg.distill == 1
@@ -329,8 +329,8 @@ def calibrate_qcfs(
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sites:
         name = _site_name(node, used)
-        src = _relu_input(node)
-        inplace = _is_inplace(gm, node)
+        src = relu_input(node)
+        inplace = is_inplace(gm, node)
         cap = getattr(module_of(gm, node), "cap", None)  # a clipped ReLU (snnconv.clip)
         if cap is not None:
             lams[node.name] = lams[node.name].clamp(max=cap)

@@ -159,14 +159,12 @@ def test_membrane_calibration_refusals(qcfs_and_snn, trained_digits_cnn, digits_
 
 def test_convert_calibrates_the_membrane_by_default(trained_digits_cnn, digits_loaders):
     train, _ = digits_loaders
-    # training-free (no QCFS training: a QCFS-trained network is calibrated at its L instead)
-    snn, meta = snnconv.convert(trained_digits_cnn, train, T=4, finetune_epochs=0, progress=False)
+    snn, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
     record = meta.stage("spiking").changes["bias_calibration"]
     assert record["membrane"] is True and record["T"] == 8 and "horizons" not in record
     assert meta.settings["membrane_calibration"] is True and meta.settings["bias_calibration_T"] == 8
     assert all(m.v_init.dim() == 1 for m in neurons(snn.net).values())
-    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, bias_calibration_T=(4, 8), finetune_epochs=0,
-                              progress=False)
+    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, bias_calibration_T=(4, 8), progress=False)
     assert meta.stage("spiking").changes["bias_calibration"]["horizons"] == [4, 8]
     assert meta.settings["membrane_calibration"] is False
 
@@ -403,11 +401,11 @@ def test_weight_calibration_brings_every_layer_towards_the_reference(qcfs_and_sn
 
 def test_convert_calibrates_the_weights_with_the_membrane(trained_digits_cnn, digits_loaders):
     train, _ = digits_loaders
-    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, finetune_epochs=0, progress=False)
+    _, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False)
     assert meta.settings["weight_calibration"] is True
     assert meta.stage("spiking").changes["bias_calibration"]["weights"]["T"] == 8
     for off in (dict(weight_calibration=False), dict(bias_calibration_T=4), dict(reset="zero")):
-        _, meta = snnconv.convert(trained_digits_cnn, train, T=4, finetune_epochs=0, progress=False, **off)
+        _, meta = snnconv.convert(trained_digits_cnn, train, T=4, progress=False, **off)
         assert meta.settings["weight_calibration"] is False
         assert "weights" not in meta.stage("spiking").changes["bias_calibration"]
 

@@ -87,7 +87,6 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     are the ones run)."""
     monkeypatch.setattr(pipeline, "FINETUNE_MAX_STEPS", 3)
     monkeypatch.setattr(pipeline, "FINETUNE_MIN_STEPS", 3)
-    monkeypatch.setattr(pipeline, "QCFS_STEPS", 3)
     qcfs = pipeline.QCFSTrainConfig(epochs=1, max_steps=3, seed=0)
     g = torch.Generator().manual_seed(0)
     data = _Counting(torch.rand(2000, 1, 8, 8, generator=g), torch.randint(0, 10, (2000,), generator=g))
