@@ -49,12 +49,14 @@ def convert_cell(ann, loader, test, device, Ts, **options) -> dict:
 #: The few-step cells (``--low-t``): name -> (convert() arguments, T values evaluated, floors).
 #: A floor is (kind, T, points): "gap" = worst-seed ANN - SNN at T; "qcfs_gap" = QCFS-ANN - SNN
 #: at T; "not_below" = SNN at T minus SNN at 4 (worst seed) must be >= -points. ``free_T8``:
-#: training-free without labels; ``nolabel_T4``: convert()'s default on the same unlabelled
+#: training-free without labels; ``nolabel_T8``: convert()'s default on those unlabelled images
+#: at T=8 (fine-tuning distilled from the ANN's outputs alone); ``nolabel_T4``: convert()'s default on the same unlabelled
 #: images (fine-tuning distilled from the ANN's outputs alone); ``kd_qcfs_T4``: ``T4`` with
 #: convert()'s QCFS training steps on every network, distilled from the ANN (labels unread).
 LOW_T_CELLS = {
     "T4": (dict(T=4), (2, 4, 8), (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
     "free_T8": (dict(T=8, unlabelled=True, finetune_epochs=0), (8,), (("gap", 8, 2.0),)),
+    "nolabel_T8": (dict(T=8, unlabelled=True), (4, 8), (("gap", 8, 2.0),)),
     "nolabel_T4": (dict(T=4, unlabelled=True), (2, 4, 8),
                    (("gap", 4, 1.0), ("gap", 2, 3.0), ("not_below", 8, 0.0))),
     "qcfs_L4": (dict(T=4, L=4, qcfs_epochs=3, finetune_epochs=0), (4,), (("qcfs_gap", 4, 3.0),)),

@@ -60,7 +60,9 @@ class FinetuneConfig:
     loader needs no labels (the teacher's outputs are the only targets, and the accuracies
     recorded for an unlabelled split are top-1 agreement with the teacher). ``keep_start``: the
     network as given competes as epoch 0 in the best-epoch choice (one validation pass more),
-    so that fine-tuning never returns a network worse on validation than it was given.
+    its score lowered by one standard error (:func:`start_margin`): fine-tuning never returns
+    a network worse on validation than it was given by more than the split's noise, and a
+    trained epoch wins a tie within it.
     """
 
     epochs: int = 1
@@ -428,6 +430,23 @@ def _val_accuracy(model: SpikingNetwork, val: Iterable, cfg: FinetuneConfig, dev
     return evaluate(model, val, device)
 
 
+def start_margin(accuracy: float, n: int) -> float:
+    """``keep_start``'s handicap: one binomial standard error (points) of a validation
+    ``accuracy`` (percent) measured on ``n`` samples."""
+    p = min(max(accuracy / 100.0, 0.0), 1.0)
+    return 100.0 * math.sqrt(p * (1.0 - p) / max(1, n))
+
+
+def _val_size(val: Iterable) -> int:
+    """Samples in a validation split (a DataLoader over a dataset, or a list of batches,
+    possibly wrapped in :class:`TeacherLabelled`)."""
+    inner = getattr(val, "loader", val)
+    dataset = getattr(inner, "dataset", None)
+    if dataset is not None and hasattr(dataset, "__len__"):
+        return len(dataset)
+    return sum(len(split_batch(b, where="the validation split")[0]) for b in inner)
+
+
 def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingNetwork:
     """A copy of ``tuned`` with weights ``(1 - wise) * tuned + wise * start`` (WiSE-FT).
 
@@ -530,12 +549,14 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             "rng": rng_state(device), "history": history, "best_val": best_val,
             "best_state": best_state})
 
-    start_val = None
+    start_val = margin = None
     if cfg.keep_start and data.val is not None and start_epoch == 0 and start_step == 0:
-        # the converted network is epoch 0: fine-tuning never returns worse on validation
+        # the converted network is epoch 0, handicapped by one standard error of its score: a
+        # trained epoch wins a tie within the split's noise, a worse one loses to the start
         model.eval()
         start_val = _val_accuracy(model, data.val, cfg, device)
-        best_val, best_state = start_val, copy.deepcopy(model.state_dict())
+        margin = start_margin(start_val, _val_size(data.val))
+        best_val, best_state = start_val - margin, copy.deepcopy(model.state_dict())
     for epoch in range(start_epoch, cfg.epochs):
         data.start_epoch(epoch, cfg.seed)
         skip = start_step if epoch == start_epoch else 0
@@ -619,8 +640,9 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
     if start_val is not None and history:
         history[-1]["start_val_acc"] = start_val
+        history[-1]["start_margin"] = margin
         # the best only moves on a strict improvement: still equal, no epoch beat the start
-        history[-1]["kept_start"] = best_val == start_val
+        history[-1]["kept_start"] = best_val == start_val - margin
     if best_state is not None:
         model.load_state_dict(best_state)
     if cfg.wise:

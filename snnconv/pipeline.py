@@ -40,8 +40,9 @@ __all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finet
 #: to the ANN 15.27 -> 8.98 (ResNet-20), 5.92 -> 3.73 (tv_resnet), 36.18 -> 19.87 (MobileNet),
 #: 2.92 -> 1.93 (small CNN) against alpha 2 / lr 1e-3 / frozen thresholds / no distillation; the
 #: readout at 2T keeps the network at longer T (benchmarks/README.md, "Defaults").
-#: The converted network competes as epoch 0 (``keep_start``): fine-tuning never returns a
-#: network worse on the validation split than the training-free one.
+#: The converted network competes as epoch 0 (``keep_start``), handicapped by one standard
+#: error of its validation score: fine-tuning never returns a network worse on the validation
+#: split than the training-free one by more than that split's noise.
 #: ``FinetuneConfig()`` keeps the conservative defaults: it has no teacher of its own.
 #: ``batch_size`` is the largest: see :func:`_finetune_batch`.
 CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill": 0.5, "batch_size": 64,

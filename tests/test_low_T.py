@@ -165,6 +165,25 @@ def test_keep_start_returns_the_given_network_when_fine_tuning_only_makes_it_wor
     assert not all(torch.equal(v, start[k]) for k, v in wrecked.state_dict().items())
 
 
+def test_keep_start_lets_a_trained_epoch_win_a_tie_within_the_validation_noise(small_digits_snn,
+                                                                             digits_loaders):
+    """An epoch that scores what the start scores (a learning rate too small to move it) is
+    returned, not the start: the start's score is handicapped by one binomial standard error of
+    the validation split, whose size the history records through the margin."""
+    from snnconv.finetune import start_margin
+
+    train, _ = digits_loaders
+    _, history = snnconv.finetune(small_digits_snn, train, keep_start=True, T=2, epochs=1,
+                                  max_steps_per_epoch=2, lr=1e-12, progress=False)
+    last = history[-1]
+    assert last["val_acc"] == pytest.approx(last["start_val_acc"])
+    assert not last["kept_start"]
+    n_val = round(len(train.dataset) * 0.1)
+    assert last["start_margin"] == pytest.approx(start_margin(last["start_val_acc"], n_val))
+    assert start_margin(90.0, 400) == pytest.approx(1.5)
+    assert start_margin(100.0, 400) == 0.0
+
+
 def test_the_recipe_detaches_the_reset_of_hard_reset_networks_only(small_digits_ann, digits_data):
     """convert(reset="zero") fine-tunes with the reset detached; subtractive reset keeps the
     gradient through it; both keep the converted network as epoch 0."""
