@@ -30,6 +30,8 @@ MAX_T = 1024
 MAX_L = 1024
 #: The most epochs of QCFS training or fine-tuning one call may ask for.
 MAX_EPOCHS = 10_000
+#: The most optimiser steps of the reconstruction one call may ask for.
+MAX_STEPS = 1_000_000
 #: ``maxpool`` settings: "auto" keeps the max-pooling of the static analog prefix (snnconv.prefix)
 #: and makes every later one average pooling; "avg" makes every one average pooling; "error"
 #: refuses max-pooling.
@@ -83,6 +85,7 @@ class ConvertConfig:
     weight_calibration: bool | None = None
     qcfs_epochs: int | None = None
     qcfs_train: Any = None
+    reconstruction_steps: int | None = None
     finetune_epochs: int | None = None
     finetune_config: Any = None
     eval_T: tuple[int, ...] = ()
@@ -127,6 +130,9 @@ class ConvertConfig:
         for name in ("qcfs_epochs", "finetune_epochs"):
             if getattr(self, name) is not None:
                 put(name, _int(f"{name} (or None for the default)", getattr(self, name), 0, MAX_EPOCHS))
+        if self.reconstruction_steps is not None:
+            put("reconstruction_steps", _int("reconstruction_steps (or None for the default)",
+                                             self.reconstruction_steps, 0, MAX_STEPS))
         if self.weight_calibration and not self.bias_calibration:
             raise ConfigError("weight_calibration=True refits the weights inside bias calibration, which "
                               "bias_calibration=False turns off; pass bias_calibration=True or "
@@ -201,5 +207,6 @@ class ConvertConfig:
                     threshold_calibration=bool(cfg.threshold_calibration),
                     weight_calibration=bool(cfg.weight_calibration and cfg.bias_calibration),
                     calib_batches=cfg.calib_batches, maxpool=cfg.maxpool, reset=cfg.reset,
-                    qcfs_epochs=cfg.qcfs_epochs, finetune_epochs=cfg.finetune_epochs,
+                    qcfs_epochs=cfg.qcfs_epochs, reconstruction_steps=cfg.reconstruction_steps,
+                    finetune_epochs=cfg.finetune_epochs,
                     device=str(torch.device(cfg.device)))

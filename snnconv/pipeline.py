@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .calibration import calibrate_bias, calibrate_thresholds
+from .calibration import calibrate_bias, calibrate_thresholds, reconstruct
 from .data import check_labels, generators_kept, split_steps
 from .config import ConvertConfig
 from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
@@ -70,6 +70,12 @@ FINETUNE_MAX_EPOCHS = 8
 #: the training-free calibration is within 3 points of the ANN at T=16 and 1 at T=32 on the
 #: robustness matrix, and BPTT through 2T steps would cost 4-8x what it costs at T=4.
 FINETUNE_UP_TO_T = 8
+
+#: Optimiser steps of the layer-wise reconstruction (:func:`snnconv.calibration.reconstruct`)
+#: that a conversion without fine-tuning gets at ``T <= FINETUNE_UP_TO_T`` (subtractive reset):
+#: every IF layer's spike rate fitted by SGD through time to the QCFS-ANN's site, on the
+#: calibration images, no label read (benchmarks/README.md, "Defaults").
+RECONSTRUCT_STEPS = 300
 
 #: The distillation weight of the default fine-tuning where the loader has no labels: the
 #: ANN's outputs are the only targets (benchmarks/README.md, "Defaults").
@@ -364,6 +370,23 @@ def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[
                     f"(T <= {FINETUNE_UP_TO_T}, {source})")
 
 
+def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool) -> tuple[int, str]:
+    """``reconstruction_steps=None``: :data:`RECONSTRUCT_STEPS` where no fine-tuning follows, at
+    ``T <= FINETUNE_UP_TO_T`` with subtractive reset and bias calibration; none otherwise; and why."""
+    why = None
+    if finetune_follows:
+        why = "fine-tuning follows"
+    elif cfg.T > FINETUNE_UP_TO_T:
+        why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
+    elif cfg.reset != "subtract":
+        why = f"reset={cfg.reset!r}"
+    elif not cfg.bias_calibration:
+        why = "bias_calibration=False"
+    if why:
+        return 0, f"none: {why}"
+    return RECONSTRUCT_STEPS, f"{RECONSTRUCT_STEPS} steps (no fine-tuning, T <= {FINETUNE_UP_TO_T})"
+
+
 def default_finetune_epochs(loader: Any) -> int:
     """Whole epochs of convert()'s fine-tuning (its batch size, at most
     :data:`FINETUNE_MAX_STEPS` steps each) that reach :data:`FINETUNE_MIN_STEPS` steps, between
@@ -459,6 +482,11 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         weight_calibration: with bias calibration, refit the weights of every layer that reads
             spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
             calibration.
+        reconstruction_steps: optimiser steps of the layer-wise reconstruction after the
+            calibration (:func:`snnconv.calibration.reconstruct`: every IF layer's spike rate
+            over T steps fitted by SGD to the QCFS-ANN's site, on the calibration batches; no
+            label is read). ``None`` (default): :data:`RECONSTRUCT_STEPS` where no fine-tuning
+            follows and ``T <= 8`` (subtractive reset, bias calibration on); 0 otherwise.
         finetune_epochs: epochs of BPTT fine-tuning, each at most :data:`FINETUNE_MAX_STEPS`
             optimiser steps; with an unlabelled loader the targets are ``model``'s outputs
             alone (:data:`LABEL_FREE_DISTILL`). ``None`` (default): where the loader has two
@@ -518,6 +546,11 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                                               max_steps=FINETUNE_MAX_STEPS, reset=cfg.reset, **unlabelled)
         if finetune_config is not None:
             record["finetune"] = vars(finetune_config).copy()
+        if cfg.reconstruction_steps is None:
+            steps, why = _reconstruction_default(
+                cfg, finetune_config is not None and finetune_config.epochs > 0)
+            cfg = cfg.replace(reconstruction_steps=steps)
+            record.update(reconstruction_steps=steps, reconstruction_default=why)
         meta = ConversionMeta(settings=record, seed=cfg.seed)
         bias_batches = calib[:cfg.bias_batches]
 
@@ -540,6 +573,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         if qcfs_train is not None:
             record["qcfs_train"] = vars(qcfs_train).copy()
         record["budget"] = _budget(loader, qcfs_train, finetune_config)
+        record["budget"]["reconstruction_steps"] = cfg.reconstruction_steps
         if qcfs_train is not None and qcfs_train.epochs and cfg.membrane_calibration:
             # trained at L levels: calibrate against that function, over L steps
             cfg = cfg.replace(bias_calibration_T=cfg.L)
@@ -584,6 +618,11 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                 snn = calibrate_bias(snn, qgm, bias_batches, T=fixed_T, horizons=cfg.horizons,
                                      membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
                                      num_batches=len(bias_batches))
+            if cfg.reconstruction_steps:
+                horizon = max(cfg.horizons) if cfg.horizons else cfg.bias_calibration_T
+                snn, _ = reconstruct(snn, qgm, calib, steps=cfg.reconstruction_steps,
+                                     levels=horizon if cfg.bias_calibration else None,
+                                     num_batches=len(calib), seed=cfg.seed, progress=cfg.progress)
             snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
             snn.to(device)
             assert_no_batchnorm(snn, stage="spiking")
@@ -618,6 +657,9 @@ def _record_budget(meta: ConversionMeta) -> None:
         if record.name == "qcfs" and record.changes.get("history"):
             budget["qcfs_steps_run"] = sum(h.get("steps", 0) for h in record.changes["history"])
             budget["qcfs_seconds"] = record.seconds
+        if record.name == "spiking" and "reconstruction" in record.changes:
+            budget["reconstruction_steps_run"] = record.changes["reconstruction"]["steps"]
+            budget["reconstruction_seconds"] = record.changes["reconstruction"]["seconds"]
         if record.name == "finetune":
             budget["finetune_steps_run"] = record.changes.get("steps", 0)
             budget["finetune_seconds"] = record.seconds

@@ -14,6 +14,29 @@ logging.getLogger("spikingjelly").setLevel(logging.ERROR)
 torch.set_num_threads(1)  # two xdist workers on two cores
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_default_reconstruction():
+    """convert()'s layer-wise reconstruction (RECONSTRUCT_STEPS SGD steps where no fine-tuning
+    follows, T <= 8) is off unless a test asks for it (``reconstruction_steps=``, or the
+    ``default_reconstruction`` fixture): hundreds of steps per training-free conversion would
+    dominate the suite. tests/test_reconstruct.py covers it. Yields the shipped step count."""
+    from snnconv import pipeline
+
+    shipped = pipeline.RECONSTRUCT_STEPS
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "RECONSTRUCT_STEPS", 0)
+        yield shipped
+
+
+@pytest.fixture
+def default_reconstruction(_no_default_reconstruction, monkeypatch):
+    """convert()'s reconstruction default as shipped, within one test; its step count."""
+    from snnconv import pipeline
+
+    monkeypatch.setattr(pipeline, "RECONSTRUCT_STEPS", _no_default_reconstruction)
+    return _no_default_reconstruction
+
+
 @pytest.fixture(scope="session")
 def digits_data():
     from snnconv.data import digits

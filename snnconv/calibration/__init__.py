@@ -3,6 +3,8 @@
 - :func:`calibrate_bias` (:mod:`.bias`): bias or initial-membrane shifts per IF layer, with the
   per-neuron arithmetic in :mod:`.membrane`, the weight refit of :mod:`.weights` and the memory
   check of :mod:`.memory`;
+- :func:`reconstruct` (:mod:`.reconstruct`): every IF layer's weights fitted by SGD through
+  time to the QCFS-ANN's site (the spike-timing error the closed forms leave);
 - :func:`calibrate_thresholds` and :func:`shift_bias` (:mod:`.thresholds`): the fixes for
   hard-reset networks.
 
@@ -10,6 +12,7 @@ All of them work on a copy and record what they did in ``result.meta``.
 """
 
 from .bias import calibrate_bias
+from .reconstruct import reconstruct
 from .thresholds import DEFAULT_FACTORS, calibrate_thresholds, shift_bias
 
-__all__ = ["calibrate_bias", "calibrate_thresholds", "shift_bias", "DEFAULT_FACTORS"]
+__all__ = ["calibrate_bias", "reconstruct", "calibrate_thresholds", "shift_bias", "DEFAULT_FACTORS"]

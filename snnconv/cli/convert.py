@@ -56,7 +56,7 @@ def _cmd_convert(args) -> int:
               f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
     snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
                         qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
-                        eval_loader=test, eval_T=Ts, seed=args.seed,
+                        reconstruction_steps=args.reconstruction_steps, eval_loader=test, eval_T=Ts, seed=args.seed,
                         device=args.device, progress=not args.quiet)
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
@@ -151,6 +151,9 @@ def add_convert(sub, pa: dict) -> None:
     p.add_argument("--qcfs-epochs", type=count, default=None,
                    help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
                         "became average pooling)")
+    p.add_argument("--reconstruction-steps", type=count, default=None,
+                   help="SGD steps fitting each IF layer to the QCFS-ANN on the calibration images "
+                        "(default: convert()'s, 300 where no fine-tuning follows at T <= 8; 0: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
                    help="one threshold per channel (the default)")
