@@ -72,9 +72,12 @@ FINETUNE_MAX_EPOCHS = 8
 FINETUNE_UP_TO_T = 8
 
 #: Optimiser steps of the layer-wise reconstruction (:func:`snnconv.calibration.reconstruct`)
-#: that a conversion without fine-tuning gets at ``T <= FINETUNE_UP_TO_T`` (subtractive reset):
-#: every IF layer's spike rate fitted by SGD through time to the QCFS-ANN's site, on the
-#: calibration images, no label read (benchmarks/README.md, "Defaults").
+#: that a conversion without QCFS training or fine-tuning gets at ``T <= FINETUNE_UP_TO_T``
+#: (subtractive reset): every IF layer's spike rate fitted by SGD through time to the
+#: QCFS-ANN's site, on the calibration images, no label read. Training-free at T=8 on the
+#: few-step matrix, seed 0: +1.21 / +2.16 / +3.40 / -0.14 points (tv_resnet / ResNet-20 /
+#: MobileNet / small CNN); after QCFS training (L = T = 4) +1.07 / +0.28 / -2.87 / +0.15 and
+#: +0.07 on the VGG, so not there (benchmarks/README.md, "Defaults").
 RECONSTRUCT_STEPS = 300
 
 #: The distillation weight of the default fine-tuning where the loader has no labels: the
@@ -370,12 +373,16 @@ def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[
                     f"(T <= {FINETUNE_UP_TO_T}, {source})")
 
 
-def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool) -> tuple[int, str]:
-    """``reconstruction_steps=None``: :data:`RECONSTRUCT_STEPS` where no fine-tuning follows, at
-    ``T <= FINETUNE_UP_TO_T`` with subtractive reset and bias calibration; none otherwise; and why."""
+def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool,
+                            qcfs_trained: bool = False) -> tuple[int, str]:
+    """``reconstruction_steps=None``: :data:`RECONSTRUCT_STEPS` where neither QCFS training ran
+    nor fine-tuning follows, at ``T <= FINETUNE_UP_TO_T`` with subtractive reset and bias
+    calibration; none otherwise; and why."""
     why = None
     if finetune_follows:
         why = "fine-tuning follows"
+    elif qcfs_trained:
+        why = "QCFS training ran"
     elif cfg.T > FINETUNE_UP_TO_T:
         why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
     elif cfg.reset != "subtract":
@@ -485,8 +492,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         reconstruction_steps: optimiser steps of the layer-wise reconstruction after the
             calibration (:func:`snnconv.calibration.reconstruct`: every IF layer's spike rate
             over T steps fitted by SGD to the QCFS-ANN's site, on the calibration batches; no
-            label is read). ``None`` (default): :data:`RECONSTRUCT_STEPS` where no fine-tuning
-            follows and ``T <= 8`` (subtractive reset, bias calibration on); 0 otherwise.
+            label is read). ``None`` (default): :data:`RECONSTRUCT_STEPS` where neither QCFS
+            training ran nor fine-tuning follows and ``T <= 8`` (subtractive reset, bias
+            calibration on); 0 otherwise.
         finetune_epochs: epochs of BPTT fine-tuning, each at most :data:`FINETUNE_MAX_STEPS`
             optimiser steps; with an unlabelled loader the targets are ``model``'s outputs
             alone (:data:`LABEL_FREE_DISTILL`). ``None`` (default): where the loader has two
@@ -546,11 +554,6 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                                               max_steps=FINETUNE_MAX_STEPS, reset=cfg.reset, **unlabelled)
         if finetune_config is not None:
             record["finetune"] = vars(finetune_config).copy()
-        if cfg.reconstruction_steps is None:
-            steps, why = _reconstruction_default(
-                cfg, finetune_config is not None and finetune_config.epochs > 0)
-            cfg = cfg.replace(reconstruction_steps=steps)
-            record.update(reconstruction_steps=steps, reconstruction_default=why)
         meta = ConversionMeta(settings=record, seed=cfg.seed)
         bias_batches = calib[:cfg.bias_batches]
 
@@ -572,6 +575,12 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         record["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
         if qcfs_train is not None:
             record["qcfs_train"] = vars(qcfs_train).copy()
+        if cfg.reconstruction_steps is None:
+            steps, why = _reconstruction_default(
+                cfg, finetune_config is not None and finetune_config.epochs > 0,
+                qcfs_train is not None and qcfs_train.epochs > 0)
+            cfg = cfg.replace(reconstruction_steps=steps)
+            record.update(reconstruction_steps=steps, reconstruction_default=why)
         record["budget"] = _budget(loader, qcfs_train, finetune_config)
         record["budget"]["reconstruction_steps"] = cfg.reconstruction_steps
         if qcfs_train is not None and qcfs_train.epochs and cfg.membrane_calibration:

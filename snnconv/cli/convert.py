@@ -153,7 +153,8 @@ def add_convert(sub, pa: dict) -> None:
                         "became average pooling)")
     p.add_argument("--reconstruction-steps", type=count, default=None,
                    help="SGD steps fitting each IF layer to the QCFS-ANN on the calibration images "
-                        "(default: convert()'s, 300 where no fine-tuning follows at T <= 8; 0: none)")
+                        "(default: convert()'s, 300 at T <= 8 where neither QCFS training nor "
+                        "fine-tuning runs; 0: none)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
                    help="one threshold per channel (the default)")
