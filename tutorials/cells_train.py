@@ -227,7 +227,9 @@ with torch.no_grad():
 the training data, replaces each by an IF neuron with reset by subtraction, and evaluates on the
 test set at every T in `eval_T` (the test set is never used to choose anything). By default it
 also fine-tunes where T <= 8 (whole epochs, at least 512 steps); `finetune_epochs=0` here keeps
-this notebook to the training-free stages, and notebook 03 fine-tunes step by step.
+this notebook to the stages without BPTT, and notebook 03 fine-tunes step by step. At T <= 8
+those include 300 SGD steps that fit each IF layer to the QCFS-ANN on the calibration images
+(no labels read; `reconstruction_steps=0` skips them).
 '''),
     code('''
 t0 = time.perf_counter()
