@@ -75,9 +75,10 @@ FINETUNE_UP_TO_T = 8
 #: that a conversion without QCFS training or fine-tuning gets at ``T <= FINETUNE_UP_TO_T``
 #: (subtractive reset): every IF layer's spike rate fitted by SGD through time to the
 #: QCFS-ANN's site, on the calibration images, no label read. Training-free at T=8 on the
-#: few-step matrix, seed 0: +1.21 / +2.16 / +3.40 / -0.14 points (tv_resnet / ResNet-20 /
-#: MobileNet / small CNN); after QCFS training (L = T = 4) +1.07 / +0.28 / -2.87 / +0.15 and
-#: +0.07 on the VGG, so not there (benchmarks/README.md, "Defaults").
+#: few-step matrix (three seeds) the worst-seed gap to the ANN goes 4.36 -> 1.50 / 7.49 -> 4.28
+#: / 13.26 -> 7.33 / 1.51 -> 1.24 (tv_resnet / ResNet-20 / MobileNet / small CNN); after QCFS
+#: training (L = T = 4, seed 0) +1.07 / +0.28 / -2.87 / +0.15 and +0.07 on the VGG, so not
+#: there (benchmarks/README.md, "Defaults").
 RECONSTRUCT_STEPS = 300
 
 #: The distillation weight of the default fine-tuning where the loader has no labels: the
