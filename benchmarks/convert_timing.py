@@ -66,6 +66,10 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     model.eval()
     loader = DataLoader(TensorDataset(x, y), batch_size=batch)
     extra = {"on_collapse": "warn"} if "on_collapse" in inspect.signature(snnconv.convert).parameters else {}
+    # the calibration path alone: no fine-tuning, no layer-wise reconstruction (both optimiser
+    # steps, timed by the budget in meta)
+    params = inspect.signature(snnconv.convert).parameters
+    extra.update({k: 0 for k in ("finetune_epochs", "reconstruction_steps") if k in params})
     result: dict = {"model": name, "T": T, "calibration_batches": batches, "batch": batch,
                     "threads": torch.get_num_threads(), "device": str(device)}
     best_meta = None
