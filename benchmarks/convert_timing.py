@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import inspect
 import os
 import resource
@@ -68,8 +69,8 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     extra = {"on_collapse": "warn"} if "on_collapse" in inspect.signature(snnconv.convert).parameters else {}
     # the calibration path alone: no fine-tuning, no layer-wise reconstruction (both optimiser
     # steps, timed by the budget in meta)
-    params = inspect.signature(snnconv.convert).parameters
-    extra.update({k: 0 for k in ("finetune_epochs", "reconstruction_steps") if k in params})
+    fields = {f.name for f in dataclasses.fields(snnconv.ConvertConfig)}
+    extra.update({k: 0 for k in ("finetune_epochs", "reconstruction_steps") if k in fields})
     result: dict = {"model": name, "T": T, "calibration_batches": batches, "batch": batch,
                     "threads": torch.get_num_threads(), "device": str(device)}
     best_meta = None
@@ -106,7 +107,7 @@ def measure(name: str, device: torch.device, *, T: int = 8, batches: int = 10, b
     result["ann_forwards_seconds"] = _best(ann_passes, repeat, device)
     print("ann forwards", result["ann_forwards_seconds"], flush=True)
     folded = snnconv.fold_batchnorm(model)
-    per_channel = inspect.signature(snnconv.convert).parameters["per_channel"].default
+    per_channel = snnconv.ConvertConfig().resolved().per_channel
     qcfs = snnconv.calibrate_qcfs(folded, loader, num_batches=batches, progress=False, device=device,
                                   per_channel=per_channel)
     snn = snnconv.to_spiking(qcfs, T=T).to(device)
