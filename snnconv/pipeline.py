@@ -392,7 +392,8 @@ def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool,
         why = "bias_calibration=False"
     if why:
         return 0, f"none: {why}"
-    return RECONSTRUCT_STEPS, f"{RECONSTRUCT_STEPS} steps (no fine-tuning, T <= {FINETUNE_UP_TO_T})"
+    return RECONSTRUCT_STEPS, (f"{RECONSTRUCT_STEPS} steps (no QCFS training or fine-tuning, "
+                               f"T <= {FINETUNE_UP_TO_T})")
 
 
 def default_finetune_epochs(loader: Any) -> int:

@@ -16,8 +16,8 @@ torch.set_num_threads(1)  # two xdist workers on two cores
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_default_reconstruction():
-    """convert()'s layer-wise reconstruction (RECONSTRUCT_STEPS SGD steps where no fine-tuning
-    follows, T <= 8) is off unless a test asks for it (``reconstruction_steps=``, or the
+    """convert()'s layer-wise reconstruction (RECONSTRUCT_STEPS SGD steps where neither QCFS
+    training nor fine-tuning runs, T <= 8) is off unless a test asks for it (``reconstruction_steps=``, or the
     ``default_reconstruction`` fixture): hundreds of steps per training-free conversion would
     dominate the suite. tests/test_reconstruct.py covers it. Yields the shipped step count."""
     from snnconv import pipeline

@@ -68,6 +68,8 @@ def test_convert_flags_default_to_what_convert_chooses():
     base = ["convert", "--model", "small_cnn", "--data", "digits", "--train-epochs", "1"]
     args = parse(base)
     assert args.per_channel is None and args.qcfs_epochs is None  # convert() decides
+    assert args.reconstruction_steps is None
+    assert parse(base + ["--reconstruction-steps", "0"]).reconstruction_steps == 0
     assert parse(base + ["--per-layer"]).per_channel is False
     assert parse(base + ["--per-channel"]).per_channel is True
     assert parse(base + ["--qcfs-epochs", "0"]).qcfs_epochs == 0

@@ -149,7 +149,6 @@ def reconstruct(snn: SpikingNetwork, reference: nn.Module, loader: Any, *, steps
         out.eval()
         for m, a in zip(units, old_alpha):
             m.set_surrogate(alpha=a)
-    out.meta = dict(snn.meta)
     summary = {"steps": steps, "seconds": time.perf_counter() - t0, "images": len(images),
                "layers": len(sources), "levels": levels, "loss_first": losses[0], "loss_last": losses[-1]}
     out.meta["reconstruction"] = summary

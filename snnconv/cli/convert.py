@@ -56,8 +56,8 @@ def _cmd_convert(args) -> int:
               f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
     snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
                         qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
-                        reconstruction_steps=args.reconstruction_steps, eval_loader=test, eval_T=Ts, seed=args.seed,
-                        device=args.device, progress=not args.quiet)
+                        reconstruction_steps=args.reconstruction_steps, eval_loader=test, eval_T=Ts,
+                        seed=args.seed, device=args.device, progress=not args.quiet)
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
     acc = meta.accuracy
