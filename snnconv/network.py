@@ -1,9 +1,9 @@
 """The converted network (:class:`SpikingNetwork`) and its file format.
 
 A file holds weights, thresholds, T, metadata and the graph as plain data (no pickled code), so
-that ``torch.load(weights_only=True)`` reads it. Modules and functions of the graph come from
-fixed tables; anything else is refused on save and on load, so loading a file never runs code
-from it. Version 2 files also hold ``"digest"``, the :func:`snnconv.digest.content_digest` of
+that ``torch.load(weights_only=True)`` reads it. The graph is written and read with one schema
+(:mod:`snnconv.graphfile`): every field is validated against allow-lists before torch.fx sees
+it, so loading a file never runs code from it. Version 2 files also hold ``"digest"``, the :func:`snnconv.digest.content_digest` of
 everything else in the payload, checked on load; every module's parameter shapes are computed
 from its config and compared with the stored tensors before a module is built.
 """
@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import io
 import numbers
-import operator
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import MAX_T
 from .digest import UnverifiedFileWarning, content_digest
-from .errors import CheckpointError, ConfigError, DataError, UnsupportedModelError
+from .errors import CheckpointError, ConfigError, DataError
 from .graph import largest_value
+from .graphfile import FUNCTIONS, graph_from_dict, graph_to_dict
 from .meta import atomic_write_bytes
-from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
+from .neuron import IFNeuron, LeakyNeuron, TimeExpand, neurons
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
@@ -291,267 +290,3 @@ def _plain(obj: Any) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return str(obj)
-
-
-# --- the file format: a GraphModule as plain data ---------------------------------------------
-
-def _conv_cfg(m: nn.Module) -> dict:
-    return dict(in_channels=m.in_channels, out_channels=m.out_channels, kernel_size=m.kernel_size,
-                stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups,
-                bias=m.bias is not None, padding_mode=m.padding_mode)
-
-
-def _avgpool_cfg(m: nn.Module) -> dict:
-    cfg = dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding,
-               ceil_mode=m.ceil_mode, count_include_pad=m.count_include_pad)
-    if hasattr(m, "divisor_override"):
-        cfg["divisor_override"] = m.divisor_override
-    return cfg
-
-
-def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
-    table: dict[str, tuple[type, Callable[[nn.Module], dict]]] = {
-        "Linear": (nn.Linear, lambda m: dict(in_features=m.in_features, out_features=m.out_features,
-                                             bias=m.bias is not None)),
-        "Flatten": (nn.Flatten, lambda m: dict(start_dim=m.start_dim, end_dim=m.end_dim)),
-        "Identity": (nn.Identity, lambda m: {}),
-        "IFNeuron": (IFNeuron, lambda m: dict(theta=torch.ones(m.theta.shape), T=m.T, alpha=m.alpha,
-                                              detach_reset=m.detach_reset, reset=m.reset,
-                                              v_init=torch.zeros(m.v_init.shape)
-                                              if m.reset == "subtract" else None)),
-        "Scale": (Scale, lambda m: dict(theta=torch.ones(m.theta.shape))),
-        "TimeExpand": (TimeExpand, lambda m: dict(T=m.T)),
-    }
-    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        table[cls.__name__] = (cls, _conv_cfg)
-    for cls in (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d):
-        table[cls.__name__] = (cls, _avgpool_cfg)
-    for cls in (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d):
-        table[cls.__name__] = (cls, lambda m: dict(output_size=m.output_size))
-    for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
-        table[cls.__name__] = (cls, lambda m: dict(p=m.p))
-    # what an analog prefix (snnconv.prefix) runs once on the static input
-    table["ReLU"] = (nn.ReLU, lambda m: {})
-    for cls in (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d):
-        table[cls.__name__] = (cls, lambda m: dict(kernel_size=m.kernel_size, stride=m.stride,
-                                                   padding=m.padding, dilation=m.dilation,
-                                                   ceil_mode=m.ceil_mode))
-    for cls in (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d):
-        table[cls.__name__] = (cls, lambda m: dict(output_size=m.output_size))
-    return table
-
-
-#: a module holding a graph of its own (the analog prefix), saved as a nested graph
-_NESTED = "AnalogPrefix"
-
-
-def _prefix_type() -> type:
-    from .prefix import AnalogPrefix  # imported here: the prefix pass imports the stages below
-
-    return AnalogPrefix
-
-
-#: The functions a saved graph may call, by name: the allow-list of the format.
-FUNCTIONS: dict[str, Callable] = {
-    f"{mod}.{fn.__name__}": fn
-    for mod, fns in {
-        "operator": [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-                     operator.getitem, operator.iadd, operator.imul],
-        "torch": [torch.add, torch.sub, torch.mul, torch.cat, torch.flatten, torch.mean,
-                  torch.sum, torch.stack, torch.reshape, torch.squeeze, torch.unsqueeze, torch.relu],
-        "torch.nn.functional": [F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
-                                F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.pad, F.dropout,
-                                F.linear, F.conv1d, F.conv2d, F.conv3d,
-                                # what an analog prefix (snnconv.prefix) runs once on the static input
-                                F.relu, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d,
-                                F.adaptive_max_pool2d, F.adaptive_max_pool3d],
-        "builtins": [getattr],
-    }.items()
-    for fn in fns
-}
-_FUNCTION_NAMES = {id(fn): name for name, fn in FUNCTIONS.items()}
-_METHODS = {"flatten", "view", "reshape", "size", "mean", "sum", "permute", "transpose",
-            "contiguous", "add", "mul", "unsqueeze", "squeeze", "expand", "chunk", "split", "dim",
-            "add_", "mul_", "float", "relu", "relu_"}
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                torch.int64, torch.int32, torch.bool)}
-
-
-def _enc(a: Any) -> Any:
-    if isinstance(a, fx.Node):
-        return {"node": a.name}
-    if isinstance(a, tuple):
-        return {"tuple": [_enc(x) for x in a]}
-    if isinstance(a, list):
-        return {"list": [_enc(x) for x in a]}
-    if isinstance(a, dict):
-        return {"dict": {str(k): _enc(v) for k, v in a.items()}}
-    if isinstance(a, slice):
-        return {"slice": [_enc(a.start), _enc(a.stop), _enc(a.step)]}
-    if isinstance(a, torch.dtype):
-        return {"dtype": str(a)}
-    if a is Ellipsis:
-        return {"ellipsis": True}
-    if a is None or isinstance(a, (bool, int, float, str)):
-        return a
-    raise UnsupportedModelError(f"cannot save a graph argument of type {type(a).__name__} ({a!r})")
-
-
-def _dec(a: Any, env: dict[str, fx.Node]) -> Any:
-    if isinstance(a, dict):
-        if "node" in a:
-            return env[a["node"]]
-        if "tuple" in a:
-            return tuple(_dec(x, env) for x in a["tuple"])
-        if "list" in a:
-            return [_dec(x, env) for x in a["list"]]
-        if "dict" in a:
-            return {k: _dec(v, env) for k, v in a["dict"].items()}
-        if "slice" in a:
-            return slice(*(_dec(x, env) for x in a["slice"]))
-        if "dtype" in a:
-            if a["dtype"] not in _DTYPES:
-                raise CheckpointError(f"unknown dtype {a['dtype']!r} in saved graph")
-            return _DTYPES[a["dtype"]]
-        if "ellipsis" in a:
-            return Ellipsis
-        raise CheckpointError(f"malformed graph argument {a!r}")
-    if a is None or isinstance(a, (bool, int, float, str)):
-        return a
-    raise CheckpointError(f"malformed graph argument of type {type(a).__name__}")
-
-
-def graph_to_dict(gm: fx.GraphModule) -> dict:
-    """Nodes (op, name, target, args, kwargs) and modules (type, constructor config) as plain data."""
-    table = _module_table()
-    by_type = {cls: name for name, (cls, _) in table.items()}
-    modules = {}
-    nodes = []
-    for node in gm.graph.nodes:
-        target: Any = node.target
-        if node.op == "call_module":
-            mod = gm.get_submodule(target)
-            kind = by_type.get(type(mod))
-            if isinstance(mod, _prefix_type()):
-                modules[target] = {"type": _NESTED, "graph": graph_to_dict(mod.net)}
-                nodes.append({"op": node.op, "name": node.name, "target": target,
-                              "args": _enc(node.args), "kwargs": _enc(node.kwargs)})
-                continue
-            if kind is None:
-                raise UnsupportedModelError(
-                    f"cannot save module '{target}' of type {type(mod).__name__}: the spiking "
-                    f"network format knows {sorted(table)}")
-            modules[target] = {"type": kind, "config": table[kind][1](mod)}
-        elif node.op == "call_function":
-            target = _FUNCTION_NAMES.get(id(node.target))
-            if target is None:
-                raise UnsupportedModelError(f"cannot save function call {node.target} "
-                                            f"(fx node '{node.name}')")
-        elif node.op == "call_method" and target not in _METHODS:
-            raise UnsupportedModelError(f"cannot save method call .{target}() (fx node '{node.name}')")
-        elif node.op == "get_attr":
-            raise UnsupportedModelError(f"cannot save attribute access '{target}' (fx node '{node.name}')")
-        nodes.append({"op": node.op, "name": node.name, "target": target,
-                      "args": _enc(node.args), "kwargs": _enc(node.kwargs)})
-    return {"nodes": nodes, "modules": modules}
-
-
-def _declared(cls: type, config: dict) -> nn.Module:
-    """The module of ``config``; built on the meta device (nothing allocated) unless its config
-    holds tensors (IFNeuron, Scale: their sizes are those of tensors stored in the file)."""
-    if any(isinstance(v, torch.Tensor) for v in config.values()):
-        return cls(**config)
-    with torch.device("meta"):
-        return cls(**config)
-
-
-def _check_against(target: str, mod: nn.Module, state: dict, legacy_v_init: bool) -> None:
-    """Each parameter and buffer ``mod`` declares is stored in ``state`` with its shape and dtype."""
-    prefix = target + "."
-    if legacy_v_init and isinstance(mod, IFNeuron) and prefix + "v_init" not in state:
-        state[prefix + "v_init"] = torch.full(mod.v_init.shape, 0.5 if mod.reset == "subtract" else 0.0)
-    for name, want in mod.state_dict().items():
-        got = state.get(prefix + name)
-        if got is None:
-            raise CheckpointError(f"module '{target}' ({type(mod).__name__}) declares '{name}' of "
-                                  f"shape {tuple(want.shape)}, which the file does not store")
-        if got.shape != want.shape or got.dtype != want.dtype:
-            raise CheckpointError(f"module '{target}' ({type(mod).__name__}): its config declares "
-                                  f"'{name}' of shape {tuple(want.shape)} ({want.dtype}), the file "
-                                  f"stores {tuple(got.shape)} ({got.dtype}); nothing was allocated")
-
-
-def _install(root: nn.Module, target: str, mod: nn.Module) -> None:
-    owner = root
-    *parents, leaf = target.split(".")
-    for p in parents:
-        if not hasattr(owner, p):
-            owner.add_module(p, nn.Module())
-        owner = getattr(owner, p)
-    owner.add_module(leaf, mod)
-
-
-def graph_from_dict(data: dict, state: dict | None = None, *,
-                    legacy_v_init: bool = False) -> fx.GraphModule:
-    """Rebuild a GraphModule from :func:`graph_to_dict` output.
-
-    Without ``state``: the weights are left at their init. With ``state`` (a state_dict, e.g.
-    from a file): every module's parameters and buffers are first declared from its config
-    without allocation and compared with the stored tensors (shape and dtype, naming the
-    module), then the modules are built and ``state`` is loaded (strict). ``legacy_v_init``:
-    a missing ``IFNeuron`` ``v_init`` gets the documented default (see
-    :meth:`SpikingNetwork.load`).
-
-    Raises:
-        CheckpointError: an unknown module type, function, method or node kind, a malformed
-            graph, or (with ``state``) weights that do not match their modules.
-    """
-    table = _module_table()
-    root = nn.Module()
-    try:
-        for target, spec in data["modules"].items():
-            kind = spec["type"]
-            if kind == _NESTED:
-                inner = None if state is None else {k[len(target) + 5:]: v for k, v in state.items()
-                                                    if k.startswith(target + ".net.")}
-                _install(root, target, _prefix_type()(graph_from_dict(spec["graph"], inner)))
-                continue
-            if kind not in table:
-                raise CheckpointError(f"unknown module type {kind!r} for '{target}'")
-            cls = table[kind][0]
-            if state is None:
-                mod = cls(**spec["config"])
-            else:
-                mod = _declared(cls, spec["config"])
-                _check_against(target, mod, state, legacy_v_init)
-                if any(t.is_meta for t in mod.state_dict().values()):
-                    mod = mod.to_empty(device="cpu")
-            _install(root, target, mod)
-        graph = fx.Graph()
-        env: dict[str, fx.Node] = {}
-        for rec in data["nodes"]:
-            op, target = rec["op"], rec["target"]
-            args, kwargs = _dec(rec["args"], env), _dec(rec["kwargs"], env)
-            if op == "call_function":
-                if target not in FUNCTIONS:
-                    raise CheckpointError(f"function {target!r} is not allowed in a saved graph")
-                target = FUNCTIONS[target]
-            elif op == "call_method" and target not in _METHODS:
-                raise CheckpointError(f"method {target!r} is not allowed in a saved graph")
-            elif op not in ("placeholder", "call_module", "call_function", "call_method", "output"):
-                raise CheckpointError(f"node kind {op!r} is not allowed in a saved graph")
-            if op == "output":
-                graph.output(args[0])
-                continue
-            node = graph.create_node(op, target, args, kwargs, name=rec["name"])
-            env[rec["name"]] = node
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"malformed saved graph: {type(exc).__name__}: {exc}") from exc
-    graph.lint()
-    gm = fx.GraphModule(root, graph, "SpikingGraph")
-    if state is not None:
-        try:
-            gm.load_state_dict(state, strict=True)
-        except (KeyError, TypeError, RuntimeError) as exc:
-            raise CheckpointError(f"weights do not match its graph: {exc}") from exc
-    return gm
