@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import itertools
 import math
 import os
@@ -29,7 +28,7 @@ from .distributed import (all_reduce_sum, local_device, maybe_init_distributed,
                           rank_world, rng_state, set_rng_state)
 from .data import bounded, split_batch, split_dataset
 from .errors import CheckpointError, ConfigError, DataError, StageOrderError
-from .meta import atomic_write_bytes
+from .checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
 from .metrics import TeacherLabelled, accuracy_by_T, distillation_loss, evaluate, teacher_targets
 from .qcfs import make_optimizer
 from .network import SpikingNetwork
@@ -38,7 +37,6 @@ from .neuron import IFNeuron, neurons
 __all__ = ["FinetuneConfig", "finetune", "blend", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
 
 CHECKPOINT_NAME = "finetune.ckpt"
-_MAGIC = b"SNNCONV-CKPT-1\n"
 
 
 @dataclass(frozen=True)
@@ -227,31 +225,6 @@ def _data_size(data: "_Data") -> int | None:
         except TypeError:
             continue
     return None
-
-
-def _write_checkpoint(path: str, payload: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
-    digest = hashlib.sha256(data).hexdigest().encode()
-    atomic_write_bytes(path, _MAGIC + digest + b"\n" + data)
-
-
-def read_checkpoint(path: str) -> dict:
-    """Read and verify a fine-tuning checkpoint (sha256 checked, ``weights_only`` load)."""
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    if not raw.startswith(_MAGIC):
-        raise CheckpointError(f"{path} is not an snnconv fine-tuning checkpoint (bad header)")
-    head = len(_MAGIC)
-    digest, data = raw[head:head + 64], raw[head + 65:]
-    if hashlib.sha256(data).hexdigest().encode() != digest:
-        raise CheckpointError(f"{path} is corrupted: its sha256 does not match its contents "
-                              "(truncated or modified). Delete it to start over.")
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # a valid digest with unreadable contents
-        raise CheckpointError(f"{path} cannot be read: {exc}") from exc
 
 
 # --- training -------------------------------------------------------------------------------
@@ -520,15 +493,20 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     resume_rng, resume_partial = None, None
     if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
         state = read_checkpoint(ckpt_path)
+        check_checkpoint(ckpt_path, state, model, cfg.epochs, steps_per_epoch)
         _check_resumable(ckpt_path, state, fingerprint, cfg, data.global_batch, start_digest, data_size)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
+        try:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+            raise CheckpointError(f"{ckpt_path}: its training state does not fit this run "
+                                  f"({type(exc).__name__}: {str(exc)[:200]}); delete it to start over") from None
         start_epoch, start_step = state["epoch"], state["step"]
         history = list(state["history"])
         best_val, best_state = state["best_val"], state["best_state"]
-        set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
         if start_step:
             # mid-epoch: replaying the epoch's first batches may draw random numbers (dataset
             # transforms), so the state is set again once they are passed
@@ -540,7 +518,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     def save(epoch: int, step: int, partial: list[float] | None = None) -> None:
         if ckpt_path is None or rank != 0:
             return
-        _write_checkpoint(ckpt_path, {
+        write_checkpoint(ckpt_path, {
             "fingerprint": fingerprint, "start_digest": start_digest, "data_size": data_size,
             "config": asdict(cfg), "global_batch": data.global_batch,
             "epoch": epoch, "step": step, "partial": partial,

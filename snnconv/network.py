@@ -26,7 +26,8 @@ from .errors import CheckpointError, ConfigError, DataError
 from .graph import largest_value
 from .graphfile import FUNCTIONS, graph_from_dict, graph_to_dict
 from .meta import atomic_write_bytes
-from .neuron import IFNeuron, LeakyNeuron, TimeExpand, neurons
+from .torchfile import load_untrusted
+from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
@@ -223,12 +224,10 @@ class SpikingNetwork(nn.Module):
                 rebuilt, or weights that do not match their modules (naming the layer, declared
                 and stored shapes).
         """
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"cannot read {path} as a saved SpikingNetwork: {exc}") from exc
+        if isinstance(path, io.BytesIO):  # a file's bytes, read and checked by the caller
+            payload = load_untrusted("<bytes>", "saved SpikingNetwork", data=path.getvalue())
+        else:
+            payload = load_untrusted(path, "saved SpikingNetwork")
         if not isinstance(payload, dict) or payload.get("format") != FORMAT:
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
             raise CheckpointError(f"{path} is not a saved snnconv SpikingNetwork (format {found})")
@@ -256,6 +255,7 @@ class SpikingNetwork(nn.Module):
         except Exception as exc:  # KeyError, TypeError, RuntimeError from fx on a damaged graph
             raise CheckpointError(f"{path}: the saved graph cannot be rebuilt: "
                                   f"{type(exc).__name__}: {exc}") from exc
+        _check_values(path, net)
         try:
             snn = cls(net, payload.get("T"))
         except ValueError as exc:
@@ -265,6 +265,38 @@ class SpikingNetwork(nn.Module):
         return snn.eval()  # freshly built modules start in training mode (dropout would be live)
 
 
+#: The most values per channel an adaptive pooling layer of a saved network may produce (a
+#: torchvision VGG's 7 x 7 is 49): its output is allocated at the first forward, unstored.
+MAX_POOL_OUTPUT = 2**16
+
+
+def _check_values(path: Any, net: fx.GraphModule) -> None:
+    """What :func:`snnconv.nir_io.load_nir`'s reader refuses is refused here too: non-finite
+    weights, thresholds that are not positive, initial membranes outside [0, 1] (in units of
+    theta), and adaptive pooling to more than :data:`MAX_POOL_OUTPUT` values per channel."""
+    for name, t in net.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: '{name}' holds {int((~torch.isfinite(t)).sum())} NaN or "
+                                  "infinite value(s)")
+    for name, mod in net.named_modules():
+        if isinstance(mod, (IFNeuron, Scale)) and bool((mod.theta <= 0).any()):
+            raise CheckpointError(f"{path}: '{name}' has a threshold <= 0 ({float(mod.theta.min())}); "
+                                  "thresholds are positive")
+        if isinstance(mod, IFNeuron) and bool(((mod.v_init < 0) | (mod.v_init > 1)).any()):
+            raise CheckpointError(f"{path}: '{name}' starts its membrane outside [0, 1] x theta "
+                                  f"(v_init from {float(mod.v_init.min())} to {float(mod.v_init.max())})")
+        size = getattr(mod, "output_size", None)
+        if isinstance(mod, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+                            nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)):
+            dims = size if isinstance(size, (tuple, list)) else (size,)
+            count = 1
+            for d in dims:
+                count *= 1 if d is None else int(d)
+            if count > MAX_POOL_OUTPUT or any(d is not None and int(d) < 1 for d in dims):
+                raise CheckpointError(f"{path}: '{name}' pools to {tuple(dims)} ({count:,} values per "
+                                      f"channel; at most {MAX_POOL_OUTPUT:,})")
+
+
 def _verify(path: Any, payload: dict) -> None:
     stored = payload.get("digest")
     if not isinstance(stored, str):
@@ -272,7 +304,7 @@ def _verify(path: Any, payload: dict) -> None:
                               "its digest: damaged or edited. Save the network again")
     try:
         actual = content_digest({k: v for k, v in payload.items() if k != "digest"})
-    except TypeError as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: its payload holds an unexpected value: {exc}") from exc
     if actual != stored:
         raise CheckpointError(f"{path} was changed after it was saved: its content does not match "

@@ -286,7 +286,7 @@ def test_a_checkpoint_of_a_run_with_other_settings_is_refused(small_digits_snn, 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(small_digits_snn,
                                                                             digits_loaders, tmp_path):
     """A checkpoint written before ``distill`` was a setting: that run had the default (0)."""
-    from snnconv.finetune import _write_checkpoint
+    from snnconv.checkpoint import write_checkpoint as _write_checkpoint
 
     train, _ = digits_loaders
     run = dict(T=2, epochs=2, max_steps_per_epoch=2, checkpoint_every=1, checkpoint_dir=str(tmp_path),
