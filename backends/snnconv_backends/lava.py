@@ -30,6 +30,7 @@ import torch
 from snnconv.errors import BackendError
 
 from . import loihi2
+from .loihi2.backend import attach_fidelity
 from .loihi2.simulate import connection_synops, static_eval, static_input
 from .registry import Backend, Program, RunResult, parse_graph
 
@@ -39,7 +40,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_grou
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
             "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1,
-            "dt": 1.0}
+            "dt": 1.0, "per_neuron_vth": True, "reference": True}
 
 
 def lava_python() -> Path:
@@ -233,7 +234,7 @@ class LavaProgram(Program):
                 data = {k: res[k] for k in res.files}
         res = self._result(data, spec, T, x.shape[0], clipped)
         res.extra["seconds"] = time.perf_counter() - t0
-        return res
+        return attach_fidelity(self.q, res, x, T, "lava", bool(self.options["reference"]))
 
     def _result(self, data: Mapping[str, np.ndarray], spec: Mapping[str, Any], T: int, B: int,
                 clipped: int) -> RunResult:
@@ -298,4 +299,5 @@ class LavaBackend(Backend):
         opts = dict(_OPTIONS)
         opts.update(options)
         return LavaProgram(loihi2.quantize(parse_graph(graph, self.name, opts["dt"]), split_signs=bool(opts["split_signs"]),
-                                           weight_groups=opts["weight_groups"], backend=self.name), opts)
+                                           weight_groups=opts["weight_groups"],
+                                           per_neuron_vth=bool(opts["per_neuron_vth"]), backend=self.name), opts)

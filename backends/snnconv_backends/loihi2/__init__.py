@@ -88,6 +88,9 @@ from .chip import NEURONS_PER_CORE as NEURONS_PER_CORE
 from .chip import STEP_SECONDS as STEP_SECONDS
 from .chip import SYNAPSES_PER_CORE as SYNAPSES_PER_CORE
 from .cost import energy, resources
+from .fidelity import FLUSH_TOLERANCE as FLUSH_TOLERANCE
+from .fidelity import RATE_TOLERANCE as RATE_TOLERANCE
+from .fidelity import QuantisationWarning as QuantisationWarning
 from .network import Connection, Population, QuantizedNetwork
 from .quantisation import quantize
 from .report import build_result as build_result

@@ -333,6 +333,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 bits = _bits(weight_bits, cname)
                 m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs)
                 rep["float_weights"] = int(w.size)
+                rep["float_nonzero"] = int(np.count_nonzero(w))
                 delay = d - depth[s] - 1
                 groups = [(cname, m, e, rep)]
                 if _groups(weight_groups, cname) == 2:
@@ -345,6 +346,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                             rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
                                                               / max((sc**2).sum(), 1e-300)))
                             rep2["residual_of"] = cname
+                            rep["zero_rounded_both"] = int(((m == 0) & (m2 == 0) & (sc != 0)).sum())
                             groups.append((f"{cname}.lo", m2, e2, rep2))
                 for gname, gmant, gexp, grep in groups:
                     conns.append(Connection(gname, s, tgt.name, kind, gmant, gexp, delay, cparams, grep,
