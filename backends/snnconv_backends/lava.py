@@ -30,7 +30,8 @@ import torch
 from snnconv.errors import BackendError
 
 from . import loihi2
-from .loihi2.simulate import connection_synops, static_eval
+from .loihi2.backend import attach_fidelity
+from .loihi2.simulate import connection_synops, static_eval, static_input
 from .registry import Backend, Program, RunResult, parse_graph
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_group", "WORKER"]
@@ -39,7 +40,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_grou
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
             "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1,
-            "dt": 1.0}
+            "dt": 1.0, "per_neuron_vth": True, "reference": True}
 
 
 def lava_python() -> Path:
@@ -178,11 +179,8 @@ class LavaProgram(Program):
         k = 0
         clipped = 0
         for j, p in enumerate(q.populations):
-            if p.static:
-                z = None
-                for i in q.graph.op(p.name).inputs:
-                    z = vals[i] if z is None else z + vals[i]
-                mant, exp, c = loihi2.bias_current(z.reshape(B, -1), p)
+            if p.has_bias:
+                mant, exp, c = loihi2.bias_current(static_input(q, p, vals, B), p)
                 clipped += c
                 arrays[f"p{j}_bias_mant"] = mant.cpu().numpy().astype(np.int32)
                 arrays[f"p{j}_bias_exp"] = exp.cpu().numpy().astype(np.int32)
@@ -203,9 +201,13 @@ class LavaProgram(Program):
             per_neuron = isinstance(p.v_init, np.ndarray)
             if per_neuron:  # a calibrated initial membrane: one value per neuron
                 arrays[f"p{j}_v_init"] = np.asarray(p.v_init, np.int32)
+            per_vth = bool(np.ndim(p.vth))
+            if per_vth:  # one threshold per channel: one value per neuron
+                arrays[f"p{j}_vth"] = p.neuron_vth().astype(np.int32)
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
-                         "vth": int(p.vth), "v_init": None if per_neuron else int(p.v_init),
-                         "static": bool(p.static), "conns": conns, "du": int(p.du), "dv": int(p.dv)})
+                         "vth": None if per_vth else int(p.vth),
+                         "v_init": None if per_neuron else int(p.v_init),
+                         "static": bool(p.static), "bias_from": int(p.depth) if p.late_static else 0, "conns": conns, "du": int(p.du), "dv": int(p.dv)})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
@@ -232,7 +234,7 @@ class LavaProgram(Program):
                 data = {k: res[k] for k in res.files}
         res = self._result(data, spec, T, x.shape[0], clipped)
         res.extra["seconds"] = time.perf_counter() - t0
-        return res
+        return attach_fidelity(self.q, res, x, T, "lava", bool(self.options["reference"]))
 
     def _result(self, data: Mapping[str, np.ndarray], spec: Mapping[str, Any], T: int, B: int,
                 clipped: int) -> RunResult:
@@ -297,4 +299,5 @@ class LavaBackend(Backend):
         opts = dict(_OPTIONS)
         opts.update(options)
         return LavaProgram(loihi2.quantize(parse_graph(graph, self.name, opts["dt"]), split_signs=bool(opts["split_signs"]),
-                                           weight_groups=opts["weight_groups"]), opts)
+                                           weight_groups=opts["weight_groups"],
+                                           per_neuron_vth=bool(opts["per_neuron_vth"]), backend=self.name), opts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 
 from ..energy import E_AC_PJ, E_MAC_PJ
 from .common import Heartbeat, UsageError, add_command, nir_path, positive_float, positive_int, snn_path, write_json
@@ -174,12 +175,17 @@ def _cmd_run(args) -> int:
     n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
     chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
     batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
+    float_counts: dict = {}  # the float network's spike counts, where the backend compares (fidelity)
     with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
         for x, y in DataLoader(dataset, batch_size=batch):
             if prefix is not None:  # the static analog prefix, once per image
                 with torch.no_grad():
                     x = prefix(x)
-            r = program.run(x, T)
+            with warnings.catch_warnings():  # judged once, on every image, below
+                warnings.simplefilter("ignore", _quantisation_warning())
+                r = program.run(x, T)
+            for k, v in ((r.extra.get("fidelity") or {}).get("float_counts") or {}).items():
+                float_counts[k] = float_counts.get(k, 0.0) + torch.tensor(v, dtype=torch.float64)
             # accuracy of the readout averaged over the first t steps, t = 1..T
             mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
             correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
@@ -218,10 +224,19 @@ def _cmd_run(args) -> int:
           "MAC, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler; no "
           f"neuron updates or memory traffic): SNN {e_snn / 1e6:.3f} uJ, ANN {e_ann / 1e6:.3f} uJ, "
           f"SNN/ANN {e_snn / max(e_ann, 1e-12):.2f}")
+    fidelity = None
     if chip_runs:
         from snnconv_backends.loihi2 import format_report
+        from snnconv_backends.loihi2.fidelity import check, summary
 
         print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
+        q = getattr(program, "q", None)  # the quantised network (loihi2-sim, lava)
+        fidelity = None if q is None else check(q, spikes, float_counts or None, n, T)
+        if fidelity is not None:
+            line = summary(fidelity, args.backend)
+            print(("WARNING: " if fidelity["warnings"] else "") + line)
+            if fidelity["warnings"]:
+                warnings.warn(line, _quantisation_warning(), stacklevel=2)
     from ..analysis import backend_record
 
     class _Merged:  # the batches as one RunResult-like record
@@ -231,6 +246,9 @@ def _cmd_run(args) -> int:
     merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
     rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
                          wall_s=time.perf_counter() - t_start)
+    if fidelity is not None:
+        rec["quantisation_check"] = {k: fidelity[k] for k in ("warnings", "lowest_rate_ratio", "tolerances", "layers")}
+        rec["quantisation_check"]["flushed"] = {k: v["fraction"] for k, v in fidelity["connections"].items()}
     rec["energy_45nm_per_image_nj"] = {"snn": e_snn / 1e3, "ann": e_ann / 1e3,
                                        "snn_over_ann": e_snn / max(e_ann, 1e-12)}
     out = args.out or os.path.dirname(os.path.abspath(args.file))
@@ -238,7 +256,16 @@ def _cmd_run(args) -> int:
     write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
     print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
           f"wrote {os.path.join(out, 'backends', args.backend + '.json')}")
+    if args.strict and fidelity is not None and fidelity["warnings"]:
+        print(f"--strict: the quantisation check failed ({len(fidelity['warnings'])} departure(s))")
+        return 1
     return 0
+
+
+def _quantisation_warning() -> type[Warning]:
+    from snnconv_backends.loihi2.fidelity import QuantisationWarning
+
+    return QuantisationWarning
 
 
 def _print_synops(synops: dict, macs: dict, static: set, n: int, T: int) -> tuple[float, float]:
@@ -311,6 +338,9 @@ def add_run(sub, pa: dict) -> None:
     p.add_argument("--dt", type=positive_float, default=1.0,
                    help="the time step the file is read at (default 1; a neuron integrates r * dt "
                         "of its input per step, which must be 1: --dt 1e-4 for r = 1e4)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when a quantised backend (loihi2-sim, lava) departs from the float "
+                        "network beyond its stated tolerances (a layer's firing rate, weights flushed)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="a backend option, e.g. --option dtype=float64 (repeatable)")
 

@@ -18,7 +18,10 @@ reset -> :class:`SubtractiveIF`, whose model reuses Lava's fixed-point LIF dynam
 (``AbstractPyLifModelFixed``) and only replaces the reset (v -= vth << 6) - on Loihi 2 a
 custom neuron program; the readout -> :class:`Readout` (v = clip24(a_in << 6), no spikes);
 connections -> ``Dense`` / ``Sparse`` (``DelayDense`` / ``DelaySparse`` with extra delays);
-biases of later layers -> one always-on ``LIF`` ("clock") and a connection per layer.
+biases of later layers -> one always-on ``LIF`` ("clock") and a connection per layer; one
+threshold per neuron -> :class:`ChannelIF` (a custom neuron program, either reset); a static
+input that reaches a population at depth d beside spikes -> its bias current, written after the
+first d steps (the run pauses there: its input arrives at step d + 1).
 
 The result (npz): ``v<j>`` ``[steps, B, N]`` int32 (membrane after reset) and ``s<j>``
 ``[steps, B, N]`` bool per population, ``seconds`` (build + run wall time).
@@ -94,6 +97,48 @@ class PySubtractiveIFModelFixed(AbstractPyLifModelFixed):
         self.v[spike_vector] -= self.effective_vth
 
 
+class ChannelIF(AbstractProcess):
+    """Integrate-and-fire neuron with one threshold per neuron (Loihi 2 custom neuron program),
+    reset to 0 (``hard``) or by subtraction; otherwise as :class:`SubtractiveIF`."""
+
+    def __init__(self, *, shape, vth, hard, v=0, bias_mant=0, bias_exp=0, name=None):
+        super().__init__(shape=shape, name=name)
+        self.a_in = InPort(shape=shape)
+        self.s_out = OutPort(shape=shape)
+        self.u = Var(shape=shape, init=0)
+        self.v = Var(shape=shape, init=v)
+        self.du = Var(shape=(1,), init=4095)
+        self.dv = Var(shape=(1,), init=0)
+        self.bias_mant = Var(shape=shape, init=bias_mant)
+        self.bias_exp = Var(shape=shape, init=bias_exp)
+        self.vth = Var(shape=shape, init=vth)
+        self.hard = Var(shape=(1,), init=int(bool(hard)))
+
+
+@implements(proc=ChannelIF, protocol=LoihiProtocol)
+@requires(CPU)
+@tag("fixed_pt")
+class PyChannelIFModelFixed(AbstractPyLifModelFixed):
+    """Lava's fixed-point LIF dynamics with a threshold per neuron and either reset."""
+
+    s_out: PyOutPort = LavaPyType(PyOutPort.VEC_DENSE, np.int32, precision=24)
+    vth: np.ndarray = LavaPyType(np.ndarray, np.int32, precision=17)
+    hard: np.ndarray = LavaPyType(np.ndarray, np.int32, precision=1)
+
+    def scale_threshold(self):
+        self.effective_vth = np.left_shift(self.vth.astype(np.int64), self.vth_shift)
+        self.isthrscaled = True
+
+    def spiking_activation(self):
+        return self.v > self.effective_vth
+
+    def reset_voltage(self, spike_vector):
+        if int(self.hard[0]):
+            self.v[spike_vector] = 0
+        else:
+            self.v[spike_vector] -= self.effective_vth[spike_vector]
+
+
 class Readout(AbstractProcess):
     """Non-spiking readout: v[t] = clip24(u[t]) with u[t] = a_in << 6 (read every step)."""
 
@@ -148,6 +193,7 @@ def main(job_path, out_path):
     spec = json.loads(str(job["spec"]))
     steps, B = int(spec["steps"]), int(spec["batch"])
     procs, sizes = {}, {}
+    late = {}  # step -> [(population, bias mantissas, exponents)]
     clock = None
     for j, p in enumerate(spec["populations"]):
         n = int(p["size"]) * B
@@ -155,6 +201,12 @@ def main(job_path, out_path):
         if p["static"]:
             mant = job[f"p{j}_bias_mant"].reshape(n).astype(np.int32)
             exp = job[f"p{j}_bias_exp"].reshape(n).astype(np.int32)
+        elif p.get("bias_from"):  # a late static input: its bias is written at step bias_from
+            mant = np.zeros(n, np.int32)
+            exp = np.zeros(n, np.int32)
+            late.setdefault(int(p["bias_from"]), []).append(
+                (p["name"], job[f"p{j}_bias_mant"].reshape(n).astype(np.int32),
+                 job[f"p{j}_bias_exp"].reshape(n).astype(np.int32)))
         else:
             mant = np.zeros(n, np.int32)
             exp = np.zeros(n, np.int32)
@@ -163,6 +215,12 @@ def main(job_path, out_path):
             procs[p["name"]] = LIF(shape=(n,), du=du, dv=dv, vth=LI_VTH, v=0, name=p["name"])
         elif p["role"] == "readout":
             procs[p["name"]] = Readout(shape=(n,), name=p["name"])
+        elif p["vth"] is None:  # one threshold per neuron
+            v0 = (int(p["v_init"]) if p["v_init"] is not None
+                  else np.tile(job[f"p{j}_v_init"].astype(np.int32), B))
+            procs[p["name"]] = ChannelIF(shape=(n,), vth=np.tile(job[f"p{j}_vth"].astype(np.int32), B),
+                                         hard=p["reset"] == "zero", v=v0, bias_mant=mant,
+                                         bias_exp=exp, name=p["name"])
         elif p["reset"] == "zero":  # hard-reset IF (du=4095, dv=0), LIF and CubaLIF
             procs[p["name"]] = LIF(shape=(n,), du=du, dv=dv, vth=int(p["vth"]), v=0,
                                    bias_mant=mant, bias_exp=exp, name=p["name"])
@@ -211,7 +269,15 @@ def main(job_path, out_path):
             mons[p["name"], "s_out"].probe(procs[p["name"]].s_out, steps)
     first = next(iter(procs.values()))
     t1 = time.time()
-    first.run(condition=RunSteps(num_steps=steps), run_cfg=Loihi2SimCfg(select_tag="fixed_pt"))
+    cfg = Loihi2SimCfg(select_tag="fixed_pt")
+    done = 0
+    for at in sorted(late):  # run to each step where a late bias starts, write it, go on
+        first.run(condition=RunSteps(num_steps=at - done), run_cfg=cfg)
+        for name, mant, exp in late[at]:
+            procs[name].bias_mant.set(mant)
+            procs[name].bias_exp.set(exp)
+        done = at
+    first.run(condition=RunSteps(num_steps=steps - done), run_cfg=cfg)
     t2 = time.time()
     out = {"seconds": np.array([t1 - t0, t2 - t1])}
     for j, p in enumerate(spec["populations"]):

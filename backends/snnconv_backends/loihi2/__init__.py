@@ -46,6 +46,21 @@ Mapping of a parsed NIR graph (:func:`quantize`):
 - the readout neurons do not spike: their membrane is the per-step value of the last layer
   (``v = clip24(a_in << 6)``), read every step.
 
+A static value that reaches a later population beside spikes (the analog prefix's output on a
+residual shortcut) is computed off-chip once per image, as the first layer's input, and enters
+that population as a per-neuron bias current (13-bit mantissa, exponent 0..7) from its own
+first step: ``loihi2-sim`` adds it over the population's ``T`` steps, Lava pauses after ``depth``
+steps and writes it (its input arrives at step ``depth + 1``). Such a population's ``vth`` is at
+most ``2**11``, so the bias reaches four thresholds (clipping beyond is counted).
+
+One threshold per channel: where the single threshold below would fall under ``2**10`` (on
+torchvision's ``resnet18``, channels that calibration left silent have theta floored at 1e-3,
+so their rows are 1000x the others' and every layer from ``layer2`` got vth 1-2 with 75-99% of
+its weights rounded to zero), each channel gets the largest ``vth`` its own worst case allows,
+as a custom neuron program (Lava: ``ChannelIF``). An IF neuron's spikes do not change when its
+weights, bias, threshold and initial membrane are scaled together, so this is exact in the
+float network; a channel that cannot fit even at vth = 1 has its threshold raised (counted).
+
 Quantisation (per population): one integer threshold ``vth`` (17 bits; per-channel
 thresholds are folded into the incoming weights). Its ceiling is the largest value for which
 the worst case of ``a_in`` (every input spiking) fits in 16 signed bits (Lava's ``a_in`` port
@@ -88,6 +103,9 @@ from .chip import NEURONS_PER_CORE as NEURONS_PER_CORE
 from .chip import STEP_SECONDS as STEP_SECONDS
 from .chip import SYNAPSES_PER_CORE as SYNAPSES_PER_CORE
 from .cost import energy, resources
+from .fidelity import FLUSH_TOLERANCE as FLUSH_TOLERANCE
+from .fidelity import RATE_TOLERANCE as RATE_TOLERANCE
+from .fidelity import QuantisationWarning as QuantisationWarning
 from .network import Connection, Population, QuantizedNetwork
 from .quantisation import quantize
 from .report import build_result as build_result

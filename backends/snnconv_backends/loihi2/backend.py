@@ -4,6 +4,7 @@ network in chunks."""
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -13,6 +14,7 @@ from snnconv.errors import BackendError
 
 from ..registry import Backend, Program, RunResult, check_finite, parse_graph
 from .chip import STEP_SECONDS
+from .fidelity import QuantisationWarning, check, summary
 from .network import QuantizedNetwork
 from .quantisation import quantize
 from .report import build_result
@@ -22,7 +24,8 @@ __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
 #: The options of ``loihi2-sim`` and their defaults.
 OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
-           "weight_bits": 8, "split_signs": True, "weight_groups": 1, "dt": 1.0}
+           "weight_bits": 8, "split_signs": True, "weight_groups": 1, "dt": 1.0,
+           "per_neuron_vth": True, "reference": True}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,8 +96,28 @@ class Loihi2Program(Program):
         if record:
             extra["trace"] = {"v": {k: torch.cat(v, dim=1) for k, v in vlt.items()},
                               "s": {k: torch.cat(v, dim=1) for k, v in spk.items()}}
-        return build_result(self.q, torch.cat(outs, dim=1), cnt, stats, synops, T, x.shape[0],
-                            float(self.options["step_seconds"]), extra)
+        res = build_result(self.q, torch.cat(outs, dim=1), cnt, stats, synops, T, x.shape[0],
+                           float(self.options["step_seconds"]), extra)
+        return attach_fidelity(self.q, res, x, T, "loihi2-sim", bool(self.options["reference"]))
+
+
+def attach_fidelity(q: QuantizedNetwork, res: RunResult, x: torch.Tensor, T: int, name: str,
+                    reference: bool) -> RunResult:
+    """Add ``extra["fidelity"]`` (per-layer firing rates against the float network run on the
+    same batch by the cpu backend, weights flushed; :mod:`.fidelity`) and warn
+    (:class:`QuantisationWarning`) where they depart beyond the tolerances."""
+    ref = None
+    if reference:
+        from ..cpu import compile_parsed
+
+        with torch.no_grad():
+            ref = compile_parsed(q.graph).run(x.detach().cpu().float(), T).spikes
+    fid = check(q, res.spikes, ref, int(x.shape[0]), T)
+    fid["float_counts"] = None if ref is None else {k: v.reshape(-1).tolist() for k, v in ref.items()}
+    res.extra["fidelity"] = fid
+    if fid["warnings"]:
+        warnings.warn(summary(fid, name), QuantisationWarning, stacklevel=3)
+    return res
 
 
 class Loihi2SimBackend(Backend):
@@ -108,7 +131,11 @@ class Loihi2SimBackend(Backend):
     ``split_signs`` (default True: mixed-sign connections as excitatory + inhibitory synapse
     groups, 8 bits of magnitude each; False: Lava's mixed sign mode, 7), ``weight_groups``
     (1, or 2: each connection's rounding residual as a second synapse group, ~15-bit weights
-    at twice the synapses; or a mapping connection -> groups; see :func:`quantize`).
+    at twice the synapses; or a mapping connection -> groups; see :func:`quantize`),
+    ``per_neuron_vth`` (default True: one threshold per channel where one per population would
+    be below 2**10), ``reference`` (default True: also run the float network on the batch and
+    compare each layer's firing rate, ``extra["fidelity"]``; a departure beyond the tolerances
+    of :mod:`.fidelity` warns with :class:`~snnconv_backends.loihi2.fidelity.QuantisationWarning`).
     """
 
     name = "loihi2-sim"
@@ -117,4 +144,5 @@ class Loihi2SimBackend(Backend):
         opts = _check_options(self.name, options)
         return Loihi2Program(quantize(parse_graph(graph, self.name, opts["dt"]), weight_bits=opts["weight_bits"],
                                       split_signs=bool(opts["split_signs"]),
-                                      weight_groups=opts["weight_groups"]), opts)
+                                      weight_groups=opts["weight_groups"],
+                                      per_neuron_vth=bool(opts["per_neuron_vth"])), opts)

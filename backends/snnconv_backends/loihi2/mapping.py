@@ -20,8 +20,9 @@ __all__ = ["Mapper", "chain_kind", "pool_then_conv", "compose", "fanout"]
 class Mapper:
     """A parsed graph read as populations and the op chains between them."""
 
-    def __init__(self, g: ParsedGraph):
+    def __init__(self, g: ParsedGraph, backend: str = "loihi2-sim"):
         self.g = g
+        self.backend = backend
         self.ops = {op.name: op for op in g.ops}
         self.static = self._static_names()
 
@@ -45,15 +46,16 @@ class Mapper:
             elif op.kind in LINEAR_KINDS:
                 out.extend((s, chain + [op]) for s, chain in self.terms(i))
             else:
-                raise BackendError(f"loihi2-sim: op '{i}' ({op.kind}) cannot feed '{name}'")
+                raise BackendError(f"{self.backend}: op '{i}' ({op.kind}) cannot feed '{name}'")
         return out
 
     def const(self, name: str) -> torch.Tensor:
-        """The input of op ``name`` when every neuron is silent (biases only), float64, batch 1."""
+        """The input of op ``name`` when every neuron is silent and the static input is 0 (biases
+        only; a static value reaching a later layer is a bias current per image), float64, batch 1."""
         total = None
         for i in self.ops[name].inputs:
             op = self.ops[i]
-            if op.kind in SPIKING:
+            if op.kind in SPIKING or i in self.static:
                 v = torch.zeros(1, *op.out_shape, dtype=torch.float64)
             else:
                 v = apply_op(op, self.const(i), bias=True).reshape(1, *op.out_shape)

@@ -104,7 +104,8 @@ class Population:
     Attributes:
         shape: batch-free shape; ``size`` neurons (flattened C-order, as in Lava).
         depth: pipeline depth (0: fed by the static input through a bias current).
-        vth: integer threshold (spike on ``v > vth << 6``); 0 for the readout.
+        vth: integer threshold (spike on ``v > vth << 6``); 0 for the readout; or one per
+            channel ``[C]`` (int64; a custom neuron program reads it per neuron).
         v_init: initial membrane: ``(vth << 6) // 2`` for subtractive reset (theta/2), 0 for
             hard reset; a calibrated ``v_init`` (a fraction of theta per channel) gives one
             integer per neuron ``[size]`` (int64), ``round(v_init * (vth << 6))``.
@@ -117,13 +118,16 @@ class Population:
             see :mod:`snnconv_backends.loihi2.leaky`).
         gain: the input gain folded into ``scale`` per channel (``dt/tau * r ...`` for a leaky
             neuron, else 1): the membrane is ``v = v_float * scale / gain``.
+        late_static: op chains from the static input (or the analog prefix's output) that reach
+            this population beside spikes: their value, computed off-chip once per image, enters
+            as a per-neuron bias current from the population's own first step (depth > 0).
     """
 
     name: str
     role: str
     shape: tuple[int, ...]
     depth: int
-    vth: int
+    vth: int | np.ndarray
     v_init: int | np.ndarray
     reset: str
     scale: np.ndarray
@@ -133,6 +137,7 @@ class Population:
     du: int = 4095
     dv: int = 0
     gain: np.ndarray = field(default_factory=lambda: np.ones(1))
+    late_static: tuple = ()
 
     @property
     def size(self) -> int:
@@ -142,6 +147,15 @@ class Population:
     def leaky(self) -> bool:
         """Whether the current or the membrane decays (a leaky neuron or readout)."""
         return self.du != 4095 or self.dv != 0
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether a per-image bias current enters (the static first layer, or a late static input)."""
+        return self.static or bool(self.late_static)
+
+    def neuron_vth(self) -> np.ndarray:
+        """The integer threshold per neuron ``[size]`` (int64)."""
+        return per_neuron_values(np.asarray(self.vth, np.float64), self.shape).astype(np.int64)
 
     def neuron_scale(self) -> np.ndarray:
         """``scale`` per neuron, ``[size]`` (float64)."""

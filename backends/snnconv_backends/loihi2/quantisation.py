@@ -22,6 +22,11 @@ from .ops import conv_params
 __all__ = ["quantize"]
 
 _VTH_CAP = 2**16  # vth << 6 <= 2**22: headroom above the threshold
+#: A population whose one threshold would be below this gets one threshold per channel.
+_VTH_PER_CHANNEL = 2**10
+#: Neurons that sum a static input with spikes: the bias current reaches 4095 << 7 = 2**19 -
+#: 128 v units, four thresholds at vth = 2**11 (the first layer's FIRST_VTH reaches two).
+_LATE_STATIC_VTH = 2**11
 
 
 def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
@@ -142,19 +147,33 @@ def _per_vth(kind: str, w: np.ndarray, theta: np.ndarray, shape: tuple[int, ...]
             _bits(weight_bits, cname), fan_in)
 
 
-def _v_init(op: Any, vth: int, shape: tuple[int, ...]) -> int | np.ndarray:
-    """A neuron op's initial membrane in integer ``v`` units (see :class:`Population`)."""
+def _v_init(op: Any, vth: int | np.ndarray, shape: tuple[int, ...]) -> int | np.ndarray:
+    """A neuron op's initial membrane in integer ``v`` units (see :class:`Population`); one
+    integer per neuron ``[size]`` where ``vth`` is per channel or ``v_init`` calibrated."""
     if op.params.get("reset") != "subtract":  # hard reset and leaky neurons start at 0
         return 0
     v0 = op.params.get("v_init")
+    if np.ndim(vth) == 0 and (v0 is None or (np.ndim(v0) == 0 and float(v0) == 0.5)):
+        return (int(vth) << LOIHI["vth_shift"]) // 2
+    full_vth = per_neuron_values(np.asarray(vth, np.float64), shape) * 2.0 ** LOIHI["vth_shift"]
     if v0 is None or (np.ndim(v0) == 0 and float(v0) == 0.5):
-        return (vth << LOIHI["vth_shift"]) // 2
+        return (full_vth.astype(np.int64) // 2).astype(np.int64)
     full = per_neuron_values(np.asarray(v0, np.float64).reshape(-1), shape)
-    return np.round(full * (vth << LOIHI["vth_shift"])).astype(np.int64)
+    return np.round(full * full_vth).astype(np.int64)
+
+
+def _channel_min(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Per-neuron values ``[size]`` -> their minimum per channel (dim 0) ``[C]``."""
+    return values.reshape(shape[0], -1).min(1) if len(shape) else values.reshape(1)
+
+
+def _channel_max(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return values.reshape(shape[0], -1).max(1) if len(shape) else values.reshape(1)
 
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
-             weight_groups: int | Mapping[str, int] = 1) -> QuantizedNetwork:
+             weight_groups: int | Mapping[str, int] = 1, per_neuron_vth: bool = True,
+             backend: str = "loihi2-sim") -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
     ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
@@ -169,14 +188,17 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
     becomes a second connection ``"<name>.lo"`` from the same source with an exponent about 8
     lower, so the pair carries ~15-bit weights on 8-bit synapses: runnable on the chip (and in
     Lava), at twice the synapses and synaptic operations of that connection (see resources).
+    ``per_neuron_vth``: a population whose single threshold would fall below
+    ``_VTH_PER_CHANNEL`` gets one threshold per channel (the default; False: one per population).
+    ``backend``: the name errors carry.
 
     Raises:
         BackendError: a structure Loihi cannot run this way (named), or weights/thresholds the
             bit budget cannot represent, or a graph the strict reader refuses (a node type it
             does not run, a malformed graph: the reader's NIRError is the cause).
     """
-    g = graph if isinstance(graph, ParsedGraph) else parse_graph(graph, "loihi2-sim")
-    mp = Mapper(g)
+    g = graph if isinstance(graph, ParsedGraph) else parse_graph(graph, backend)
+    mp = Mapper(g, backend)
     readout = g.ops[-1]
     if len(readout.inputs) == 1 and mp.ops[readout.inputs[0]].kind == "li":
         readout = mp.ops[readout.inputs[0]]  # a leaky readout: LI directly before the Output
@@ -185,7 +207,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             leaky_spec(op, False, "neuron")  # refused, with the reason
     targets = [op for op in g.ops if op.kind in SPIKING] + [readout]
     if len(targets) == 1:
-        raise BackendError("loihi2-sim: the graph has no neurons; Loihi runs spiking networks")
+        raise BackendError(f"{backend}: the graph has no neurons; Loihi runs spiking networks")
     pops: list[Population] = []
     depth: dict[str, int] = {}
     static_ops: list[Any] = [op for op in g.ops if op.name in mp.static and op.kind != "input"]
@@ -196,25 +218,27 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
         terms = mp.terms(tgt.name)
         static = [t for t in terms if t[0] == "__static__"]
         spiking = [t for t in terms if t[0] != "__static__"]
-        if static and spiking:
-            raise BackendError(
-                f"loihi2-sim: '{tgt.name}' sums the static input ({static[0][1][0].name}) with "
-                "spikes; only the first neuron layer may see the static input (direct encoding)")
         if static and role == "readout":
-            raise BackendError(f"loihi2-sim: the readout '{tgt.name}' is fed by the static input "
-                               "directly; there is nothing to run on the chip")
+            raise BackendError(f"{backend}: the readout '{tgt.name}' is fed by the static input "
+                               f"({static[0][1][0].name}) directly; the readout has no bias current "
+                               "to carry it: put a neuron layer between them")
+        late = tuple(tuple(chain) for _, chain in static) if static and spiking else ()
         leaky = leaky_spec(tgt, bool(static), role) if tgt.kind in ("lif", "cubalif", "li") else None
         if leaky is not None:  # an IF neuron with threshold v_threshold / gain (see .leaky)
             theta, reset = leaky.theta, ("zero" if role == "neuron" else "none")
         elif role == "neuron":
             theta = np.asarray(tgt.params["theta"], np.float64).reshape(-1)
             if (theta <= 0).any() or not np.isfinite(theta).all():
-                raise BackendError(f"loihi2-sim: neuron '{tgt.name}' has a non-positive threshold")
+                raise BackendError(f"{backend}: neuron '{tgt.name}' has a non-positive threshold")
             reset = str(tgt.params["reset"])
         else:
             theta, reset = np.ones(1), "none"
+        if late and leaky is not None:
+            raise BackendError(f"{backend}: the leaky neuron '{tgt.name}' sums the static input "
+                               f"({static[0][1][0].name}) with spikes; only IF neurons take it as "
+                               "a bias current")
         chip = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
-        if static:
+        if static and not spiking:
             vth = FIRST_VTH
             scale = (vth << LOIHI["vth_shift"]) / theta
             pops.append(Population(
@@ -246,7 +270,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             if any(r[0] == cname for r in raw):  # two chains from one source: distinct names
                 cname = f"{cname}#{sum(r[0].split('#')[0] == cname for r in raw) + 1}"
             raw.append((cname, s, kind, w, cparams if kind == "conv" else None))
-        const = mp.const(tgt.name).reshape(-1).numpy()
+        const = mp.const(tgt.name).reshape(-1).numpy()  # static inputs: 0 (a bias per image)
         # per-neuron worst-case sums in float units
         pos = np.zeros(n)
         neg = np.zeros(n)
@@ -260,8 +284,23 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             theta_n = per_neuron_values(theta, shape)
             with np.errstate(divide="ignore"):
                 lim = np.where(worst > 0, 64.0 * a_max * theta_n / np.maximum(worst, 1e-300), np.inf)
-            vth = int(min(_VTH_CAP, math.floor(float(lim.min()) / 64.0)))
-            if vth >= 2:
+            cap = _LATE_STATIC_VTH if late else _VTH_CAP
+            raised = 0
+            vth = int(min(cap, math.floor(float(lim.min()) / 64.0)))
+            lim_c = np.minimum(cap, np.floor(_channel_min(lim, shape) / 64.0))
+            if (per_neuron_vth and leaky is None and vth < _VTH_PER_CHANNEL and lim_c.size > 1
+                    and float(np.median(lim_c)) >= 2 * max(vth, 1)):
+                # one threshold per channel (a custom neuron program): each channel's integer
+                # weights fill the input budget its own worst case leaves (see the module doc).
+                # A channel whose worst case exceeds a_max thresholds even at vth = 1 (a channel
+                # calibration left silent, theta floored at 1e-3) gets its threshold raised to
+                # worst / a_max: its output scale theta is tiny, so its spikes barely matter
+                worst_c = _channel_max(worst, shape)
+                theta_c = np.broadcast_to(theta, lim_c.shape).astype(np.float64)
+                theta = np.where(lim_c < 1, np.maximum(theta_c, worst_c / a_max * 1.02), theta_c)
+                raised = int((lim_c < 1).sum())
+                vth = np.maximum(lim_c, 1).astype(np.int64)
+            elif vth >= 2:
                 vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits, split_signs)
                                       for cname, _, kind, w, _ in raw]
                                 + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits, split_signs)]
@@ -270,11 +309,11 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             vth = 0
         for attempt in range(12):
             if role == "neuron":
-                if vth < 1:
+                if np.min(vth) < 1:
                     raise BackendError(
-                        f"loihi2-sim: neuron '{tgt.name}': its worst-case input is more than "
+                        f"{backend}: neuron '{tgt.name}': its worst-case input is more than "
                         f"{a_max} times its threshold; the 16-bit input budget cannot hold it")
-                scale_c = (vth << 6) / theta
+                scale_c = np.asarray(vth, np.float64) * 64.0 / theta
             else:
                 gain = np.ones(1) if leaky is None else leaky.gain  # membrane units: scale / gain
                 wmax = float((worst * per_neuron_values(gain, shape)).max())
@@ -294,6 +333,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 bits = _bits(weight_bits, cname)
                 m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs)
                 rep["float_weights"] = int(w.size)
+                rep["float_nonzero"] = int(np.count_nonzero(w))
                 delay = d - depth[s] - 1
                 groups = [(cname, m, e, rep)]
                 if _groups(weight_groups, cname) == 2:
@@ -306,6 +346,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                             rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
                                                               / max((sc**2).sum(), 1e-300)))
                             rep2["residual_of"] = cname
+                            rep["zero_rounded_both"] = int(((m == 0) & (m2 == 0) & (sc != 0)).sum())
                             groups.append((f"{cname}.lo", m2, e2, rep2))
                 for gname, gmant, gexp, grep in groups:
                     conns.append(Connection(gname, s, tgt.name, kind, gmant, gexp, delay, cparams, grep,
@@ -323,25 +364,40 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             bound = int(max(tot_pos.max(initial=0), -tot_neg.min(initial=0)))
             if bound <= a_max:
                 break
-            vth = int(vth * a_max / bound * 0.99) if role == "neuron" else vth
+            if role == "neuron" and np.ndim(vth):  # lower only the channels over budget
+                b_c = _channel_max(np.maximum(tot_pos, -tot_neg).astype(np.float64), shape)
+                new = np.where(b_c > a_max, np.floor(vth * a_max / np.maximum(b_c, 1) * 0.99), vth)
+                low = new < 1  # already at vth = 1: raise the threshold instead
+                raised += int((low & (theta * (b_c / a_max / 0.99) > theta)).sum())
+                theta = np.where(low, theta * np.maximum(b_c / a_max / 0.99, 1.0), theta)
+                vth = np.maximum(new, 1).astype(np.int64)
+            elif role == "neuron":
+                vth = int(vth * a_max / bound * 0.99)
         else:
-            raise BackendError(f"loihi2-sim: '{tgt.name}': no scale keeps the worst-case input "
+            raise BackendError(f"{backend}: '{tgt.name}': no scale keeps the worst-case input "
                                f"within {a_max}")
-        rep = {"vth": vth, "v_threshold": vth << 6 if role == "neuron" else None,
+        vth_min = int(np.min(vth))
+        rep = {"vth": vth_min if np.ndim(vth) else vth,
+               "v_threshold": vth_min << 6 if role == "neuron" else None,
+               **({"vth_per_channel": {"min": vth_min, "median": float(np.median(vth)),
+                                       "max": int(np.max(vth)), "thresholds_raised": raised}}
+                  if np.ndim(vth) else {}),
+               **({"static_bias": [[op.name for op in ch] for ch in late]} if late else {}),
                "a_in_bound": bound, "a_in_budget": a_max,
                "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c)),
                **({} if leaky is None else leaky.report)}
-        if role == "neuron" and vth < 64:
-            rep["warning"] = (f"vth = {vth}: the worst-case input is about {a_max // max(vth, 1)} times "
+        if role == "neuron" and vth_min < 64:
+            rep["warning"] = (f"vth = {vth_min}: the worst-case input is about {a_max // max(vth_min, 1)} times "
                               "the threshold, so the threshold has few bits; expect a larger "
                               "deviation from the float network in this layer")
         pops.append(Population(tgt.name, role, shape, d, vth,
                                _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
-                               np.asarray(scale_c, np.float64), tuple(conns), False, rep, **chip))
+                               np.asarray(scale_c, np.float64), tuple(conns), False, rep,
+                               late_static=late, **chip))
     names = {c.name for p in pops for c in p.conns}
     for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
         unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []
         if unknown:
-            raise BackendError(f"loihi2-sim: {what} names no connection of this graph: {unknown}; "
+            raise BackendError(f"{backend}: {what} names no connection of this graph: {unknown}; "
                                f"connections: {sorted(names)}")
     return QuantizedNetwork(g, tuple(pops), tuple(static_ops), depth[targets[-1].name])

@@ -10,7 +10,7 @@ from .chip import LOIHI
 from .network import Connection, Population, QuantizedNetwork
 from .ops import apply_op, convolve
 
-__all__ = ["static_eval", "bias_current", "RuntimeCounters", "run_quantized", "connection_synops"]
+__all__ = ["static_eval", "static_input", "bias_current", "RuntimeCounters", "run_quantized", "connection_synops"]
 
 _V_MAX = 2 ** (LOIHI["uv_bits"] - 1)  # 2**23
 
@@ -25,6 +25,23 @@ def static_eval(q: QuantizedNetwork, x: torch.Tensor) -> dict[str, torch.Tensor]
             inp = vals[i] if inp is None else inp + vals[i]
         vals[op.name] = apply_op(op, inp.reshape(inp.shape[0], *op.in_shape), bias=True)
     return vals
+
+
+def static_input(q: QuantizedNetwork, p: Population, vals: dict[str, torch.Tensor], B: int) -> torch.Tensor:
+    """The float input ``[B, N]`` that the static values ``vals`` give population ``p``: its
+    whole input for the first layer, its static terms (biases left out: they are a connection
+    from the clock) for a population that also sees spikes."""
+    z = None
+    if p.static:
+        for i in q.graph.op(p.name).inputs:
+            z = vals[i] if z is None else z + vals[i]
+        return z.reshape(B, -1)
+    for chain in p.late_static:
+        y = vals[chain[0].name]
+        for op in chain[1:]:
+            y = apply_op(op, y.reshape(B, *op.in_shape), bias=False)
+        z = y if z is None else z + y
+    return z.reshape(B, -1)
 
 
 def bias_current(z: torch.Tensor, pop: Population) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -139,7 +156,10 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         v = u.clamp(lo, hi)
         stats.saturated += int((v != u).sum())
         return None, v.to(torch.int32)
-    vth = float(pop.vth << LOIHI["vth_shift"])
+    if np.ndim(pop.vth):
+        vth = torch.as_tensor(pop.neuron_vth() << LOIHI["vth_shift"], dtype=torch.float32, device=dev)
+    else:
+        vth = float(pop.vth << LOIHI["vth_shift"])
     if isinstance(pop.v_init, np.ndarray):
         v = torch.as_tensor(pop.v_init, dtype=torch.float32, device=dev).expand(B, n).clone()
     else:
@@ -156,6 +176,8 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         torch.gt(v, vth, out=spikes[t])
         if hard:  # v - v * s: exact on integer-valued floats (s is 0 or 1)
             v.addcmul_(v, spikes[t], value=-1.0)
+        elif np.ndim(pop.vth):
+            v.addcmul_(spikes[t], vth, value=-1.0)
         else:
             v.sub_(spikes[t], alpha=vth)
         if record:
@@ -225,11 +247,8 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
     shapes = {p.name: p.shape for p in q.populations}
     for p in q.populations:
         bias = a_in = None
-        if p.static:
-            z = None
-            for i in q.graph.op(p.name).inputs:
-                z = vals[i] if z is None else z + vals[i]
-            mant, exp, clipped = bias_current(z.reshape(B, -1), p)
+        if p.has_bias:
+            mant, exp, clipped = bias_current(static_input(q, p, vals, B), p)
             stats.bias_clipped += clipped
             bias = mant << exp
         for c in p.conns:

@@ -1,0 +1,162 @@
+"""Loihi 2 for the networks users bring (issue 46): a static input anywhere in the graph, one
+threshold per channel where one per population would flush a layer, and a quantisation that
+departs from the float network is never silent.
+
+Properties: the analog prefix's output reaching a residual shortcut runs on loihi2-sim and in
+Lava with identical spikes; a channel with a floored threshold no longer flushes its layer
+(per-channel thresholds), and when per-channel thresholds are turned off the run warns and
+``snnconv run --strict`` exits 1; rescaling a neuron's weight row, bias and threshold by a
+positive factor changes neither the float spikes nor the integer network.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import snnconv
+from snnconv.nir_io import export_nir
+from snnconv_backends.lava import LavaBackend
+from snnconv_backends.loihi2 import Loihi2SimBackend, QuantisationWarning, quantize
+
+from _loihi_nets import small_graph
+from _loihi_stem import stem_snn
+
+T = 8
+
+
+def _lava_or_skip():
+    ok, reason = LavaBackend().availability()
+    if not ok:
+        pytest.skip(f"Lava side environment missing: {reason}")
+
+
+def _dead_channel(reset: str, seed: int = 1):
+    """``small_graph`` with channel 0 of ``n2`` at threshold 1e-3 (a channel calibration left
+    silent): with one threshold per population its rows set the scale of every channel."""
+    g = small_graph(reset, seed=seed)
+    if reset == "zero":
+        g.nodes["n2"].v_threshold[0] = 1e-3
+    else:  # theta lives in the reset Scale (-theta) and the fire threshold (theta - v0)
+        old = float(-g.nodes["n2_reset"].scale[0, 0, 0])
+        g.nodes["n2_reset"].scale[0] *= 1e-3 / old
+        g.nodes["n2_fire"].threshold[0] *= 1e-3 / old
+    return g
+
+
+def _prefix_input(snn, x):
+    with torch.no_grad():
+        return snnconv.prefix.analog_prefix(snn)(x)
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_a_static_input_beside_spikes_runs_as_a_bias_current(reset):
+    """The max-pooled stem feeds the first block's shortcut: that population gets the stem's
+    output as a bias current from its own first step, and follows the float network."""
+    snn, x = stem_snn(reset)
+    graph = export_nir(snn)
+    q = quantize(graph)
+    late = [p for p in q.populations if p.late_static]
+    assert late and all(p.depth > 0 for p in late)
+    z = _prefix_input(snn, x[:16])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantisationWarning)
+        sim = Loihi2SimBackend().compile(graph).run(z, T)
+    cpu = snnconv.backends.get("cpu").compile(graph).run(z, T)
+    for name, c in sim.spikes.items():
+        want = float(cpu.spikes[name].sum())
+        assert abs(float(c.sum()) - want) <= 0.05 * want + 10, name
+    assert sim.extra["fidelity"]["warnings"] == []
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_lava_and_sim_agree_on_the_static_input_bit_for_bit(reset):
+    _lava_or_skip()
+    snn, x = stem_snn(reset, seed=1)
+    graph = export_nir(snn)
+    z = _prefix_input(snn, x[:2])
+    sim = Loihi2SimBackend().compile(graph, record=True).run(z, T)
+    lava = LavaBackend().compile(graph).run(z, T)
+    assert lava.extra["lava"]["idle_before_window"]
+    for name, v in sim.extra["trace"]["v"].items():
+        assert torch.equal(v.reshape(lava.extra["trace"]["v"][name].shape), lava.extra["trace"]["v"][name]), name
+    for name, s in sim.extra["trace"]["s"].items():
+        assert torch.equal(s.reshape(lava.extra["trace"]["s"][name].shape), lava.extra["trace"]["s"][name]), name
+    assert torch.equal(sim.outputs, lava.outputs)
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_lava_and_sim_agree_with_per_channel_thresholds(reset):
+    _lava_or_skip()
+    g = _dead_channel(reset)
+    assert np.ndim(quantize(g).population("n2").vth) == 1
+    x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
+    sim = Loihi2SimBackend().compile(g, record=True).run(x, 5)
+    lava = LavaBackend().compile(g).run(x, 5)
+    for name, v in sim.extra["trace"]["v"].items():
+        assert torch.equal(v.reshape(lava.extra["trace"]["v"][name].shape), lava.extra["trace"]["v"][name]), name
+    assert torch.equal(sim.outputs, lava.outputs)
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_a_dead_channel_flushes_its_layer_only_with_one_threshold(reset):
+    """One threshold per population: the floored channel's rows set the scale, the others'
+    weights round to zero and the run warns. One per channel: within tolerance, no warning."""
+    g = _dead_channel(reset)
+    x = torch.rand(32, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
+    with pytest.warns(QuantisationWarning, match="n2|n3"):
+        bad = Loihi2SimBackend().compile(g, per_neuron_vth=False).run(x, T)
+    assert bad.extra["fidelity"]["warnings"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantisationWarning)
+        good = Loihi2SimBackend().compile(g).run(x, T)
+    fid = good.extra["fidelity"]
+    assert fid["warnings"] == [] and fid["lowest_rate_ratio"] > 0.8
+    assert max(c["fraction"] for c in fid["connections"].values()) < 0.5
+    rep = good.extra["quantisation"]["layers"]["n2"]
+    assert rep["vth_per_channel"]["thresholds_raised"] <= 1
+
+
+def test_rescaling_a_neuron_changes_neither_float_spikes_nor_the_integer_network():
+    """Weight row, bias and threshold of one channel times 4 (exact in float): the cpu backend's
+    spikes are identical and quantize() builds the same integer weights and thresholds."""
+    g = small_graph("zero", seed=5)
+    h = copy.deepcopy(g)
+    h.nodes["conv2"].weight[1] *= 4
+    h.nodes["conv2"].bias[1] *= 4
+    h.nodes["n2"].v_threshold[1] *= 4
+    x = torch.rand(16, 1, 8, 8, generator=torch.Generator().manual_seed(2)) * 2
+    cpu = snnconv.backends.get("cpu")
+    a, b = cpu.compile(g).run(x, T), cpu.compile(h).run(x, T)
+    assert {k: v.tolist() for k, v in a.spikes.items()} == {k: v.tolist() for k, v in b.spikes.items()}
+    qa, qb = quantize(g), quantize(h)
+    for pa, pb in zip(qa.populations, qb.populations):
+        assert np.array_equal(np.asarray(pa.vth), np.asarray(pb.vth))
+        for ca, cb in zip(pa.conns, pb.conns):
+            assert ca.exp == cb.exp and np.array_equal(ca.mant, cb.mant), ca.name
+
+
+def test_run_warns_and_strict_exits_1(tmp_path, capsys):
+    from snnconv.cli import main
+    from snnconv.nirfile import save_nir
+
+    path = tmp_path / "dead.nir"
+    save_nir(_dead_channel("zero"), path)
+    args = ["run", str(path), "--backend", "loihi2-sim", "--data", "digits", "--limit", "64",
+            "--T", "6", "--quiet", "--out", str(tmp_path)]
+    with pytest.warns(QuantisationWarning):
+        assert main(args + ["--option", "per_neuron_vth=false"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: loihi2-sim: quantisation departs" in out
+    rec = json.loads((tmp_path / "backends" / "loihi2-sim.json").read_text())
+    assert rec["quantisation_check"]["warnings"]
+    with pytest.warns(QuantisationWarning):
+        assert main(args + ["--option", "per_neuron_vth=false", "--strict"]) == 1
+    assert main(args + ["--strict"]) == 0
+    rec = json.loads((tmp_path / "backends" / "loihi2-sim.json").read_text())
+    assert rec["quantisation_check"]["warnings"] == []
