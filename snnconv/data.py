@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from .errors import ConfigError, DataError
 
-__all__ = [
+__all__ = ["SameShape", 
     "digits",
     "fashion_mnist",
     "cifar10",
@@ -209,6 +209,27 @@ def split_batch(batch: Any, *, where: str = "loader") -> tuple[torch.Tensor, tor
     if y is not None and y.dim() > 0 and y.shape[0] != x.shape[0]:
         raise DataError(f"{where} yielded {x.shape[0]} inputs but {y.shape[0]} labels in one batch")
     return x, y
+
+
+class SameShape:
+    """Checks each batch of one pass against the first: inputs of one per-sample shape and dtype
+    (a later batch that differs would otherwise fail deep inside torch, or silently broadcast)."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.first: tuple[tuple[int, ...], torch.dtype] | None = None
+
+    def __call__(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """``x``, or DataError naming batch ``index`` (counted from 0) and both shapes."""
+        found = (tuple(x.shape[1:]), x.dtype)
+        if self.first is None:
+            self.first = found
+        elif found != self.first:
+            raise DataError(f"{self.where}: batch {index} holds inputs of shape {list(found[0])} "
+                            f"({found[1]}) per sample, the first batch {list(self.first[0])} "
+                            f"({self.first[1]}); every batch must hold inputs of one shape and dtype "
+                            "(resize or pad them in the dataset's transform)")
+        return x
 
 
 def _split(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -26,7 +26,7 @@ from .progress import progress_bar
 
 from .distributed import (all_reduce_sum, local_device, maybe_init_distributed,
                           rank_world, rng_state, set_rng_state)
-from .data import bounded, split_batch, split_dataset
+from .data import SameShape, bounded, split_batch, split_dataset
 from .errors import CheckpointError, ConfigError, DataError, StageOrderError
 from .checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
 from .metrics import TeacherLabelled, accuracy_by_T, distillation_loss, evaluate, teacher_targets
@@ -550,6 +550,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         if cfg.max_steps_per_epoch:
             batches = itertools.islice(batches, cfg.max_steps_per_epoch)
         seen = 0
+        same = SameShape("the fine-tuning loader")
         for step, batch in enumerate(batches):
             seen = step + 1
             if step < skip:
@@ -557,6 +558,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                     set_rng_state(resume_rng, device)
                 continue
             x, y = split_batch(batch, where="fine-tuning loader")
+            same(x, step)
             if y is None and not label_free:
                 raise DataError("fine-tuning needs labels, but the loader yields inputs only; pass "
                                 "(x, y) batches, or distill=1.0 with a teacher to learn from its "

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .data import bounded, check_labels, split_batch
+from .data import SameShape, bounded, check_labels, split_batch
 from .errors import DataError
 
 __all__ = ["evaluate", "predictions", "accuracy_by_T", "distillation_loss", "TeacherLabelled", "teacher_targets"]
@@ -35,8 +35,10 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
 
 def _labelled_batches(loader: Iterable) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(x, y)`` of each batch of an evaluation loader; a batch without labels is refused."""
-    for batch in bounded(loader, where="the evaluation loader"):
+    same = SameShape("the evaluation loader")
+    for i, batch in enumerate(bounded(loader, where="the evaluation loader")):
         x, y = split_batch(batch, where="evaluation loader")
+        same(x, i)
         if y is None:
             raise DataError("evaluation needs labels: the loader yielded inputs only")
         yield x, y

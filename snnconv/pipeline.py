@@ -346,14 +346,16 @@ class _Health:
 def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """The first ``n`` batches of ``loader`` as ``(x, y)`` pairs (``y`` None when unlabelled),
     drawn without moving the global RNG: the calibration batches every stage shares."""
-    from .data import split_batch
+    from .data import SameShape, split_batch
 
     batches = []
+    same = SameShape("the conversion loader")
     with torch.random.fork_rng(devices=[]):
         for batch in loader:
             if len(batches) >= n:
                 break
-            batches.append(split_batch(batch, where="the conversion loader"))
+            x, y = split_batch(batch, where="the conversion loader")
+            batches.append((same(x, len(batches)), y))
     return batches
 
 

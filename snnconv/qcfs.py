@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from .activation import (QCFS, FloorSTE, check_activations, is_inplace, relu_input,
                          max_pools, qcfs_sites, relu_sites, replace_maxpool)
-from .data import bounded, split_batch, split_loader
+from .data import SameShape, bounded, split_batch, split_loader
 from .errors import ConfigError, DataError
 from .graph import capture, describe_node, module_of, prepare
 from .progress import progress_bar
@@ -52,10 +52,11 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
     gen = torch.Generator().manual_seed(0)
     seen = 0
     bar = progress_bar(total=num_batches, desc="calibrate", disable=not progress, leave=False)
+    same = SameShape("the calibration loader")
     for i, batch in enumerate(loader):
         if i >= num_batches:
             break
-        x, _ = split_batch(batch, where="calibration loader")
+        x = same(split_batch(batch, where="calibration loader")[0], i)
         _check_finite(x, f"calibration batch {i}")
         values = capture(gm, (x.to(device),), set(inputs.values()))
         for site, src in inputs.items():
@@ -214,10 +215,12 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         bar = progress_bar(bounded(train, where="the QCFS training loader"), total=_length(train),
                            desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
         steps_done = 0
+        same = SameShape("the QCFS training loader")
         for batch in bar:
             steps_done += 1
             total += 1
             x, y = split_batch(batch, where="training loader")
+            same(x, steps_done - 1)
             if y is None and not label_free:
                 raise DataError(_NEEDS_LABELS)
             x = x.to(device)

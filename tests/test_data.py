@@ -288,3 +288,27 @@ def test_split_steps_counts_the_batches_split_loader_gives(n, batch, drop_last, 
     batches = list(DataLoader(ds, batch_size=batch))
     assert data.split_steps(batches, val_fraction) == len(data.split_loader(batches, val_fraction)[0])
     assert data.split_steps(iter(batches), val_fraction) is None
+
+
+def test_a_batch_of_another_shape_after_the_first_is_refused_by_index():
+    """Batches of 8x8, 8x8, 9x9, 8x8 images: a DataError naming batch 2, from every pass."""
+    import snnconv
+    from snnconv.errors import DataError
+    from snnconv.metrics import evaluate
+    from snnconv.models import small_cnn
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [8, 8, 9, 8]
+    loader = [(torch.rand(16, 1, s, s, generator=g), torch.randint(0, 10, (16,), generator=g)) for s in sizes]
+    model = small_cnn(num_classes=10, in_channels=1, width=4).eval()
+    with pytest.raises(DataError, match=r"batch 2 holds inputs of shape \[1, 9, 9\]"):
+        snnconv.convert(model, loader, T=2, finetune_epochs=0, reconstruction_steps=0, progress=False)
+    snn, _ = snnconv.convert(model, loader[:2], T=2, finetune_epochs=0, reconstruction_steps=0,
+                             progress=False, on_collapse="warn")
+    with pytest.raises(DataError, match="batch 2"):
+        snnconv.finetune(snn, loader, T=2, epochs=1, progress=False)
+    with pytest.raises(DataError, match="batch 2"):
+        evaluate(snn, loader)
+    dtypes = [(x.double() if i == 1 else x, y) for i, (x, y) in enumerate(loader[:2])]
+    with pytest.raises(DataError, match=r"batch 1 .*float64"):
+        snnconv.convert(model, dtypes, T=2, finetune_epochs=0, reconstruction_steps=0, progress=False)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..data import split_batch
+from ..data import SameShape, split_batch
 from ..errors import DataError
 from ..graph import capture, module_of
 from ..qcfs import QCFS
@@ -25,10 +25,11 @@ def calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch
         DataError: the loader is empty, or a batch is not an input (or an input and labels).
     """
     batches = []
+    same = SameShape(f"the {where}")
     for batch in loader:
         if len(batches) >= num_batches:
             break
-        batches.append(split_batch(batch, where=where)[0])
+        batches.append(same(split_batch(batch, where=where)[0], len(batches)))
     if not batches:
         raise DataError(f"the {where} is empty: it yielded no batch")
     return batches

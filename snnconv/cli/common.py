@@ -17,6 +17,7 @@ from ..data import DATASETS
 
 __all__ = ["UsageError", "Parser", "FLAGS", "PARENTS", "parents", "add_command", "say", "out_dir",
            "write_json", "datasets", "loaders", "time_steps", "snn_path", "nir_path", "load_model",
+           "RUN_FILES", "new_run_dir", "load_snn",
            "evaluation", "print_accuracy", "one_line", "positive_int", "positive_float", "count", "duration",
            "Heartbeat"]
 
@@ -144,6 +145,67 @@ def out_dir(args, default: str) -> str:
     out = args.out or default
     os.makedirs(out, exist_ok=True)
     return out
+
+
+#: What a run folder's commands write: ``convert --overwrite`` removes these (and only these).
+RUN_FILES = ("ann.pt", "snn.pt", "snn_finetuned.pt", "meta.json", "evaluation.json", "finetune.json",
+             "accuracy_vs_T.png", "snn.nir", "snn.prefix.pt", "report.html")
+RUN_FOLDERS = ("finetune", "backends")
+
+
+def new_run_dir(args, default: str) -> tuple[str, str]:
+    """``--out`` (else ``default``) as the folder of a new run, and the run's id.
+
+    A folder that holds a run (``meta.json`` or a network file) is refused unless
+    ``--overwrite``, which first removes the old run's files (:data:`RUN_FILES`,
+    :data:`RUN_FOLDERS`); other files are left alone. The id goes into every file of the run.
+    """
+    import shutil
+    import uuid
+
+    out = args.out or default
+    held = [f for f in RUN_FILES if os.path.lexists(os.path.join(out, f))] \
+        + [f + "/" for f in RUN_FOLDERS if os.path.isdir(os.path.join(out, f))]
+    if held and not getattr(args, "overwrite", False):
+        raise UsageError(f"{out} holds a run ({', '.join(held)}); give another --out, or --overwrite "
+                         "to remove that run's files first")
+    for f in held:
+        path = os.path.join(out, f.rstrip("/"))
+        shutil.rmtree(path) if f.endswith("/") else os.remove(path)
+    os.makedirs(out, exist_ok=True)
+    return out, uuid.uuid4().hex
+
+
+def _run_id_of(folder: str) -> str | None:
+    """The run id recorded in ``folder``'s meta.json, or None (no meta.json, or none recorded)."""
+    try:
+        with open(os.path.join(folder, "meta.json")) as fh:
+            found = json.load(fh).get("settings", {}).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def load_snn(args, path: str, name: str = "snn.pt"):
+    """``(snn, src)``: the network at ``path`` (a file, or a run folder's fine-tuned network, else
+    its ``name``), checked to belong to the run of the folder's ``meta.json``; says which file.
+
+    Raises:
+        UsageError: no network there, or a file of another run than the folder's meta.json (a
+            leftover of an earlier run in the same folder).
+    """
+    from ..network import SpikingNetwork
+
+    src = snn_path(path, name)
+    snn = SpikingNetwork.load(src)
+    folder = os.path.dirname(src) or "."
+    run, own = _run_id_of(folder), snn.meta.get("run_id") if isinstance(snn.meta, dict) else None
+    if run is not None and own != run:
+        raise UsageError(f"{src} belongs to another run (run id {own}) than {folder}/meta.json "
+                         f"(run id {run}): it was left by an earlier run in the same folder. Delete "
+                         "it, or convert into a new folder (or with --overwrite)")
+    say(args, f"using {src}" + (f" (run {run[:8]})" if run else ""))
+    return snn, src
 
 
 def write_json(path: str, data) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import os
 
-from .common import (UsageError, add_command, count, evaluation, load_model, loaders, out_dir,
-                     positive_int, print_accuracy, say, snn_path, time_steps, write_json)
+from .common import (UsageError, add_command, count, evaluation, load_model, load_snn, loaders,
+                     new_run_dir, out_dir, positive_int, print_accuracy, say, time_steps, write_json)
 
 __all__ = ["add_demo", "add_convert", "add_finetune"]
 
@@ -34,7 +34,7 @@ def _cmd_convert(args) -> int:
         raise UsageError(_WEIGHTS_OR_TRAIN)
     Ts = time_steps(args)
     train, test = loaders(args)
-    out = out_dir(args, "runs/convert")
+    out, run_id = new_run_dir(args, "runs/convert")
     x0 = train.dataset[0][0]
     in_channels = args.in_channels or x0.shape[0]
     if args.weights:
@@ -58,6 +58,7 @@ def _cmd_convert(args) -> int:
                         qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
                         reconstruction_steps=args.reconstruction_steps, eval_loader=test, eval_T=Ts,
                         seed=args.seed, device=args.device, progress=not args.quiet)
+    snn.meta["run_id"] = meta.settings["run_id"] = run_id
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
     acc = meta.accuracy
@@ -68,6 +69,7 @@ def _cmd_convert(args) -> int:
     say(args, "[3/3] spike statistics ...")
     ev = evaluation(args, snn.to(args.device), test, [max(Ts)], "snn.pt")
     ev["accuracy"] = acc["snn"]
+    ev["run_id"] = run_id
     write_json(os.path.join(out, "evaluation.json"), ev)
     print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
                           (f"QCFS-ANN (L={meta.settings['L']})", acc["qcfs"])]
@@ -95,15 +97,12 @@ def _teacher(args, src: str, train):
 def _cmd_finetune(args) -> int:
     from ..finetune import finetune
     from ..pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, default_finetune_epochs, finetune_recipe
-    from ..network import SpikingNetwork
-
-    src = snn_path(args.snn, "snn.pt")
-    if os.path.basename(src) == "snn_finetuned.pt" and os.path.isdir(args.snn):
-        src = os.path.join(args.snn, "snn.pt")  # fine-tune the converted network, not a previous result
+    # a run folder: fine-tune the converted network, not a previous result
+    inside = os.path.join(args.snn, "snn.pt")
+    snn, src = load_snn(args, inside if os.path.isfile(inside) else args.snn)
     out = out_dir(args, args.snn if os.path.isdir(args.snn) else os.path.dirname(src) or ".")
     Ts = time_steps(args)
     train, test = loaders(args)
-    snn = SpikingNetwork.load(src)
     T_train = args.train_T
     teacher = _teacher(args, src, train)
     # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T, distillation
@@ -119,13 +118,16 @@ def _cmd_finetune(args) -> int:
               + ("distilling from the ANN ..." if teacher is not None else "labels only (no ANN given) ..."))
     tuned, history = finetune(snn, train, config=config, teacher=teacher, device=args.device,
                               progress=not args.quiet)
+    run_id = snn.meta.get("run_id")
+    tuned.meta["run_id"] = run_id
     tuned.to("cpu").save(os.path.join(out, "snn_finetuned.pt"))
     ev = evaluation(args, tuned.to(args.device), test, Ts, "snn_finetuned.pt")
+    ev["run_id"] = run_id
     write_json(os.path.join(out, "evaluation.json"), ev)
     write_json(os.path.join(out, "finetune.json"),
                {"source": src, "T": T_train, "epochs": epochs, "lr": args.lr, "alpha": args.alpha,
                 "config": {k: v for k, v in vars(config).items() if k != "checkpoint_dir"},
-                "history": history, "accuracy": {"snn": ev["accuracy"]}})
+                "history": history, "accuracy": {"snn": ev["accuracy"]}, "run_id": run_id})
     print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
     say(args, f"\nwrote {out}/snn_finetuned.pt, finetune.json, evaluation.json")
     return 0
@@ -155,6 +157,8 @@ def add_convert(sub, pa: dict) -> None:
                    help="SGD steps fitting each IF layer to the QCFS-ANN on the calibration images "
                         "(default: convert()'s, 300 at T <= 8 where neither QCFS training nor "
                         "fine-tuning runs; 0: none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--out holds a run: remove its files first (without it, such a folder is refused)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
                    help="one threshold per channel (the default)")

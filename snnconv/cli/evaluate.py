@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import os
 
-from .common import add_command, evaluation, loaders, print_accuracy, say, snn_path, time_steps, write_json
+from .common import add_command, evaluation, load_snn, loaders, print_accuracy, say, time_steps, write_json
 
 __all__ = ["add_evaluate", "add_report"]
 
 
 def _cmd_evaluate(args) -> int:
-    from ..network import SpikingNetwork
-
-    src = snn_path(args.snn)
+    snn, src = load_snn(args, args.snn)
+    snn = snn.to(args.device)
     Ts = time_steps(args)
     _, test = loaders(args)
-    snn = SpikingNetwork.load(src).to(args.device)
     ev = evaluation(args, snn, test, Ts, os.path.basename(src))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -9,7 +9,7 @@ import time
 import warnings
 
 from ..energy import E_AC_PJ, E_MAC_PJ
-from .common import Heartbeat, UsageError, add_command, nir_path, positive_float, positive_int, snn_path, write_json
+from .common import Heartbeat, UsageError, add_command, load_snn, nir_path, positive_float, positive_int, write_json
 
 __all__ = ["add_export", "add_inspect", "add_run", "add_backends"]
 
@@ -24,11 +24,10 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def _cmd_export(args) -> int:
     """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
-    from ..network import SpikingNetwork
     from ..nir_io import export_nir, save_nir
     from ..prefixfile import save_prefix
 
-    args.network = snn_path(args.network)
+    snn, args.network = load_snn(args, args.network)
     args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
     shape = None
     if args.input_shape:
@@ -36,7 +35,6 @@ def _cmd_export(args) -> int:
             shape = tuple(int(v) for v in args.input_shape.split(","))
         except ValueError:
             raise UsageError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
-    snn = SpikingNetwork.load(args.network)
     graph = export_nir(snn, input_shape=shape)
     prefix = save_prefix(snn, graph, args.out)
     save_nir(graph, args.out)
