@@ -15,7 +15,7 @@ from snnconv.digest import UnverifiedFileWarning
 from snnconv.errors import NIRError
 from snnconv.nir_io import load_nir, save_nir
 from snnconv.config import MAX_T
-from snnconv.nirfile import DIGEST_KEY
+from snnconv.nirfile import DIGEST_KEY, VERSION_KEY
 from _nirfiles import chain_graph, same_graph, tiny_graph
 
 
@@ -52,8 +52,9 @@ def test_our_file_loads_equal_without_warning(tmp_path, reset, compression):
     with h5py.File(path) as f:
         assert f[f"node/metadata/{DIGEST_KEY}"][()].decode().startswith("sha256:")
     back = _quiet_load(path)
-    assert DIGEST_KEY not in back.metadata
+    assert DIGEST_KEY not in back.metadata and VERSION_KEY not in back.metadata
     reference = nir.read(path, type_check=False)  # nir's own reader, which follows anything
+    assert reference.metadata.pop(VERSION_KEY) == nir.version
     del reference.metadata[DIGEST_KEY]
     assert same_graph(back, reference)
 
