@@ -23,6 +23,8 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def _cmd_export(args) -> int:
     """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
+    from ..errors import CheckpointError
+    from ..files import open_regular
     from ..network import SpikingNetwork
     from ..nir_io import export_nir, save_nir
     from ..prefixfile import save_prefix
@@ -35,6 +37,8 @@ def _cmd_export(args) -> int:
             shape = tuple(int(v) for v in args.input_shape.split(","))
         except ValueError:
             raise UsageError(f"--input-shape {args.input_shape!r} is not like 3,32,32") from None
+    with open_regular(args.network, error=CheckpointError, what="network file"):
+        pass  # a FIFO or a device would block or stream forever in torch.load: refused here
     snn = SpikingNetwork.load(args.network)
     graph = export_nir(snn, input_shape=shape)
     prefix = save_prefix(snn, graph, args.out)
