@@ -81,6 +81,13 @@ def open_regular(path: str | os.PathLike, max_bytes: int | float = MAX_FILE_BYTE
     except OSError as exc:
         if exc.errno == errno.ENOENT:
             raise error(f"{where}: no such {what}") from None
+        try:  # a socket cannot be opened at all (ENXIO): say what it is
+            mode = os.stat(where).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise error(f"{where} is {file_kind(mode)}, not a regular file; snnconv reads a "
+                        f"{what} only from a regular file") from None
         raise error(f"{where}: cannot open the {what}: {exc.strerror or exc}") from None
     try:
         info = os.fstat(fd)
