@@ -328,7 +328,9 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
     for name, kind in kinds.items():
         node = nodes[name]
         meta = _meta(node)
-        per_channel = {"per_channel": True, "per_layer": False}.get(meta.get("threshold"))
+        granularity = meta.get("threshold")
+        per_channel = {"per_channel": True, "per_layer": False}.get(granularity) \
+            if isinstance(granularity, str) else None
         if kind == "integrator":
             r = _array(node.r, name, "r")
             _check_gain(name, r, dt, "an integrator")
