@@ -189,9 +189,13 @@ def fuzz_nirgraph(folder: str, marker: str) -> None:
     for i in range(150):
         graph = attacks.two_neuron_graph() if rng.random() < 0.6 else tiny_graph(rng.choice(["subtract", "zero"]))
         names = list(graph.nodes)
-        kind = rng.choice(["add edge", "add edge", "drop edge", "reverse edge", "graph meta", "node meta"])
+        kind = rng.choice(["add edge", "add edge", "drop edge", "reverse edge", "graph meta", "node meta",
+                           "neuron edge"])
         if kind == "add edge":
             graph.edges.append((rng.choice(names), rng.choice(names)))
+        elif kind == "neuron edge":  # from a neuron's hidden node into a node of a neuron
+            hidden = [n for n in names if n.endswith(("_fire", "_reset"))]
+            graph.edges.append((rng.choice(hidden), rng.choice([n for n in names if n.startswith("n")])))
         elif kind == "drop edge":
             graph.edges.pop(rng.randrange(len(graph.edges)))
         elif kind == "reverse edge":
