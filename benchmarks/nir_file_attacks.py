@@ -6,7 +6,8 @@ a fresh process per file.
 Every file carries a digest recomputed as an attacker would (``tests/_nirattacks.py``). Each
 case runs ``load_nir`` (and, for the prefix cases, ``load_prefix``) in a child process whose
 address space is capped at its size after imports plus ``--cap-gib``, with a 60 s timeout;
-``peak_mib`` is the child's ``ru_maxrss`` growth during the call. ``--code DIR`` runs the
+``peak_mib`` is the child's peak resident memory growth during the call (``VmHWM`` after a
+reset through ``/proc/self/clear_refs``: ``ru_maxrss`` carries the parent's peak across exec). ``--code DIR`` runs the
 children against another checkout (e.g. ``git archive <commit> | tar -x -C DIR``) to measure
 the code before a change.
 """
@@ -33,7 +34,10 @@ from snnconv.prefixfile import load_prefix
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 cap = vm + int(float(sys.argv[3]) * 2**30)
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS (ru_maxrss survives exec)
+base = status("VmRSS")
 start = time.perf_counter()
 try:
     graph = load_nir(sys.argv[1])
@@ -45,7 +49,7 @@ except SnnconvError as exc:
 except BaseException as exc:
     outcome = f"RAW {type(exc).__name__}: " + str(exc)[:200]
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+peak = status("VmHWM") - base
 print(json.dumps({"seconds": round(seconds, 3), "peak_mib": round(peak / 1024, 1), "outcome": outcome}))
 """
 
@@ -53,7 +57,7 @@ print(json.dumps({"seconds": round(seconds, 3), "peak_mib": round(peak / 1024, 1
 def _run(code: str, path: str, mode: str, cap_gib: float) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([code, os.path.join(code, "backends")])}
     try:
-        out = subprocess.run([sys.executable, "-c", _CHILD, path, mode, str(cap_gib)], env=env,
+        out = subprocess.run([sys.executable, "-c", _CHILD, path, mode, str(cap_gib)], env=env, cwd=code,
                              capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         return {"seconds": 60.0, "peak_mib": None, "outcome": "HANG: killed after 60 s"}
@@ -87,15 +91,43 @@ def cases(folder: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def vgg16_volume(folder: str) -> str:
+    """A graph with VGG-16's 138.3 M float32 parameters (input(586) -> 25088 -> 4096 -> 4096 ->
+    1000: 14.7 + 102.8 + 16.8 + 4.1 M weights), written by save_nir without compression."""
+    import nir
+    import numpy as np
+
+    from snnconv.nir_io import save_nir
+
+    rng = np.random.default_rng(0)
+    sizes = [586, 25088, 4096, 4096, 1000]
+    nodes = {"input": nir.Input(np.array([sizes[0]])), "output": nir.Output(np.array([sizes[-1]]))}
+    edges, prev = [], "input"
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+        nodes[f"fc{i}"] = nir.Linear(weight=rng.standard_normal((n_out, n_in), dtype=np.float32))
+        edges.append((prev, f"fc{i}"))
+        prev = f"fc{i}"
+    edges.append((prev, "output"))
+    path = os.path.join(folder, "vgg16_volume.nir")
+    save_nir(nir.NIRGraph(nodes=nodes, edges=edges, metadata={"T": 4}, type_check=False), path,
+             compression=None)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--code", default=ROOT, help="the checkout the children import snnconv from")
     p.add_argument("--cap-gib", type=float, default=8.0)
+    p.add_argument("--admit", action="store_true", help="also load a graph of VGG-16's size")
     p.add_argument("--out")
     args = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for name, path, mode in cases(folder):
+        todo = cases(folder)
+        if args.admit:
+            todo.append(("VGG-16's 138.3 M float32 parameters (553 MB), uncompressed",
+                         vgg16_volume(folder), "nir"))
+        for name, path, mode in todo:
             size = os.path.getsize(path) if os.path.isfile(path) else None
             r = {"case": name, "file_kib": round(size / 1024, 1) if size else None,
                  **_run(args.code, path, mode, args.cap_gib)}

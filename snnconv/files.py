@@ -23,6 +23,8 @@ threshold per channel, a few KiB):
 - the largest: 2**30 / 4 = 268 M float32 parameters (``MAX_VALUES`` of :mod:`snnconv.nirfile`
   counts the same bound in values).
 
+Reading a NIR file of VGG-16's size peaks at 1.3 GiB (2.4 times its 528 MiB of values: the
+values, their digest, the parser's float32 arrays; ``benchmarks/nir_file_attacks.py --admit``).
 A larger network is read by passing a larger bound to its reader (``load_nir(...,
 max_bytes=N)``), never by default.
 """
@@ -86,14 +88,14 @@ def open_regular(path: str | os.PathLike, max_bytes: int | float = MAX_FILE_BYTE
         except OSError:
             mode = stat.S_IFREG
         if not stat.S_ISREG(mode):
-            raise error(f"{where} is {file_kind(mode)}, not a regular file; snnconv reads a "
+            raise error(f"{where} is {file_kind(mode)}, not a regular file; snnconv reads the "
                         f"{what} only from a regular file") from None
         raise error(f"{where}: cannot open the {what}: {exc.strerror or exc}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise error(f"{where} is {file_kind(info.st_mode)}, not a regular file; snnconv reads "
-                        f"a {what} only from a regular file")
+                        f"the {what} only from a regular file")
         if info.st_size > max_bytes:
             raise error(f"{where}: {info.st_size} bytes, more than the {int(max_bytes)} bytes a "
                         f"{what} may hold (the read budget); nothing was read")

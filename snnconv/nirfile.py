@@ -39,9 +39,9 @@ and builds the ``nir.NIRGraph`` from what it read; it never calls ``nir.read``. 
 
 The digest covers the values, so it can only be checked once they are read: the checks of
 step 3 bound what that reading allocates, and the digest is checked before nir builds its nodes
-or the graph is parsed. A load's peak memory is about three times the bytes the file declares
-(the values read, their digest, the float32 arrays the parser makes): about 1.7 GB for a
-VGG-16, at most about 3 GiB within the default budget.
+or the graph is parsed. A load's peak memory is about 2.5 times the bytes the file declares
+(the values read, their digest, the float32 arrays the parser makes): 1.3 GiB for a graph of
+VGG-16's 138.3 M float32 parameters, measured (``benchmarks/nir_file_attacks.py --admit``).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ _MAX_META_DEPTH = 3
 _MAX_TEXT = 2**16  # bytes of one string (a type, a version, a node name, a metadata text)
 # chunked storage: HDF5 holds about 4 KiB per chunk of one read until the read ends, so reads
 # cover at most _CHUNKS_PER_READ chunks (16 MiB); h5py's own chunks are 4 KiB to 1 MiB (a VGG-16
-# written by nir.write with gzip: about 6,000 chunks)
+# written by nir.write with gzip: 7,729 chunks of 6.9 KiB to 98 KiB)
 _MIN_CHUNK_BYTES = 1024
 _MAX_CHUNKS = 2**17
 _CHUNKS_PER_READ = 4096
