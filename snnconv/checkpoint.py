@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .config import MAX_FILE_BYTES
+from .files import MAX_FILE_BYTES
 from .errors import CheckpointError
 from .meta import atomic_write_bytes
 from .torchfile import load_untrusted, read_regular

@@ -20,18 +20,12 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["ConvertConfig", "MAX_T", "MAX_FILE_BYTES", "MAX_L", "MAX_EPOCHS", "MAXPOOL_MODES", "RESETS"]
+__all__ = ["ConvertConfig", "MAX_T", "MAX_L", "MAX_EPOCHS", "MAXPOOL_MODES", "RESETS"]
 
 #: The largest T (and eval_T, bias_calibration_T) convert() accepts. Direct-encoded conversion
 #: reaches the ANN by T = 64-256 on every network measured; a larger T multiplies every
 #: stage's time and memory (the calibration holds ``batches x T`` activations).
 MAX_T = 1024
-#: The memory budget for reading any snnconv file (a network, its prefix, a NIR file, a
-#: fine-tuning checkpoint), in bytes: the file itself and every value it declares, checked before
-#: anything is read or inflated. 1 GiB holds a torchvision VGG-16 (138.4 M float32 values:
-#: 553 MB) and a ResNet-50 (25.6 M: 102 MB) with room for their metadata; reading one costs at
-#: most about twice the file (its bytes, then the modules built from them).
-MAX_FILE_BYTES = 2**30
 #: The most QCFS quantisation levels (the ANN's activations take L + 1 values).
 MAX_L = 1024
 #: The most epochs of QCFS training or fine-tuning one call may ask for.

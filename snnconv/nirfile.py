@@ -3,6 +3,10 @@
 The reader walks the HDF5 layout that ``nir.write`` (nir 1.0.8) produces itself, with h5py,
 and builds the ``nir.NIRGraph`` from what it read; it never calls ``nir.read``. In order:
 
+0. Only a regular file of at most ``max_bytes`` (the read budget,
+   :data:`snnconv.files.MAX_FILE_BYTES`, 1 GiB): the path is opened with
+   :func:`snnconv.files.open_regular` (a FIFO, device, socket or folder is refused without
+   blocking) and HDF5 reads that open file.
 1. Only the file itself: soft links, external links, external raw storage, virtual datasets
    and committed datatypes are refused by name (each could make another file's bytes the
    graph's).
@@ -11,22 +15,39 @@ and builds the ``nir.NIRGraph`` from what it read; it never calls ``nir.read``. 
    group or dataset is refused by name, so an unused dataset is never read.
 3. Declared sizes before any data: every field's dtype (numbers or text) and rank, the shapes
    a node's fields must share (a bias as long as its weight's rows, an IF's three arrays
-   alike), the number of nodes and edges, and the total number of values (caps below,
-   overridable per call) are checked on the declared shapes, before a value is read.
-4. The graph metadata's ``T`` is at most ``max_T`` (default :data:`snnconv.config.MAX_T`, the
-   bound ``convert`` uses).
+   alike), the number of nodes and edges, the total number of values and, in bytes, what
+   reading would allocate (dtype size times shape: a fixed-length string counts its declared
+   length, a compressed dataset its inflated size) against ``max_bytes``; the storage: only
+   HDF5's own filters, chunks of at least 1 KiB (HDF5 spends about 4 KiB of memory per chunk
+   read) and at most 2**17 of them, no chunk larger than its dataset, stored sizes that fit in
+   the file. Strings hold at most 64 KiB each (a fixed-length one is refused on its declared
+   length; a variable-length one is read one at a time and checked). Chunked datasets are read
+   4,096 chunks at a time. The caps are overridable per call.
+4. The graph metadata's ``T`` is a finite positive integer, at most ``max_T`` (default
+   :data:`snnconv.config.MAX_T`, the bound ``convert`` uses).
 5. Files written by :func:`save_nir` carry ``metadata["snnconv_digest"]``, the
-   :func:`snnconv.digest.content_digest` of everything else read from the file: a file whose
-   content does not match it is refused. A file without a digest that carries snnconv's
-   encoding (producer, format or neuron markers) loads with
-   :class:`snnconv.digest.UnverifiedFileWarning`; other tools' files (no digest, no markers)
-   are checked for structure only.
+   :func:`snnconv.digest.content_digest` of everything else read from the file, and
+   ``metadata["snnconv_nir_version"]``, the ``/version`` it was written with (so the digest
+   covers ``/version``, which decides how plain ``IF`` nodes are read): a file whose content
+   does not match its digest, or whose ``/version`` differs from the recorded one, is refused.
+   Files of earlier snnconv versions have a digest but no recorded version; they wrote
+   ``/version`` 1.0.8 only (:data:`UNRECORDED_VERSIONS`), and any other is refused. A file
+   without a digest that carries snnconv's encoding (producer, format or neuron markers) loads
+   with :class:`snnconv.digest.UnverifiedFileWarning`; other tools' files (no digest, no
+   markers) are checked for structure only.
 6. The graph passes :func:`snnconv_backends.nirgraph.parse`.
+
+The digest covers the values, so it can only be checked once they are read: the checks of
+step 3 bound what that reading allocates, and the digest is checked before nir builds its nodes
+or the graph is parsed. A load's peak memory is about 2.5 times the bytes the file declares
+(the values read, their digest, the float32 arrays the parser makes): 1.3 GiB for a graph of
+VGG-16's 138.3 M float32 parameters, measured (``benchmarks/nir_file_attacks.py --admit``).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -37,23 +58,41 @@ import numpy as np
 
 from .config import MAX_T
 from .digest import UnverifiedFileWarning, content_digest
-from .errors import ConfigError, NIRError
+from .errors import ConfigError, NIRError, ResourceError
+from .files import MAX_FILE_BYTES, open_regular
 from .meta import atomic_write_bytes
 from .nirformat import (MODULE_KEY, NEURON_KEY, OP_KEY, PRODUCER, SOURCE_VERSION_KEY, legacy_if_reason,
                         predates_v_reset)
 
-__all__ = ["save_nir", "load_nir", "read_nir_tree", "FIELDS", "DIGEST_KEY", "MAX_NODES",
-           "MAX_EDGES", "MAX_VALUES"]
+__all__ = ["save_nir", "load_nir", "read_nir_tree", "FIELDS", "DIGEST_KEY", "VERSION_KEY",
+           "UNRECORDED_VERSIONS", "MAX_NODES", "MAX_EDGES", "MAX_VALUES", "MAX_FILE_BYTES"]
 
 #: graph metadata key of the content digest written by :func:`save_nir`
 DIGEST_KEY = "snnconv_digest"
-#: default caps of :func:`load_nir` (a CIFAR-10 ResNet-18 file: 81 nodes, 105 edges, 13.0 M values)
+#: graph metadata key of the ``/version`` the file was written with, under the digest
+VERSION_KEY = "snnconv_nir_version"
+#: the ``/version`` of every file snnconv wrote with a digest before :data:`VERSION_KEY` (nir has
+#: been pinned to 1.0.8 since snnconv's first release)
+UNRECORDED_VERSIONS = ("1.0.8",)
+#: default caps of :func:`load_nir` (a CIFAR-10 ResNet-18 file: 81 nodes, 105 edges, 13.0 M values);
+#: the bytes are :data:`snnconv.files.MAX_FILE_BYTES`, the read budget of every snnconv file
 MAX_NODES = 4096
 MAX_EDGES = 16384
 MAX_VALUES = 2**28
 _MAX_RANK = 8  # dimensions of one array
 _MAX_META = 256  # entries of one metadata group
 _MAX_META_DEPTH = 3
+_MAX_TEXT = 2**16  # bytes of one string (a type, a version, a node name, a metadata text)
+# chunked storage: HDF5 holds about 4 KiB per chunk of one read until the read ends, so reads
+# cover at most _CHUNKS_PER_READ chunks (16 MiB); h5py's own chunks are 4 KiB to 1 MiB (a VGG-16
+# written by nir.write with gzip: 7,729 chunks of 6.9 KiB to 98 KiB)
+_MIN_CHUNK_BYTES = 1024
+_MAX_CHUNKS = 2**17
+_CHUNKS_PER_READ = 4096
+# HDF5's own filters (no plugin): deflate, shuffle, fletcher32, szip, nbit, scaleoffset, and lzf
+_FILTERS = {1: "gzip", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset",
+            32000: "lzf"}
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
 @dataclass(frozen=True)
@@ -109,18 +148,37 @@ _ROWS = {"Affine": ("bias", "weight"), "Conv1d": ("bias", "weight"), "Conv2d": (
 
 
 class _Budget:
-    """Counts declared values, nodes and edges against the caps (NIRError past one)."""
+    """Counts what the file declares against the caps, before any value is read (NIRError past
+    one): values, bytes (:data:`snnconv.files.MAX_FILE_BYTES`), chunks, stored bytes."""
 
-    def __init__(self, where: str, max_nodes: float, max_edges: float, max_values: float):
-        self.where, self.values = where, 0
+    def __init__(self, where: str, max_nodes: float, max_edges: float, max_values: float,
+                 max_bytes: float = MAX_FILE_BYTES, file_bytes: float = float("inf")):
+        self.where, self.values, self.bytes, self.chunks, self.stored = where, 0, 0, 0, 0
         self.max_nodes, self.max_edges, self.max_values = max_nodes, max_edges, max_values
+        self.max_bytes, self.file_bytes = max_bytes, file_bytes
+        self.text = 0  # bytes of variable-length text read so far
 
-    def add(self, size: int, name: str) -> None:
+    def add(self, size: int, name: str, nbytes: int = 0, chunks: int = 0, stored: int = 0) -> None:
         self.values += size
+        self.bytes += nbytes
+        self.chunks += chunks
+        self.stored += stored
         if self.values > self.max_values:
             raise NIRError(f"{self.where}: the file declares more than {self.max_values} values "
                            f"(reached at '{name}'); nothing was read. If the network is that "
                            "large, pass load_nir(..., max_values=N)")
+        if self.bytes > self.max_bytes:
+            raise NIRError(f"{self.where}: the file declares more than {self.max_bytes} bytes of data "
+                           f"(reached at '{name}': {nbytes} bytes), above the read budget; nothing "
+                           "was read. If the network is that large, pass load_nir(..., max_bytes=N)")
+        if self.chunks > _MAX_CHUNKS:
+            raise NIRError(f"{self.where}: the file's datasets are stored in more than {_MAX_CHUNKS} "
+                           f"chunks (reached at '{name}'); HDF5 spends memory and time per chunk, and "
+                           "NIR's writer stores a whole network in far fewer. Nothing was read")
+        if self.stored > self.file_bytes:
+            raise NIRError(f"{self.where}: its datasets claim {self.stored} bytes of storage (reached "
+                           f"at '{name}'), more than the {self.file_bytes} bytes the file holds; it is "
+                           "damaged or crafted")
 
 
 def _refuse_foreign(where: str, group: Any, name: str) -> Any:
@@ -170,29 +228,69 @@ def _is_text(ds: Any) -> bool:
     return h5py.check_string_dtype(ds.dtype) is not None
 
 
+def _declared_bytes(ds: Any) -> int:
+    """What reading ``ds`` allocates: its dtype's size (a fixed-length string at its declared
+    length) times its number of elements."""
+    return int(ds.dtype.itemsize) * int(np.prod(ds.shape or (), dtype=np.int64))
+
+
+def _check_storage(where: str, ds: Any, nbytes: int) -> tuple[int, int]:
+    """(chunks, stored bytes) of ``ds`` after its layout passed: only HDF5's own filters, chunks of
+    at least :data:`_MIN_CHUNK_BYTES` (unless the dataset is one chunk) and no larger than the
+    dataset (or 1 MiB). Nothing is read."""
+    stored = int(ds.id.get_storage_size())
+    if ds.chunks is None:
+        return 0, stored
+    plist = ds.id.get_create_plist()
+    for i in range(plist.get_nfilters()):
+        code, _flags, _values, name = plist.get_filter(i)
+        if code not in _FILTERS:
+            label = name.decode("utf8", "replace") if isinstance(name, bytes) else str(name)
+            raise NIRError(f"{where}: '{ds.name}' is stored through filter {code} ({label!r}); "
+                           f"snnconv reads {', '.join(_FILTERS.values())} only")
+    chunk_bytes = int(ds.dtype.itemsize) * int(np.prod(ds.chunks, dtype=np.int64))
+    count = int(np.prod([-(-n // c) for n, c in zip(ds.shape, ds.chunks)], dtype=np.int64))
+    if count > 1 and chunk_bytes < _MIN_CHUNK_BYTES:
+        raise NIRError(f"{where}: '{ds.name}' is stored in {count} chunks of {chunk_bytes} bytes; "
+                       f"snnconv reads chunks of at least {_MIN_CHUNK_BYTES} bytes (HDF5 spends about "
+                       "4 KiB of memory per chunk read; h5py's own chunks are 4 KiB to 1 MiB)")
+    if chunk_bytes > max(nbytes, 2**20):
+        raise NIRError(f"{where}: '{ds.name}' declares chunks of {chunk_bytes} bytes for {nbytes} "
+                       "bytes of data; reading one would allocate the whole chunk")
+    return count, stored
+
+
 def _check_dataset(where: str, ds: Any, field: Field, budget: _Budget) -> None:
     import h5py
 
     if not isinstance(ds, h5py.Dataset):
         raise NIRError(f"{where}: '{ds.name}' is a group; NIR writes a dataset there")
+    if ds.shape is None:
+        raise NIRError(f"{where}: '{ds.name}' has no shape (an empty dataspace); NIR writes values")
     text = _is_text(ds)
     if field.text is not None and text != field.text:
         raise NIRError(f"{where}: '{ds.name}' holds {'text' if text else ds.dtype}, NIR writes "
                        f"{'text' if field.text else 'numbers'} there")
+    nbytes = _declared_bytes(ds)
     if text:
         if ds.shape != ():
             raise NIRError(f"{where}: '{ds.name}' is text of shape {ds.shape}; NIR writes one string")
+        if ds.dtype.itemsize > _MAX_TEXT and ds.dtype.kind == "S":
+            raise NIRError(f"{where}: '{ds.name}' is a fixed-length string of {ds.dtype.itemsize} "
+                           f"bytes; snnconv reads strings of at most {_MAX_TEXT} bytes. Nothing was "
+                           "read")
+        budget.add(0, ds.name, nbytes, *_check_storage(where, ds, nbytes))
         return
-    if ds.dtype.kind not in "fiub":
+    if ds.dtype.kind not in "fiub" or ds.dtype.subdtype is not None:
         raise NIRError(f"{where}: '{ds.name}' has dtype {ds.dtype}; NIR writes numbers there")
     lo, hi = field.ndim
-    if ds.shape is None or not lo <= len(ds.shape) <= hi:
+    if not lo <= len(ds.shape) <= hi:
         raise NIRError(f"{where}: '{ds.name}' has shape {ds.shape}; a rank from {lo} to {hi} "
                        "is expected")
     size = int(np.prod(ds.shape, dtype=np.int64))
     if field.size is not None and size > field.size:
         raise NIRError(f"{where}: '{ds.name}' has {size} values, at most {field.size} expected")
-    budget.add(size, ds.name)
+    budget.add(size, ds.name, nbytes, *_check_storage(where, ds, nbytes))
 
 
 def _check_metadata(where: str, group: Any, budget: _Budget, depth: int = 0) -> None:
@@ -244,11 +342,19 @@ def _check_node(where: str, name: str, group: Any, budget: _Budget) -> None:
 
 
 def _text(where: str, ds: Any) -> str:
+    """The one string ``ds`` holds (at most :data:`_MAX_TEXT` bytes, checked before reading a
+    fixed-length string and after reading a variable-length one)."""
     import h5py
 
     if not isinstance(ds, h5py.Dataset) or not _is_text(ds) or ds.shape != ():
         raise NIRError(f"{where}: '{ds.name}' is not one string")
+    if ds.dtype.itemsize > _MAX_TEXT:
+        raise NIRError(f"{where}: '{ds.name}' is a fixed-length string of {ds.dtype.itemsize} bytes; "
+                       f"snnconv reads strings of at most {_MAX_TEXT} bytes. Nothing was read")
     value = ds[()]
+    if len(value) > _MAX_TEXT:
+        raise NIRError(f"{where}: '{ds.name}' holds a string of {len(value)} bytes; snnconv reads "
+                       f"strings of at most {_MAX_TEXT} bytes")
     return value.decode("utf8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -283,31 +389,82 @@ def _layout(where: str, f: Any, budget: _Budget) -> None:
         raise NIRError(f"{where}: the graph has {shape[0]} edges, more than {budget.max_edges:g}; "
                        "nothing was read. If the network is that large, pass "
                        "load_nir(..., max_edges=N)")
+    if edges.dtype.itemsize > _MAX_TEXT:
+        raise NIRError(f"{where}: '/node/edges' holds fixed-length strings of {edges.dtype.itemsize} "
+                       f"bytes; snnconv reads node names of at most {_MAX_TEXT} bytes. Nothing was read")
+    nbytes = _declared_bytes(edges)
+    budget.add(0, edges.name, nbytes, *_check_storage(where, edges, nbytes))
     if "metadata" in graph:
         _check_metadata(where, graph["metadata"], budget)
 
 
-def _tree(group: Any) -> dict[str, Any]:
-    """Read a checked group as nir's ``hdf2dict`` does (bytes scalars decoded)."""
+def _read_text(where: str, ds: Any, budget: _Budget) -> Any:
+    """A checked text dataset, element by element where it holds several strings (a
+    variable-length string's bytes are known only once read: one at a time bounds what a
+    crafted file can make one read allocate), each at most :data:`_MAX_TEXT` bytes."""
+    if ds.shape == ():
+        value = ds[()]
+        out = value
+        values = [value]
+    else:
+        out = np.empty(ds.shape, dtype=object)
+        values = []
+        for index in np.ndindex(*ds.shape):
+            out[index] = ds[index]
+            values.append(out[index])
+    for value in values:
+        n = len(value) if isinstance(value, (bytes, str)) else 0
+        budget.text += n
+        if n > _MAX_TEXT or budget.text > budget.max_bytes:
+            raise NIRError(f"{where}: '{ds.name}' holds a string of {n} bytes; snnconv reads strings "
+                           f"of at most {_MAX_TEXT} bytes, and {budget.max_bytes} bytes of text in all")
+    return out
+
+
+def _read_numbers(ds: Any) -> Any:
+    """A checked numeric dataset; a chunked one in slabs of at most :data:`_CHUNKS_PER_READ`
+    chunks (HDF5 holds about 4 KiB per chunk of one read until the read ends)."""
+    if ds.chunks is None or ds.shape == ():
+        return ds[()]
+    grid = [-(-n // c) for n, c in zip(ds.shape, ds.chunks)]
+    if int(np.prod(grid, dtype=np.int64)) <= _CHUNKS_PER_READ:
+        return ds[()]
+    out = np.empty(ds.shape, dtype=ds.dtype)
+    per_row = int(np.prod(grid[1:], dtype=np.int64))  # chunks of one chunk-row along axis 0
+    if per_row <= _CHUNKS_PER_READ:
+        step = ds.chunks[0] * max(1, _CHUNKS_PER_READ // max(per_row, 1))
+        for start in range(0, ds.shape[0], step):
+            ds.read_direct(out, np.s_[start:start + step], np.s_[start:start + step])
+        return out
+    for sel in ds.iter_chunks():  # one chunk per read
+        ds.read_direct(out, sel, sel)
+    return out
+
+
+def _tree(where: str, group: Any, budget: _Budget) -> dict[str, Any]:
+    """Read a checked group as nir's ``hdf2dict`` does (bytes scalars decoded), with the bounds
+    of :func:`_read_text` and :func:`_read_numbers`."""
     import h5py
 
     out: dict[str, Any] = {}
     for key, item in group.items():
         if isinstance(item, h5py.Group):
-            out[key] = _tree(item)
+            out[key] = _tree(where, item, budget)
         else:
-            value = item[()]
+            value = _read_text(where, item, budget) if _is_text(item) else _read_numbers(item)
             out[key] = value.decode("utf8") if isinstance(value, bytes) else value
     return out
 
 
 def read_nir_tree(f: Any, where: str, *, max_nodes: float = MAX_NODES, max_edges: float = MAX_EDGES,
-                  max_values: float = MAX_VALUES) -> dict[str, Any]:
+                  max_values: float = MAX_VALUES, max_bytes: float = MAX_FILE_BYTES,
+                  file_bytes: float = float("inf")) -> dict[str, Any]:
     """The graph of an open ``h5py.File`` as nested dicts (the ``/node`` group), after the
     layout and size checks of the module docstring (steps 1-3). ``where`` names the file in
-    errors."""
-    _layout(where, f, _Budget(where, max_nodes, max_edges, max_values))
-    return _tree(f["node"])
+    errors; ``file_bytes`` is the file's size (its datasets' storage must fit in it)."""
+    budget = _Budget(where, max_nodes, max_edges, max_values, max_bytes, file_bytes)
+    _layout(where, f, budget)
+    return _tree(where, f["node"], budget)
 
 
 def _has_markers(tree: dict[str, Any]) -> bool:
@@ -318,36 +475,55 @@ def _has_markers(tree: dict[str, Any]) -> bool:
     return any(k in node.get("metadata", {}) for node in tree["nodes"].values() for k in keys)
 
 
-def _pop_digest(tree: dict[str, Any]) -> Any:
-    """Remove the digest from ``tree`` (and a graph metadata group it leaves empty); return it."""
+def _pop_meta(tree: dict[str, Any], key: str) -> Any:
+    """Remove graph metadata ``key`` from ``tree`` (and a metadata group it leaves empty); return
+    its value (None where there is none)."""
     meta = tree.get("metadata", {})
-    stored = meta.pop(DIGEST_KEY, None)
+    stored = meta.pop(key, None)
     if "metadata" in tree and not meta:
         del tree["metadata"]
     return stored
 
 
-def _verify(where: str, tree: dict[str, Any]) -> None:
+def _pop_digest(tree: dict[str, Any]) -> Any:
+    """Remove the digest from ``tree`` (and a graph metadata group it leaves empty); return it."""
+    return _pop_meta(tree, DIGEST_KEY)
+
+
+def _verify(where: str, tree: dict[str, Any], version: str) -> None:
+    """Check the digest (which covers :data:`VERSION_KEY`, so ``/version`` too) and remove both
+    from ``tree``."""
     stored = _pop_digest(tree)
+    if stored is not None and (not isinstance(stored, str) or stored != content_digest(tree)):
+        raise NIRError(f"{where} was changed after it was written: its content does not match the "
+                       f"digest save_nir recorded in it (metadata '{DIGEST_KEY}'). It is damaged or "
+                       "edited; export it again")
+    recorded = _pop_meta(tree, VERSION_KEY)
+    if recorded is not None and recorded != version:
+        raise NIRError(f"{where}: '/version' says nir {version!r}, but the file records that it was "
+                       f"written by nir {recorded!r} (metadata '{VERSION_KEY}'"
+                       f"{', under its digest' if stored is not None else ''}); '/version' decides how "
+                       "plain IF nodes are read, so the file was edited. Export it again")
     if stored is None:
         if _has_markers(tree):
             warnings.warn(f"{where} carries snnconv's NIR encoding but no content digest (written by "
                           "an snnconv without digests, or edited): its structure was checked, its "
                           "values could not be verified", UnverifiedFileWarning, stacklevel=3)
         return
-    if not isinstance(stored, str) or stored != content_digest(tree):
-        raise NIRError(f"{where} was changed after it was written: its content does not match the "
-                       f"digest save_nir recorded in it (metadata '{DIGEST_KEY}'). It is damaged or "
-                       "edited; export it again")
+    if recorded is None and version not in UNRECORDED_VERSIONS:
+        raise NIRError(f"{where}: '/version' says nir {version!r}, but the file's digest comes from an "
+                       f"snnconv that wrote its files with nir {' or '.join(UNRECORDED_VERSIONS)} only "
+                       f"(and recorded no '{VERSION_KEY}' under the digest): '/version' was edited. "
+                       "Export the file again")
 
 
 def _check_T(where: str, tree: dict[str, Any], max_T: int) -> None:
     T = tree.get("metadata", {}).get("T")
     if T is None:
         return
-    value = T.item() if isinstance(T, np.generic) else T
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float)) or value != int(value) \
-            or value < 1:
+    value = T.item() if isinstance(T, (np.generic, np.ndarray)) and np.ndim(T) == 0 else T
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value != int(value) or value < 1:
         raise NIRError(f"{where}: graph metadata T={T!r} is not a positive integer")
     if value > max_T:
         raise NIRError(f"{where}: graph metadata T={int(value)} is above the bound of {max_T} time "
@@ -364,8 +540,22 @@ def _check_version(where: str, tree: dict[str, Any], version: str) -> None:
             raise NIRError(f"{where}: {legacy_if_reason(name, version)}")
 
 
+def _is_hdf5(fh: Any, size: int) -> bool:
+    """Whether the open file has HDF5's signature where HDF5 looks for it (offset 0, 512, 1024,
+    2048, ...)."""
+    offset = 0
+    while offset + len(_HDF5_SIGNATURE) <= size:
+        fh.seek(offset)
+        if fh.read(len(_HDF5_SIGNATURE)) == _HDF5_SIGNATURE:
+            fh.seek(0)
+            return True
+        offset = 512 if offset == 0 else offset * 2
+    return False
+
+
 def load_nir(path: str | os.PathLike, *, max_nodes: int = MAX_NODES, max_edges: int = MAX_EDGES,
-             max_values: int = MAX_VALUES, max_T: int = MAX_T, dt: float = 1.0) -> nir.NIRGraph:
+             max_values: int = MAX_VALUES, max_bytes: int = MAX_FILE_BYTES, max_T: int = MAX_T,
+             dt: float = 1.0) -> nir.NIRGraph:
     """Read a NIR file strictly, as untrusted data (HDF5; nothing from the file is executed).
 
     See the module docstring for what is checked, in which order. Only the datasets the graph's
@@ -375,6 +565,8 @@ def load_nir(path: str | os.PathLike, *, max_nodes: int = MAX_NODES, max_edges: 
         path: the file.
         max_nodes, max_edges: the most nodes and edges a graph may have.
         max_values: the most numbers all datasets together may declare (2**28: 1 GiB of float32).
+        max_bytes: the most bytes the file may hold, and its datasets declare together (the read
+            budget, :data:`snnconv.files.MAX_FILE_BYTES`).
         max_T: the largest ``T`` the graph metadata may state.
         dt: the time step the graph is checked at (:func:`snnconv_backends.nirgraph.parse`).
 
@@ -384,10 +576,12 @@ def load_nir(path: str | os.PathLike, *, max_nodes: int = MAX_NODES, max_edges: 
         of such a file records the nir version that wrote it (``nir_file_version``).
 
     Raises:
-        NIRError: a missing, truncated, damaged, non-HDF5 or non-NIR file, a file that refers to
-            other files, holds datasets NIR's layout does not have, declares sizes beyond the
-            caps or a T beyond ``max_T``, does not match its digest, or holds a graph snnconv
-            cannot read exactly (the message names the file and the dataset, node or edge).
+        NIRError: a missing, truncated, damaged, non-HDF5 or non-NIR file, a path that is not a
+            regular file (a FIFO, a device, a folder), a file that refers to other files, holds
+            datasets NIR's layout does not have, declares sizes beyond the caps or a T beyond
+            ``max_T``, does not match its digest (``/version`` included), or holds a graph
+            snnconv cannot read exactly (the message names the file and the dataset, node or edge).
+        ResourceError: the machine ran out of memory within the read budget.
 
     Warns:
         UnverifiedFileWarning: the file carries snnconv's encoding but no digest.
@@ -397,22 +591,28 @@ def load_nir(path: str | os.PathLike, *, max_nodes: int = MAX_NODES, max_edges: 
     from snnconv_backends.nirgraph import parse
 
     where = os.fspath(path)
-    if not os.path.isfile(where):
-        raise NIRError(f"{where}: no such file")
-    if not h5py.is_hdf5(where):
-        raise NIRError(f"{where} is not an HDF5 file (a NIR file is HDF5, written by save_nir or "
-                       "nir.write)")
-    try:
-        with h5py.File(where, "r") as f:
-            tree = read_nir_tree(f, where, max_nodes=max_nodes, max_edges=max_edges,
-                                 max_values=max_values)
-            version = _text(where, f["version"])
-    except NIRError:
-        raise
-    except Exception as exc:  # h5py raises OSError, KeyError, ValueError, RuntimeError on damage
-        raise NIRError(f"{where}: cannot read as NIR (truncated or damaged?): "
-                       f"{type(exc).__name__}: {exc}") from exc
-    _verify(where, tree)
+    with open_regular(where, max_bytes, error=NIRError, what="NIR file") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if not _is_hdf5(fh, size):
+            raise NIRError(f"{where} is not an HDF5 file (a NIR file is HDF5, written by save_nir or "
+                           "nir.write)")
+        try:
+            with h5py.File(fh, "r") as f:
+                tree = read_nir_tree(f, where, max_nodes=max_nodes, max_edges=max_edges,
+                                     max_values=max_values, max_bytes=max_bytes, file_bytes=size)
+                version = _text(where, f["version"])
+        except NIRError:
+            raise
+        except MemoryError as exc:
+            raise ResourceError(f"{where}: the machine ran out of memory reading the file (its "
+                                f"datasets passed the read budget of {max_bytes} bytes); free "
+                                "memory, or refuse such files with load_nir(..., max_bytes=N)") from exc
+        except RecursionError as exc:
+            raise NIRError(f"{where}: cannot read as NIR: its groups nest too deep") from exc
+        except Exception as exc:  # h5py raises OSError, KeyError, ValueError, RuntimeError on damage
+            raise NIRError(f"{where}: cannot read as NIR (truncated or damaged?): "
+                           f"{type(exc).__name__}: {exc}") from exc
+    _verify(where, tree, version)
     _check_T(where, tree, max_T)
     _check_version(where, tree, version)
     try:
@@ -452,18 +652,21 @@ def save_nir(graph: nir.NIRGraph, path: str | os.PathLike, *, compression: str |
     if compression not in ("gzip", "lzf", None):
         raise ConfigError(f"compression must be 'gzip', 'lzf' or None, got {compression!r}")
     parse(graph)
-    meta = {k: v for k, v in (graph.metadata or {}).items() if k != DIGEST_KEY}
+    meta = {k: v for k, v in (graph.metadata or {}).items() if k not in (DIGEST_KEY, VERSION_KEY)}
     plain = nir.NIRGraph(nodes=graph.nodes, edges=graph.edges, metadata=meta, type_check=False)
     buf = io.BytesIO()
     try:
         nir.write(buf, plain, compression=compression)
         with h5py.File(buf, "r+") as f:
             inf = float("inf")
-            tree = read_nir_tree(f, "the graph", max_nodes=inf, max_edges=inf, max_values=inf)
+            version = f["version"][()]
+            meta_group = f["node"].require_group("metadata")
+            meta_group.create_dataset(VERSION_KEY, data=version, dtype=h5py.string_dtype())
+            tree = read_nir_tree(f, "the graph", max_nodes=inf, max_edges=inf, max_values=inf,
+                                 max_bytes=inf)
             _pop_digest(tree)
             digest = content_digest(tree)
-            f["node"].require_group("metadata").create_dataset(DIGEST_KEY, data=digest,
-                                                               dtype=h5py.string_dtype())
+            meta_group.create_dataset(DIGEST_KEY, data=digest, dtype=h5py.string_dtype())
     except NIRError as exc:
         raise NIRError(f"nir writes a file snnconv cannot read back: {exc}") from exc
     except Exception as exc:  # nir/h5py raise KeyError, TypeError, ValueError on odd nodes

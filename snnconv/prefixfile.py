@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import CheckpointError, NIRError
+from .files import open_regular
 from .network import SpikingNetwork
 from .nirformat import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY, PREFIX_SHA256_KEY
 from .prefix import PREFIX_NAME, analog_prefix
@@ -70,9 +71,11 @@ def load_prefix(graph: nir.NIRGraph, nir_path: str | os.PathLike,
     its output to the graph.
 
     Raises:
-        NIRError: ``path`` is given for a graph that reads no prefix; the graph names no prefix file, or a name that is not a plain file name; the
-            file is missing, larger than :data:`MAX_PREFIX_BYTES`, differs from the one the
-            graph was saved with, or is not a saved network.
+        NIRError: ``path`` is given for a graph that reads no prefix; the graph names no prefix
+            file, or a name that is not a plain file name; the file is missing, not a regular
+            file (a FIFO, a device, a folder: refused without blocking,
+            :func:`snnconv.files.open_regular`), larger than :data:`MAX_PREFIX_BYTES`, differs
+            from the one the graph was saved with, or is not a saved network.
     """
     meta = graph.metadata or {}
     where = os.fspath(nir_path)
@@ -88,17 +91,14 @@ def load_prefix(graph: nir.NIRGraph, nir_path: str | os.PathLike,
                            f"prefix file it can be read from (found {name!r}); give its path")
         path = os.path.join(os.path.dirname(where), name)
     path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-    except OSError:
+    if not os.path.lexists(path):
         raise NIRError(f"{where}: the graph reads the output of an analog prefix saved as {path}, "
                        "which is missing: keep it beside the NIR file (snnconv export writes both), "
-                       "or give its path") from None
-    if size > MAX_PREFIX_BYTES:
-        raise NIRError(f"{path}: {size} bytes, above the {MAX_PREFIX_BYTES} bytes an analog prefix "
-                       "file may hold")
-    with open(path, "rb") as fh:
+                       "or give its path")
+    with open_regular(path, MAX_PREFIX_BYTES, error=NIRError, what="analog prefix file") as fh:
         data = fh.read(MAX_PREFIX_BYTES + 1)
+    if len(data) > MAX_PREFIX_BYTES:  # it grew since it was opened
+        raise NIRError(f"{path}: more than the {MAX_PREFIX_BYTES} bytes an analog prefix file may hold")
     if not isinstance(digest, str) or hashlib.sha256(data).hexdigest() != digest:
         raise NIRError(f"{path} is not the analog prefix {where} was saved with (its SHA-256 does "
                        "not match the graph's); export the network again")

@@ -1,5 +1,5 @@
 """Reading untrusted ``torch.save`` files (networks, prefixes, fine-tuning checkpoints, users'
-state dicts) within :data:`snnconv.config.MAX_FILE_BYTES`.
+state dicts) within :data:`snnconv.files.MAX_FILE_BYTES`.
 
 Before anything is unpickled: the path is a regular file (a FIFO or a device would block or
 never end), the file fits the budget, it is a zip archive (torch's format since 1.6), and its
@@ -11,16 +11,16 @@ containers nested at most :data:`MAX_NESTING` deep.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
-import stat
 import zipfile
 from typing import Any
 
 import torch
 
-from .config import MAX_FILE_BYTES
 from .errors import CheckpointError
+from .files import MAX_FILE_BYTES, open_regular
 
 __all__ = ["MAX_NESTING", "read_regular", "load_untrusted"]
 
@@ -29,7 +29,8 @@ MAX_NESTING = 64
 
 
 def read_regular(path: str | os.PathLike, what: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file ``path``, at most ``max_bytes`` of them.
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them
+    (:func:`snnconv.files.open_regular`).
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -37,37 +38,13 @@ def read_regular(path: str | os.PathLike, what: str, max_bytes: int = MAX_FILE_B
             larger than ``max_bytes`` (``what`` names the file's role in the message).
     """
     where = os.fspath(path)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)  # a FIFO opens without waiting for a writer
-    try:
-        st = os.stat(where)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{where} is not a regular file ({_kind(st.st_mode)}); give the "
-                                  f"path of a {what}")
-        fd = os.open(where, flags)
-    except FileNotFoundError:
-        raise
-    except IsADirectoryError:
-        raise CheckpointError(f"{where} is a folder, not a {what}") from None
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())  # what was opened, not what was looked at before
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{where} is not a regular file ({_kind(st.st_mode)}); give the "
-                                  f"path of a {what}")
-        if st.st_size > max_bytes:
-            raise CheckpointError(f"{where} has {st.st_size:,} bytes, more than the {max_bytes:,} "
-                                  f"that snnconv reads from one file (snnconv.config.MAX_FILE_BYTES)")
+    if not os.path.lexists(where):
+        raise FileNotFoundError(errno.ENOENT, f"no such {what}", where)
+    with open_regular(where, max_bytes, error=CheckpointError, what=what) as fh:
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise CheckpointError(f"{where} grew past {max_bytes:,} bytes while it was read")
     return data
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "not a plain file"
 
 
 def _check_archive(where: str, data: bytes, max_bytes: int) -> None:
@@ -117,7 +94,7 @@ def load_untrusted(path: str | os.PathLike, what: str, data: bytes | None = None
         data = read_regular(path, what, max_bytes)
     elif len(data) > max_bytes:
         raise CheckpointError(f"{where} has {len(data):,} bytes, more than the {max_bytes:,} that "
-                              "snnconv reads from one file (snnconv.config.MAX_FILE_BYTES)")
+                              "snnconv reads from one file (snnconv.files.MAX_FILE_BYTES)")
     _check_archive(where, data, max_bytes)
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)

@@ -3,7 +3,10 @@ or is refused with NIRError; never a changed graph without a word."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections import Counter
@@ -124,3 +127,40 @@ def test_mutated_files_load_equal_warn_or_are_refused():
         check()
     print(f"mutated files: {sum(counts.values())}, {dict(counts)}")
     assert counts["refused"] > 0 and counts["equal"] > 0
+
+
+# --- one child process per reader, capped in memory and time (issue 47) ------------------------
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_READERS = {"nirfile": 60, "nirgraph": 150, "prefix": 30}  # reader -> the fewest cases it runs
+
+
+def test_each_reader_gives_an_snnconv_error_or_a_correct_load_within_the_budget(tmp_path):
+    """Per reader, one child (tests/_fuzz_readers.py) capped at its size after imports + 2 GiB
+    of address space and 10 s per case runs all of its cases: mutants of small valid files and
+    graphs, the issue's hostile files (digests forged) and every kind of path. Each case ends in
+    a snnconv error or a correct load, runs no code (a payload would create a marker file), and
+    adds less than the read budget to the child's resident memory."""
+    from snnconv.files import MAX_FILE_BYTES
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, os.path.join(_ROOT, "backends")])}
+    children = {}
+    for reader in _READERS:
+        folder = tmp_path / reader
+        folder.mkdir()
+        children[reader] = subprocess.Popen(
+            [sys.executable, os.path.join(_ROOT, "tests", "_fuzz_readers.py"), reader, str(folder)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for reader, child in children.items():
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err[-3000:]
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(rows) >= _READERS[reader], err[-3000:]
+        for row in rows:
+            assert not row["outcome"].startswith("RAW"), f"{reader}: {row}"
+            assert not row["code_ran"], f"{reader}: {row}"
+            assert row["peak"] < MAX_FILE_BYTES, f"{reader}: {row}"
+        counts = Counter(row["outcome"] for row in rows)
+        assert counts["loaded"] > 0 and counts["NIRError"] > 0, counts
+        print(f"{reader}: {len(rows)} cases, {dict(counts)}, largest peak "
+              f"{max(r['peak'] for r in rows) / 2**20:.1f} MiB")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import snnconv
 from snnconv.checkpoint import read_checkpoint, write_checkpoint
 from snnconv.cli import main
-from snnconv.config import MAX_FILE_BYTES
+from snnconv.files import MAX_FILE_BYTES
 from snnconv.digest import content_digest
 from snnconv.errors import CheckpointError
 from snnconv.finetune import CHECKPOINT_NAME, finetune

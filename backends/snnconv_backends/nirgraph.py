@@ -21,8 +21,11 @@ An IF of a file older than v_reset (graph metadata ``nir_file_version`` below 1.
 by ``load_nir``) resets by subtraction in absolute units and is refused with that reason.
 
 The subtractive pattern is collapsed into one ``"neuron"`` op named ``X``; consumers of
-``X_fire`` read ``X``'s spikes, and the reset edge is not an input. A node with several incoming
-edges receives their sum, in edge order (``((a + b) + c)``). An ``Identity`` node, or a ``Scale``
+``X_fire`` read ``X``'s spikes, and the reset edge is not an input. Any other edge from a
+hidden node into an ``I`` node (another neuron's ``Threshold`` or reset ``Scale``, or
+``X_fire -> X`` itself) is refused naming the edge: spikes reach an integrator through a
+synapse. A node with several incoming edges receives their sum, in edge order
+(``((a + b) + c)``). An ``Identity`` node, or a ``Scale``
 of ones marked ``metadata["snnconv_op"] == "sum"`` (nir 1.0.8 cannot write ``Identity`` to a
 file), becomes a ``"sum"`` op; a diagonal 1x1 ``Conv2d`` or ``Linear`` marked ``"scale"`` a
 ``"scale"`` op.
@@ -318,13 +321,16 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
 
     # --- neurons: collapse I -> Threshold -> Scale -> I into one op; read IF nodes ---
     alias: dict[str, str] = {}  # a Threshold's name -> its neuron's name
+    own_reset: dict[str, str] = {}  # an integrator's name -> its reset Scale's name
     hidden: set[str] = set()  # Threshold and reset Scale nodes folded into a neuron
     neuron_params: dict[str, dict[str, Any]] = {}
     neuron_shapes: dict[str, tuple[int, ...]] = {}
     for name, kind in kinds.items():
         node = nodes[name]
         meta = _meta(node)
-        per_channel = {"per_channel": True, "per_layer": False}.get(meta.get("threshold"))
+        granularity = meta.get("threshold")
+        per_channel = {"per_channel": True, "per_layer": False}.get(granularity) \
+            if isinstance(granularity, str) else None
         if kind == "integrator":
             r = _array(node.r, name, "r")
             _check_gain(name, r, dt, "an integrator")
@@ -383,6 +389,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
                                    "reset": "subtract", "v_init": v0}
             neuron_shapes[name] = r.shape
             alias[fire] = name
+            own_reset[name] = reset
             hidden.update((fire, reset))
         elif kind == "if":
             r = _array(node.r, name, "r")
@@ -413,11 +420,18 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
     op_inputs: dict[str, list[str]] = {}
     users: dict[str, list[str]] = {n: [] for n in names}
     for name in names:
-        srcs = [s for s in ins[name] if not (kinds[name] == "integrator" and s in hidden)]
+        # an integrator's own reset edge is its neuron's recurrence, not an input
+        srcs = [s for s in ins[name] if s != own_reset.get(name)]
         for s in srcs:
             if s in hidden and s not in alias:
                 raise NIRError(f"edge '{s}' -> '{name}': the reset Scale '{s}' may feed only its "
                                "own integrator")
+            if s in alias and kinds[name] == "integrator":
+                raise NIRError(f"edge '{s}' -> '{name}': the spikes of neuron '{alias[s]}' go "
+                               f"straight into the integrator of neuron '{name}', without a "
+                               "synapse; snnconv reads an I node's inputs only from synapse, "
+                               "pooling or sum nodes (and its own reset Scale). Route them "
+                               "through a node (e.g. a Scale of ones) or remove the edge")
         op_inputs[name] = [alias.get(s, s) for s in srcs]
         for s in op_inputs[name]:
             users[s].append(name)
@@ -496,7 +510,8 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
     reset = next(iter(resets)) if resets else (declared or "subtract")
     T = metadata.get("T")
     if T is not None:
-        if isinstance(T, bool) or not isinstance(T, (int, float)) or T != int(T) or T < 1:
+        if isinstance(T, bool) or not isinstance(T, (int, float)) or not math.isfinite(T) \
+                or T != int(T) or T < 1:
             raise NIRError(f"graph metadata T={T!r} is not a positive integer")
         T = int(T)
     return ParsedGraph(ops=tuple(ops), input_shape=ops[0].out_shape, output_shape=ops[-1].out_shape,
