@@ -1,4 +1,4 @@
-"""Hostile NIR and prefix files (issue 47, findings 2-4, 6, 7): what each costs the reader, in
+"""Hostile NIR and prefix files: what each costs the reader, in
 a fresh process per file.
 
     python benchmarks/nir_file_attacks.py [--code DIR] [--cap-gib 8] [--out FILE.json]

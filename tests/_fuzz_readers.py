@@ -1,7 +1,7 @@
 """One reader's fuzz cases, run in a child process capped in memory and time (by
 tests/test_nir_file_fuzz.py): ``python _fuzz_readers.py READER FOLDER``.
 
-Readers: ``nirfile`` (load_nir on mutants of small valid files and on the issue's hostile files,
+Readers: ``nirfile`` (load_nir on mutants of small valid files and on the known hostile files,
 digests forged), ``nirgraph`` (parse on mutated graphs) and ``prefix`` (load_prefix on every kind
 of path and on mutated prefix files, SHA-256 forged). Per case it prints one JSON line: the case,
 its outcome ("loaded" or the snnconv error's class; "RAW <class>" for anything else), the peak

@@ -1,4 +1,4 @@
-"""Loihi 2 for the networks users bring (issue 46): a static input anywhere in the graph, one
+"""Loihi 2 for the networks users bring: a static input anywhere in the graph, one
 threshold per channel where one per population would flush a layer, and a quantisation that
 departs from the float network is never silent.
 

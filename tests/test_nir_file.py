@@ -213,7 +213,7 @@ def test_snnconv_run_refuses_a_file_declaring_T_beyond_the_bound(tmp_path, capsy
     assert len(err) == 1 and "T=1000000000 is above the bound" in err[0]
 
 
-# --- issue 47: the attacker who knows the format (every digest forged: tests/_nirattacks.py) -----
+# --- the attacker who knows the format (every digest forged: tests/_nirattacks.py) -----
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "backends"),
@@ -267,7 +267,7 @@ def test_the_attackers_digest_is_snnconvs(tmp_path):
 
 
 def test_small_files_declaring_large_allocations_are_refused_before_reading(tmp_path):
-    """Finding 2: KiB-sized files that made load_nir allocate 2.3-6.8 GB, digests forged."""
+    """KiB-sized files that made load_nir allocate 2.3-6.8 GB, digests forged."""
     expected = {attacks.string_bomb(str(tmp_path), w): f"fixed-length string.* {n} bytes"
                 for w, n in (("metadata", 2000000000), ("type", 2000000000), ("version", 2000000000),
                              ("edges", 250000000))}
@@ -325,7 +325,7 @@ def test_storage_beyond_the_rules_is_refused_by_name(tmp_path, change, match):
 
 @pytest.mark.parametrize("extra", [("n1_fire", "n2"), ("n1_fire", "n1"), ("n2_fire", "n1")])
 def test_an_edge_from_a_neuron_into_an_integrator_is_refused_by_name(tmp_path, extra):
-    """Finding 3: the reader dropped every hidden-node input of an integrator, not only its own
+    """The reader used to drop every hidden-node input of an integrator, not only its own
     reset edge; the graph ran as if the edge were not there."""
     from snnconv_backends.nirgraph import parse
 
@@ -359,7 +359,7 @@ def test_the_same_spikes_routed_through_a_node_keep_their_meaning():
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_T_is_refused_naming_the_file(tmp_path, value, capsys):
-    """Finding 4: T = NaN raised ValueError (inspect exit 2 without the file's name), T = inf
+    """T = NaN used to raise ValueError (inspect exit 2 without the file's name), T = inf
     OverflowError (inspect exit 3)."""
     from snnconv.cli import main
 
@@ -377,7 +377,7 @@ def test_metadata_nested_thousands_deep_is_refused(tmp_path):
         load_nir(path)
 
 
-# --- /version under the digest (finding 6) --------------------------------------------------
+# --- /version under the digest --------------------------------------------------------------
 
 def _set_version(path, version: str) -> None:
     with h5py.File(path, "a") as f:
@@ -387,7 +387,7 @@ def _set_version(path, version: str) -> None:
 
 @pytest.mark.parametrize("version", ["1.0.5", "1.0.9", "2.0"])
 def test_a_changed_version_under_an_unchanged_digest_is_refused(tmp_path, version):
-    """Finding 6: /version decides how plain IF nodes read (before 1.0.6: by subtraction)."""
+    """/version decides how plain IF nodes read (before 1.0.6: by subtraction)."""
     path = _saved(tmp_path, tiny_graph("zero"))
     _set_version(path, version)
     with pytest.raises(NIRError, match=f"'/version' says nir '{version}'.*{VERSION_KEY}.*digest"):
@@ -416,7 +416,7 @@ def test_a_removed_version_record_breaks_the_digest(tmp_path):
         load_nir(path)
 
 
-# --- only regular files (finding 7) ---------------------------------------------------------
+# --- only regular files ---------------------------------------------------------------------
 
 def _run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "snnconv.cli", *argv], env=_ENV, capture_output=True,
@@ -424,7 +424,7 @@ def _run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def test_snnconv_run_refuses_a_fifo_as_the_prefix_file_without_waiting(tmp_path):
-    """Finding 7: a NIR file naming fifo.pt as its prefix, a FIFO there: snnconv run waited
+    """A NIR file naming fifo.pt as its prefix, a FIFO there: snnconv run waited
     forever (load_prefix checked the size, not the kind of file)."""
     os.mkfifo(tmp_path / "fifo.pt")
     path = attacks.prefix_graph_file(str(tmp_path), "fifo.pt")

@@ -129,7 +129,7 @@ def test_mutated_files_load_equal_warn_or_are_refused():
     assert counts["refused"] > 0 and counts["equal"] > 0
 
 
-# --- one child process per reader, capped in memory and time (issue 47) ------------------------
+# --- one child process per reader, capped in memory and time ------------------------
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _READERS = {"nirfile": 60, "nirgraph": 150, "prefix": 30}  # reader -> the fewest cases it runs
@@ -138,7 +138,7 @@ _READERS = {"nirfile": 60, "nirgraph": 150, "prefix": 30}  # reader -> the fewes
 def test_each_reader_gives_an_snnconv_error_or_a_correct_load_within_the_budget(tmp_path):
     """Per reader, one child (tests/_fuzz_readers.py) capped at its size after imports + 2 GiB
     of address space and 10 s per case runs all of its cases: mutants of small valid files and
-    graphs, the issue's hostile files (digests forged) and every kind of path. Each case ends in
+    graphs, the known hostile files (digests forged) and every kind of path. Each case ends in
     a snnconv error or a correct load, runs no code (a payload would create a marker file), and
     adds less than the read budget to the child's resident memory."""
     from snnconv.files import MAX_FILE_BYTES
