@@ -44,7 +44,8 @@ from .neuron import IFNeuron, LeakyNeuron, Scale, neurons
 from .prefix import AnalogPrefix
 from .progress import progress_bar
 
-__all__ = ["SpikeAnalysis", "analyse", "static_macs", "evaluation_record", "backend_record", "E_MAC_PJ", "E_AC_PJ",
+__all__ = ["SpikeAnalysis", "analyse", "static_macs", "evaluation_record", "backend_record", "E_MAC_PJ",
+           "E_AC_PJ",
            "RASTER_NEURONS", "ANALYSIS_IMAGES"]
 
 RASTER_NEURONS = 64

@@ -397,9 +397,11 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
                                            f"{c['ann_nj']:.1f}", f"{c['ratio']:.3f}"] for c in comparisons]))
         parts.append(f"<p>Why two targets differ. Rows of the energy model <i>{html.escape(ARITHMETIC)}"
                      f"</i> share one definition ({html.escape(ARITHMETIC_NOTE)}), counted on the spiking "
-                     "graph as the backends run it: for the same images they give the same figure, so "
-                     "a difference between them comes from the images (evaluate analyses the first images "
-                     "of the test set, <code>snnconv run</code> its <code>--limit</code>). A chip row uses "
+                     "graph as the backends run it: for the same images and spikes they give the same "
+                     "figure, so a difference between them comes from the images (evaluate analyses the "
+                     "first images of the test set, <code>snnconv run</code> its <code>--limit</code>) or "
+                     "from the spikes (a fixed-point backend's differ from the float network's). "
+                     "A chip row uses "
                      f"{html.escape(CHIP_NOTE)}. The two models answer different questions; compare a "
                      "ratio only with rows of the same model.</p>")
         energy_rows = [(f"{c['target']}: SNN ({c['short']})", c["snn_nj"]) for c in comparisons]

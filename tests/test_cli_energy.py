@@ -87,7 +87,8 @@ def test_evaluate_run_cpu_the_api_and_the_report_give_one_figure_for_one_run(sma
     assert printed == [round(api["ratio"], 3)] * 2
     assert main(["report", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text()
-    rows = re.findall(r"<tr><td>([^<]*)</td><td>\d+</td><td>" + ARITHMETIC + r"</td>.*?<td>([\d.]+)</td></tr>", page)
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>\d+</td><td>" + ARITHMETIC + r"</td>.*?<td>([\d.]+)</td></tr>",
+                      page)
     assert [t for t, _ in rows] == ["evaluate (torch SNN)", "run --backend cpu"]
     assert [float(r) for _, r in rows] == [round(api["ratio"], 3)] * 2
     assert "Why two targets differ" in page

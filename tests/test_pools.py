@@ -55,7 +55,8 @@ def test_an_adaptive_pool_with_an_avgpool_form_that_shrinks_is_left():
     assert sum(isinstance(m, nn.AdaptiveAvgPool2d) for m in gm.modules()) == 1
 
 
-_CEIL = [dict(kernel_size=3, stride=2), dict(kernel_size=2, stride=2), dict(kernel_size=3, stride=2, padding=1),
+_CEIL = [dict(kernel_size=3, stride=2), dict(kernel_size=2, stride=2),
+         dict(kernel_size=3, stride=2, padding=1),
          dict(kernel_size=(3, 2), stride=(2, 3), padding=(1, 0)),
          dict(kernel_size=3, stride=2, padding=1, count_include_pad=False),
          dict(kernel_size=3, stride=2, divisor_override=2)]
@@ -121,7 +122,8 @@ def test_a_network_with_ceil_mode_and_uneven_adaptive_pools_exports_and_runs_bit
 
 def test_a_ceil_mode_average_pool_between_neurons_exports_and_runs_bit_identically(tmp_path):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.AvgPool2d(3, 2, padding=1, ceil_mode=True),
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(),
+                          nn.AvgPool2d(3, 2, padding=1, ceil_mode=True),
                           nn.Conv2d(6, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3)).eval()
     x = torch.randn(4, 3, 12, 12) + 0.5
     assert model[2](torch.zeros(1, 6, 12, 12)).shape[-1] == 7  # a window that floor mode has not
