@@ -1,18 +1,21 @@
 """Which torchvision classifiers convert, export to NIR and run on the cpu backend bit for bit.
 
 Every model of :data:`snnconv.models.tv.RELU_FAMILY` and :data:`~snnconv.models.tv.NO_IF_FORM`
-as a user brings it (``num_classes=10``, BatchNorm statistics from three random batches), then
+at each input size of ``--sizes`` (default 32 and 64 px; a model too small for a size is a row
+that names the refusal), as a user brings it (``num_classes=10``, BatchNorm statistics from
+three random batches), then
 ``convert(model, loader, T=4, finetune_epochs=0)`` on two unlabelled random batches (so no
 training runs), ``export_nir`` and the cpu backend on the exported graph against ``snn.run``
 (outputs and per-layer spike counts, ``torch.equal``). Writes
 ``benchmarks/results/coverage.json`` and ``coverage.md``.
 
-    python benchmarks/coverage.py [--models resnet18,vgg11] [--small]
+    python benchmarks/coverage.py [--models resnet18,vgg11] [--small] [--sizes 32,64]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,7 +39,10 @@ def check(spec: TVModel, *, T: int = 4, **convert_kw) -> dict:
            "exports": False, "cpu_equal": False, "refusal": ""}
     start = time.perf_counter()
     try:
-        model = build(spec)
+        try:
+            model = build(spec)
+        except (RuntimeError, ValueError) as exc:  # torchvision's own refusal of a small input
+            raise snnconv.errors.DataError(f"the model rejects a {spec.size} px input: {exc}") from exc
         g = torch.Generator().manual_seed(1)
         loader = [torch.randn(4, 3, spec.size, spec.size, generator=g) for _ in range(2)]
         with warnings.catch_warnings():
@@ -77,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="", help="comma-separated names (default: all)")
     ap.add_argument("--small", action="store_true", help="only the models the test suite builds")
+    ap.add_argument("--sizes", default="32,64", help="comma-separated input sides in px (default 32,64)")
     args = ap.parse_args(argv)
+    sizes = [int(v) for v in args.sizes.split(",") if v]
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     specs = list(RELU_FAMILY) + [s for s, _ in NO_IF_FORM]
     if args.models:
@@ -87,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         specs = [s for s in specs if not s.large]
     rows = []
     for spec in specs:
-        rows.append(check(spec))
-        print(json.dumps(rows[-1]), flush=True)
+        for size in sizes:
+            rows.append(check(dataclasses.replace(spec, size=size)))
+            print(json.dumps(rows[-1]), flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     payload = {"command": "python benchmarks/coverage.py " + " ".join(argv or sys.argv[1:]),
                "torch": torch.__version__, "rows": rows}

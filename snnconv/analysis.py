@@ -6,14 +6,16 @@
     stats.energy()               # a 45 nm estimate (pJ per inference), SNN against the ANN
     record = snnconv.analysis.evaluation_record(snn, test_loader, [1, 2, 4, 8])  # evaluation.json
 
-Counting convention (the usual one in the conversion literature):
+Counting convention (the backends' own, so that ``evaluate`` and ``snnconv run --backend cpu``
+print the same figure for the same images):
 
-- a weight layer (Conv, Linear) whose input changes with time (spikes, or pooled spikes) does
-  one accumulate (AC) per nonzero input element and outgoing synapse, at every step: its
-  ``synops`` is that count over the run, exactly (a convolution with all-one weights applied to
-  the input's nonzero pattern);
-- a weight layer that sees the static input (direct encoding: the first layer runs once) does
-  multiply-accumulates (MACs), once per image;
+- a spike does one accumulate (AC) per outgoing synapse of the weighted layer (Conv, Linear, or
+  an identity shortcut's Scale: one add) it reaches through pooling (a window's spikes are
+  summed, not averaged), flattening, adds and concatenations: ``synops`` is that count over the
+  run, exactly (all-one weights applied to the spike pattern);
+- a weight layer that sees only the static input (direct encoding; the analog prefix too) does
+  multiply-accumulates (MACs) once per image (``static_macs``); one fed by another analog value
+  (a layer after a Conv that no neuron follows) does MACs at every step (``dense_macs``);
 - ``macs`` is what the ANN does in the same layer for the same batch (per image x B, once).
 
 Energy per operation: :data:`~snnconv.energy.E_MAC_PJ` per 32-bit float MAC and
@@ -30,17 +32,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .data import first_batch
-from .energy import E_AC_PJ, E_MAC_PJ, conv_macs, linear_macs
+from .energy import E_AC_PJ, E_MAC_PJ, arithmetic_energy, conv_macs, linear_macs
 from .metrics import accuracy_by_T
 from .network import SpikingNetwork, check_T
-from .neuron import IFNeuron, TimeExpand, neurons
+from .neuron import IFNeuron, LeakyNeuron, Scale, neurons
+from .prefix import AnalogPrefix
 from .progress import progress_bar
 
-__all__ = ["SpikeAnalysis", "analyse", "evaluation_record", "backend_record", "E_MAC_PJ", "E_AC_PJ",
+__all__ = ["SpikeAnalysis", "analyse", "static_macs", "evaluation_record", "backend_record", "E_MAC_PJ",
+           "E_AC_PJ",
            "RASTER_NEURONS", "ANALYSIS_IMAGES"]
 
 RASTER_NEURONS = 64
@@ -61,6 +66,8 @@ class SpikeAnalysis:
         firing_rate: neuron layer -> spikes / (neurons * T * batch), in [0, 1].
         synops: weight layer -> accumulates over the run (spike-driven layers).
         static_macs: weight layer -> MACs of layers that see the static input (once per image).
+        dense_macs: weight layer -> MACs over the run of layers fed by another analog value
+            (at every step).
         macs: weight layer -> MACs of the same layer in the ANN for the batch.
         raster: neuron layer -> spike times of the first ``RASTER_NEURONS`` neurons of image 0,
             a list of ``[step, neuron index]`` pairs.
@@ -75,13 +82,13 @@ class SpikeAnalysis:
     static_macs: dict[str, float]
     macs: dict[str, float]
     raster: dict[str, list[list[int]]] = field(default_factory=dict)
+    dense_macs: dict[str, float] = field(default_factory=dict)
 
-    def energy(self, e_mac_pj: float = E_MAC_PJ, e_ac_pj: float = E_AC_PJ) -> dict[str, float]:
-        """Arithmetic energy per inference (pJ per image): SNN, ANN, and ``ratio`` = SNN / ANN."""
-        snn = (sum(self.static_macs.values()) * e_mac_pj + sum(self.synops.values()) * e_ac_pj) / self.batch
-        ann = sum(self.macs.values()) * e_mac_pj / self.batch
-        return {"snn_pj": snn, "ann_pj": ann, "ratio": snn / ann if ann else float("nan"),
-                "e_mac_pj": e_mac_pj, "e_ac_pj": e_ac_pj}
+    def energy(self) -> dict[str, Any]:
+        """The arithmetic comparison per image (:func:`snnconv.energy.arithmetic_energy`)."""
+        return arithmetic_energy(synops=sum(self.synops.values()),
+                                 analog_macs=sum(self.static_macs.values()) + sum(self.dense_macs.values()),
+                                 ann_macs=sum(self.macs.values()), images=self.batch)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, with the energy estimate added under ``"energy"``."""
@@ -95,17 +102,112 @@ class SpikeAnalysis:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _events(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Synaptic events of ``layer`` for input ``x``: nonzero inputs times outgoing synapses."""
-    nz = (x != 0).to(torch.float32)
+def _structural(layer: nn.Module, events: torch.Tensor) -> torch.Tensor:
+    """ACs of ``layer`` for spike events ``events``: the layer with all-one weights, summed."""
     if isinstance(layer, nn.Linear):
-        return nz.sum() * layer.out_features
-    conv = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(layer)]
-    ones = torch.ones_like(layer.weight, dtype=torch.float32)
+        return events.sum() * layer.out_features
     if layer.padding_mode != "zeros":
         raise ValueError(f"synaptic operation counts need zero padding; {type(layer).__name__} "
                          f"uses padding_mode={layer.padding_mode!r}")
-    return conv(nz, ones, None, layer.stride, layer.padding, layer.dilation, layer.groups).sum()
+    conv = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(layer)]
+    ones = torch.ones_like(layer.weight, dtype=events.dtype)
+    return conv(events, ones, None, layer.stride, layer.padding, layer.dilation, layer.groups).sum()
+
+
+def _summed(mod: nn.Module, events: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A pooling of spike events as a sum over each window (a spike reaches every window it is in)."""
+    if isinstance(mod, nn.AvgPool2d):
+        return F.avg_pool2d(events, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
+                            mod.count_include_pad, divisor_override=1)
+    if isinstance(mod, nn.AvgPool1d):
+        return F.avg_pool1d(events, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
+                            mod.count_include_pad) * mod.kernel_size[0]
+    windows = torch.tensor(events.shape[2:]).prod() / torch.tensor(out.shape[2:]).prod()
+    return F.adaptive_avg_pool2d(events, out.shape[2:]) * windows  # AdaptiveAvgPool2d
+
+
+_POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
+
+
+class _Counter(fx.Interpreter):
+    """Run the network once and count, per weight layer, what the backends count (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, T: int, B: int):
+        super().__init__(gm)
+        self.T, self.B = T, B
+        self.events: dict[str, torch.Tensor | None] = {}  # spikes reaching a node (None: analog)
+        self.static: dict[str, bool] = {}                   # depends on no neuron
+        self.synops: dict[str, float] = {}
+        self.static_macs: dict[str, float] = {}
+        self.dense_macs: dict[str, float] = {}
+        self.macs: dict[str, float] = {}
+
+    def _layer(self, name: str, layer: nn.Module, x: torch.Tensor, events, static: bool) -> None:
+        per_image = _macs_per_image(layer, x) if not isinstance(layer, Scale) else 0.0
+        if events is not None:
+            fan = events.sum() if isinstance(layer, Scale) else _structural(layer, events)
+            self.synops[name] = self.synops.get(name, 0.0) + float(fan)
+        elif static:
+            self.static_macs[name] = per_image * self.B
+        elif not isinstance(layer, Scale):
+            self.dense_macs[name] = per_image * self.B * self.T
+        if not isinstance(layer, Scale):
+            self.macs[name] = per_image * self.B
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        ins = [a for a in n.all_input_nodes if a.name in self.static]
+        static = all(self.static[a.name] for a in ins)
+        events = [self.events.get(a.name) for a in ins]
+        spiking = [e for e in events if e is not None]
+        ev = None
+        mod = self.module.get_submodule(str(n.target)) if n.op == "call_module" else None
+        if isinstance(mod, (IFNeuron, LeakyNeuron)):
+            static = False
+            if getattr(mod, "kind", "if") != "li":
+                ev = (out.detach() != 0).to(torch.float32)
+        elif isinstance(mod, AnalogPrefix):
+            self._prefix(str(n.target), mod, self.fetch_args_kwargs_from_env(n)[0][0])
+        elif isinstance(mod, _WEIGHT_LAYERS + (Scale,)):
+            x = self.fetch_args_kwargs_from_env(n)[0][0]
+            self._layer(str(n.target), mod, x, events[0] if events else None, static)
+        elif isinstance(mod, _POOLS) and spiking:
+            ev = _summed(mod, spiking[0], out)
+        elif spiking and isinstance(out, torch.Tensor) and n.op != "output":
+            # flatten, add, concatenation, TimeExpand, Dropout / Identity: the op on the events
+            def spikes_of(a: fx.Node) -> Any:  # an analog operand (a static shortcut) adds none
+                e, v = self.events.get(a.name), self.env[a]
+                return e if e is not None else torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+            args, kwargs = fx.node.map_arg(n.args, spikes_of), fx.node.map_arg(n.kwargs, spikes_of)
+            ev = getattr(self, n.op)(n.target, args, kwargs)
+        if n.op == "placeholder":
+            static = True
+        self.static[n.name], self.events[n.name] = static, ev
+        return out
+
+    def _prefix(self, target: str, prefix: nn.Module, x: torch.Tensor) -> None:
+        """The analog prefix's layers: MACs once per image on both sides."""
+        for name, m in static_macs(prefix, x).items():
+            self.static_macs[f"{target}.{name}"] = self.macs[f"{target}.{name}"] = m
+
+
+def static_macs(module: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """MACs of every weight layer of ``module`` (an analog prefix, run once per image) on the
+    batch ``x``: what the arithmetic comparison charges it on both sides."""
+    macs: dict[str, float] = {}
+    handles = []
+    for name, m in module.named_modules():
+        if isinstance(m, _WEIGHT_LAYERS):
+            def hook(mod, inp, key=name):
+                macs[key] = _macs_per_image(mod, inp[0]) * int(inp[0].shape[0])
+            handles.append(m.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            module(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return macs
 
 
 def _macs_per_image(layer: nn.Module, x: torch.Tensor) -> float:
@@ -145,15 +247,7 @@ def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
     counts: dict[str, torch.Tensor] = {}
     sizes: dict[str, int] = {}
     raster: dict[str, list[list[int]]] = {}
-    synops: dict[str, float] = {}
-    static: dict[str, float] = {}
-    macs: dict[str, float] = {}
     handles = []
-    expanded = False  # becomes True once the static input is repeated over time
-
-    def on_expand(mod, inp, out):
-        nonlocal expanded
-        expanded = True
 
     def on_spikes(name):
         def hook(mod: IFNeuron, inp, out):
@@ -164,42 +258,26 @@ def analyse(snn: SpikingNetwork, x: torch.Tensor, T: int | None = None, *,
             raster[name] = [[int(t), int(i)] for t, i in first]
         return hook
 
-    def on_input(name):
-        def hook(mod, inp):
-            (a,) = inp[:1]
-            a = a.detach()
-            if expanded:
-                synops[name] = synops.get(name, 0.0) + float(_events(mod, a))
-                macs[name] = _macs_per_image(mod, a) * B
-            else:  # the static input, computed once (direct encoding)
-                static[name] = _macs_per_image(mod, a) * B
-                macs[name] = static[name]
-        return hook
-
     for name, m in neurons(snn.net).items():
         handles.append(m.register_forward_hook(on_spikes(name)))
-    for m in snn.net.modules():
-        if isinstance(m, TimeExpand):
-            handles.append(m.register_forward_hook(on_expand))
-    for name, m in snn.net.named_modules():
-        if isinstance(m, _WEIGHT_LAYERS):
-            handles.append(m.register_forward_pre_hook(on_input(name)))
-    old_chunk, was = snn.chunk_size, snn.training
-    snn.chunk_size = 0  # one pass: the hooks see the whole batch
+    counter = _Counter(snn.net, T, B)
+    old_T, was = snn.T, snn.training
     snn.eval()
+    snn.T = T
     try:
         with torch.no_grad():
-            snn.run(x, T=T)
+            counter.run(x)
     finally:
-        snn.chunk_size = old_chunk
+        snn.T = old_T
         snn.train(was)
         for h in handles:
             h.remove()
+    synops, static, macs = counter.synops, counter.static_macs, counter.macs
     firing = {n: float(c.sum()) / (sizes[n] * T * B) for n, c in counts.items()}
     return SpikeAnalysis(T=T, batch=B, neurons=sizes,
                          spikes_per_step={n: [float(v) for v in c] for n, c in counts.items()},
                          firing_rate=firing, synops=synops, static_macs=static, macs=macs,
-                         raster=raster)
+                         raster=raster, dense_macs=counter.dense_macs)
 
 
 def evaluation_record(snn: SpikingNetwork, loader: Iterable, Ts: Sequence[int], *,

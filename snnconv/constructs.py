@@ -2,10 +2,12 @@
 
 Each is a pass of its own module (pattern as data, in place on the caller's copy, a report):
 clipped ReLUs become capped ReLU sites (:mod:`snnconv.clip`), spatial means become average
-pooling (:mod:`snnconv.means`), a pool that replicates a 1x1 map folds into its Linear and an
-idle ``ceil_mode`` is dropped (:mod:`snnconv.pools`), channel shuffles and chunks become
-one-hot 1x1 convolutions (:mod:`snnconv.channels`) and, with ``maxpool="auto"``, the static analog prefix moves
-into one module (:mod:`snnconv.prefix`; its BatchNorms folded there). BatchNorms that no
+pooling (:mod:`snnconv.means`), an adaptive pool that replicates or has uneven windows folds
+into its Linear and an idle ``ceil_mode`` is dropped (:mod:`snnconv.pools`; a ``ceil_mode``
+that adds a window is written as a convolution and a scale after the QCFS stage, where
+max-pooling has become average pooling), channel shuffles and chunks become one-hot 1x1
+convolutions (:mod:`snnconv.channels`) and, with ``maxpool="auto"``, the static analog prefix
+moves into one module (:mod:`snnconv.prefix`; its BatchNorms folded there). BatchNorms that no
 convolution precedes are handled by the fold stage (:mod:`snnconv.affine`).
 """
 
@@ -20,7 +22,7 @@ from .clip import rewrite_clips
 from .config import MAXPOOL_MODES
 from .fold import fold_graph
 from .means import rewrite_means
-from .pools import drop_idle_ceil_mode, fold_replicating_pools
+from .pools import drop_idle_ceil_mode, fold_adaptive_pools
 from .prefix import PREFIX_NAME, split_prefix
 
 __all__ = ["rewrite_constructs"]
@@ -33,7 +35,7 @@ def rewrite_constructs(gm: fx.GraphModule, example_inputs: tuple, *, maxpool: st
         raise ValueError(f"maxpool must be one of {MAXPOOL_MODES}, got {maxpool!r}")
     report: dict[str, Any] = {"clips": [c.to_dict() for c in rewrite_clips(gm)],
                               "means": rewrite_means(gm, example_inputs),
-                              "replicating_pools": fold_replicating_pools(gm, example_inputs),
+                              "adaptive_pools": fold_adaptive_pools(gm, example_inputs),
                               "ceil_mode_dropped": drop_idle_ceil_mode(gm, example_inputs),
                               "channel_moves": rewrite_channel_moves(gm, example_inputs)}
     if maxpool == "auto":

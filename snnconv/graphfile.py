@@ -10,7 +10,7 @@ field by field against allow-lists, and only what passes is rebuilt:
 - node names and the placeholder's target: Python identifiers (no keyword, no ``__`` prefix),
   each node name once;
 - ``call_module`` targets: a module the file itself declares, named by dotted parts that are
-  identifiers or decimal indices (``layer1.0.conv1``), none shadowing an ``nn.Module`` attribute;
+  letters, digits and underscores (``layer1.0.conv1``), none shadowing an ``nn.Module`` attribute;
 - ``call_function`` targets: names in :data:`FUNCTIONS`; ``call_method`` targets: names in
   :data:`METHODS`; ``getattr`` only of :data:`ATTRIBUTES`;
 - arguments: references to earlier nodes, or constants of the types ``None``, bool, int, float,
@@ -83,7 +83,7 @@ MAX_DEPTH = 16
 _OPS = ("placeholder", "call_module", "call_function", "call_method", "output")
 _NODE_KEYS = {"op", "name", "target", "args", "kwargs"}
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_PART = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*|[0-9]+)\Z")
+_PART = re.compile(r"[A-Za-z0-9_]+\Z")  # torch.fx quotes a part that is no identifier: getattr(m, "2_x")
 _MAX_STR = 1024
 
 #: a module holding a graph of its own (the analog prefix), saved as a nested graph
@@ -169,7 +169,7 @@ def _module_path(value: Any, what: str) -> str:
     for part in value.split("."):
         if not _PART.match(part) or keyword.iskeyword(part) or part.startswith("__") \
                 or hasattr(nn.Module, part):
-            raise _Refusal(f"{what} {value!r:.80}: its part {part!r:.40} is not an identifier or index "
+            raise _Refusal(f"{what} {value!r:.80}: its part {part!r:.40} is not made of letters, digits and underscores "
                            "(or names an attribute every module has)")
     return value
 

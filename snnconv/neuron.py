@@ -250,7 +250,9 @@ class IFNeuron(nn.Module):
 
 
 class Scale(nn.Module):
-    """Multiply by ``theta`` (per layer, or per channel on dim 1): a spike train back to values."""
+    """Multiply by ``theta``: per layer, per channel on dim 1 (a spike train back to values), or
+    per position (a batch-free map of two or more dims that broadcasts against the input, such
+    as the divisors of a ceil-mode pooling, :mod:`snnconv.pools`)."""
 
     def __init__(self, theta: float | torch.Tensor):
         super().__init__()
@@ -258,7 +260,7 @@ class Scale(nn.Module):
                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * channel_view(self.theta, x.dim())
+        return x * (self.theta if self.theta.dim() > 1 else channel_view(self.theta, x.dim()))
 
 
 class TimeExpand(nn.Module):

@@ -513,7 +513,11 @@ def _flatten_module(op: Any, meta: dict, T: int) -> nn.Module:
 
 
 def _scale_module(op: Any, meta: dict, T: int) -> nn.Module:
-    return Scale(_compact(np.asarray(op.params["scale"]), op.name, "scale"))
+    scale = np.asarray(op.params["scale"], dtype=np.float32)
+    per = scale.reshape(scale.shape[0], -1) if scale.ndim > 1 else scale.reshape(1, -1)
+    if scale.ndim > 1 and not (per == per[:, :1]).all():  # per position (snnconv.pools)
+        return Scale(torch.tensor(scale))
+    return Scale(_compact(scale, op.name, "scale"))
 
 
 def _if_module(op: Any, meta: dict, T: int) -> nn.Module:

@@ -21,6 +21,7 @@ from .data import check_labels, generators_kept, split_steps
 from .config import ConvertConfig
 from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .constructs import rewrite_constructs
+from .pools import rewrite_ceil_pools
 from .fold import fold_graph
 from .graph import prepare
 from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
@@ -609,7 +610,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                                  device=device, progress=cfg.progress,
                                  teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None)
             assert_no_batchnorm(qgm, stage="qcfs")
-            rec.changes = dict(qgm.meta["qcfs"])
+            rec.changes = dict(qgm.meta["qcfs"], ceil_pools=rewrite_ceil_pools(qgm, (x0.to(device),)))
             qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
                            if name.startswith("qcfs_")}
             pooled = qgm.meta["qcfs"].get("maxpool_replaced")

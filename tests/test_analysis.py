@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from snnconv.analysis import E_AC_PJ, E_MAC_PJ, SpikeAnalysis, _events, analyse, backend_record
+from snnconv.analysis import E_AC_PJ, E_MAC_PJ, SpikeAnalysis, _structural, analyse, backend_record
 
 
 def test_spike_counts_and_rates_agree_with_run(small_digits_snn, digits_data):
@@ -37,17 +37,17 @@ def test_synaptic_events_are_counted_exactly():
         for i in range(5):
             for j in range(5):
                 expected += padded[b, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3].sum().item() * 5
-    assert _events(conv, s).item() == expected
+    assert _structural(conv, s).item() == expected
     lin = nn.Linear(7, 4)
-    v = torch.tensor([[0.0, 1.0, 0.5, 0.0, 0.0, 2.0, 0.0]])
-    assert _events(lin, v).item() == 3 * 4  # nonzero inputs x outgoing synapses
+    v = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    assert _structural(lin, v).item() == 3 * 4  # spikes x outgoing synapses
 
 
 def test_energy_and_json_round_trip(small_digits_snn, digits_data):
     stats = analyse(small_digits_snn, digits_data[1].tensors[0][:8], T=4)
     e = stats.energy()
     assert e["ann_pj"] == pytest.approx(sum(stats.macs.values()) * E_MAC_PJ / 8)
-    assert e["snn_pj"] == pytest.approx((sum(stats.static_macs.values()) * E_MAC_PJ
+    assert e["snn_pj"] == pytest.approx(((sum(stats.static_macs.values()) + sum(stats.dense_macs.values())) * E_MAC_PJ
                                          + sum(stats.synops.values()) * E_AC_PJ) / 8)
     again = SpikeAnalysis.from_dict(json.loads(json.dumps(stats.to_dict())))
     assert again.energy() == pytest.approx(e)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from snnconv.cli import main
-from snnconv.energy import E_MAC_PJ, conv_macs
+from snnconv.analysis import analyse
+from snnconv.energy import ARITHMETIC, E_MAC_PJ, conv_macs
+from snnconv_backends.loihi2.cost import CHIP_MODEL
 from snnconv.nir_io import export_nir, save_nir
 
 
@@ -48,15 +50,45 @@ def test_run_evaluate_and_the_backend_report_show_one_ann_energy(small_digits_sn
     ev = json.loads((tmp_path / "evaluation.json").read_text())["analysis"]["energy"]
     rec = json.loads((tmp_path / "backends" / "loihi2-sim.json").read_text())
     ann_pj = ev["ann_pj"]
-    assert rec["energy_45nm_per_image_nj"]["ann"] * 1e3 == pytest.approx(ann_pj, rel=1e-9)
+    assert rec["energy"]["ann_pj"] == pytest.approx(ann_pj, rel=1e-9)
     assert rec["extra"]["energy"]["ann_per_image_J"] * 1e12 == pytest.approx(ann_pj, rel=1e-9)
     assert rec["macs_total"] / 32 * E_MAC_PJ == pytest.approx(ann_pj, rel=1e-9)
-    # printed: both energy lines of run show that ANN figure and label their ratio SNN/ANN
-    lines = [line for line in out.splitlines() if "energy" in line and " uJ" in line]
-    assert len(lines) == 2 and all("SNN/ANN" in line and "ratio" not in line for line in lines)
-    assert _numbers(r"ANN ([\d.]+) uJ", "\n".join(lines)) == [round(ann_pj / 1e6, 3)] * 2
+    # printed: each energy line names its model and labels its ratio SNN/ANN
+    lines = [line for line in out.splitlines() if line.startswith("energy per image")]
+    assert len(lines) == 3 and all("SNN/ANN" in line and " ratio " not in line for line in lines)
+    assert sum(ARITHMETIC in line for line in lines) == 2  # evaluate's and run's
+    assert sum(CHIP_MODEL in line for line in lines) == 1  # the Loihi row only, as chip figures
     for line in lines:
-        snn, ann, ratio = _numbers(r"SNN ([\d.]+) uJ", line)[0], _numbers(r"ANN ([\d.]+) uJ", line)[0], \
-            _numbers(r"SNN/ANN ([\d.]+)", line)[0]
-        assert ratio == pytest.approx(snn / ann, abs=0.01)
-    assert f"ANN {ann_pj / 1e3:.1f} nJ, SNN/ANN {ev['ratio']:.2f}" in out  # evaluate's line
+        snn, ann = _numbers(r"SNN ([\d.]+) [nu]J", line)[0], _numbers(r"ANN ([\d.]+) [nu]J", line)[0]
+        assert _numbers(r"SNN/ANN ([\d.]+)", line)[0] == pytest.approx(snn / ann, abs=0.01)
+
+
+def _printed_ratio(out: str) -> list[float]:
+    return _numbers(r"synaptic operations at 45 nm: SNN [\d.]+ nJ, ANN [\d.]+ nJ, SNN/ANN ([\d.]+)", out)
+
+
+def test_evaluate_run_cpu_the_api_and_the_report_give_one_figure_for_one_run(small_digits_snn, digits_data,
+                                                                             tmp_path, capsys):
+    """The arithmetic comparison of the same images is one number on every path."""
+    small_digits_snn.save(tmp_path / "snn.pt")
+    save_nir(export_nir(small_digits_snn), tmp_path / "snn.nir")
+    assert main(["evaluate", str(tmp_path), "--data", "digits", "--T", "4", "--limit", "24",
+                 "--out", str(tmp_path)]) == 0
+    assert main(["run", str(tmp_path / "snn.nir"), "--backend", "cpu", "--data", "digits", "--T", "4",
+                 "--limit", "24", "--quiet"]) == 0
+    printed = _printed_ratio(capsys.readouterr().out)
+    x = digits_data[1].tensors[0][:24]
+    api = analyse(small_digits_snn, x, T=4).energy()
+    ev = json.loads((tmp_path / "evaluation.json").read_text())["analysis"]["energy"]
+    cpu = json.loads((tmp_path / "backends" / "cpu.json").read_text())["energy"]
+    assert api["ratio"] == pytest.approx(ev["ratio"], rel=1e-12)
+    assert cpu["ratio"] == pytest.approx(api["ratio"], rel=1e-9)
+    assert cpu["snn_pj"] == pytest.approx(api["snn_pj"], rel=1e-9)
+    assert printed == [round(api["ratio"], 3)] * 2
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>\d+</td><td>" + ARITHMETIC + r"</td>.*?<td>([\d.]+)</td></tr>",
+                      page)
+    assert [t for t, _ in rows] == ["evaluate (torch SNN)", "run --backend cpu"]
+    assert [float(r) for _, r in rows] == [round(api["ratio"], 3)] * 2
+    assert "Why two targets differ" in page

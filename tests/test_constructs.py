@@ -14,7 +14,7 @@ from snnconv.constructs import rewrite_constructs
 from snnconv.errors import UnsupportedLayerError
 from snnconv.graph import prepare
 from snnconv.means import rewrite_means
-from snnconv.pools import drop_idle_ceil_mode, fold_replicating_pools
+from snnconv.pools import drop_idle_ceil_mode, fold_adaptive_pools
 from snnconv.prefix import AnalogPrefix, analog_prefix, split_prefix
 from snnconv.qcfs import calibrate_qcfs, qcfs_sites
 
@@ -112,13 +112,13 @@ def test_a_pool_that_replicates_a_1x1_map_folds_into_its_linear():
                           nn.Linear(8 * 49, 5)).eval()
     x = torch.randn(4, 3, 4, 4)
     gm = prepare(model)
-    done = fold_replicating_pools(gm, (x,))
+    done = fold_adaptive_pools(gm, (x,))
     assert done and done[0]["in_features"] == [8 * 49, 8]
     with torch.no_grad():
         assert torch.allclose(gm(x), model(x), atol=1e-5)
     # at a size where the pool averages, nothing changes
     gm = prepare(model)
-    assert fold_replicating_pools(gm, (torch.randn(2, 3, 17, 17),)) == []
+    assert fold_adaptive_pools(gm, (torch.randn(2, 3, 17, 17),)) == []
 
 
 @pytest.mark.parametrize("size,idle", [(15, True), (16, False)])

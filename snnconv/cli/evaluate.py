@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..energy import format_arithmetic
 from .common import add_command, evaluation, load_snn, loaders, print_accuracy, say, time_steps, write_json
 
 __all__ = ["add_evaluate", "add_report"]
@@ -21,9 +22,9 @@ def _cmd_evaluate(args) -> int:
     print_accuracy(args, [(f"SNN T={t}", ev["accuracy"][str(t)]) for t in Ts])
     rates = ev["analysis"]["firing_rate"]
     e = ev["analysis"]["energy"]
-    say(args, f"mean firing rate {100 * sum(rates.values()) / max(1, len(rates)):.2f}% per step; "
-              f"energy estimate per image (45 nm arithmetic): SNN {e['snn_pj'] / 1e3:.1f} nJ, "
-              f"ANN {e['ann_pj'] / 1e3:.1f} nJ, SNN/ANN {e['ratio']:.2f}")
+    say(args, f"mean firing rate {100 * sum(rates.values()) / max(1, len(rates)):.2f}% per step "
+              f"(the first {ev['analysis']['batch']} test images at T={ev['analysis']['T']})")
+    say(args, format_arithmetic(e))
     return 0
 
 

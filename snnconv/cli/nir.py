@@ -8,7 +8,7 @@ import os
 import time
 import warnings
 
-from ..energy import E_AC_PJ, E_MAC_PJ
+from ..energy import arithmetic_energy, format_arithmetic
 from .common import Heartbeat, UsageError, add_command, load_snn, nir_path, positive_float, positive_int, write_json
 
 __all__ = ["add_export", "add_inspect", "add_run", "add_backends"]
@@ -152,6 +152,7 @@ def _cmd_run(args) -> int:
     from .. import backends
     from ..errors import SnnconvError
     from ..nir_io import from_nir, load_nir
+    from ..analysis import static_macs
     from ..prefixfile import load_prefix
 
     args.file = nir_path(args.file)
@@ -170,13 +171,15 @@ def _cmd_run(args) -> int:
     correct = torch.zeros(T, dtype=torch.float64)
     reference = from_nir(graph, dt=args.dt)
     refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
-    n, spikes, synops, macs, seconds = 0, {}, {}, {}, 0.0
+    n, spikes, synops, macs, seconds, prefix_macs = 0, {}, {}, {}, 0.0, {}
     chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
     batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
     float_counts: dict = {}  # the float network's spike counts, where the backend compares (fidelity)
     with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
         for x, y in DataLoader(dataset, batch_size=batch):
             if prefix is not None:  # the static analog prefix, once per image
+                for k, v in static_macs(prefix, x).items():  # its MACs, on both sides
+                    prefix_macs[k] = prefix_macs.get(k, 0.0) + v
                 with torch.no_grad():
                     x = prefix(x)
             with warnings.catch_warnings():  # judged once, on every image, below
@@ -217,11 +220,8 @@ def _cmd_run(args) -> int:
         rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
                      " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
     _print_table(rows)
-    e_snn, e_ann = _print_synops(synops, macs, static, n, T)
-    print(f"\nenergy estimate per image (45 nm arithmetic: {E_AC_PJ} pJ per AC, {E_MAC_PJ} pJ per "
-          "MAC, 32-bit float; Horowitz, ISSCC 2014, as spikingjelly's SimpleEnergyProfiler; no "
-          f"neuron updates or memory traffic): SNN {e_snn / 1e6:.3f} uJ, ANN {e_ann / 1e6:.3f} uJ, "
-          f"SNN/ANN {e_snn / max(e_ann, 1e-12):.2f}")
+    energy = _print_synops(synops, macs, static, prefix_macs, n, T)
+    print("\n" + format_arithmetic(energy))
     fidelity = None
     if chip_runs:
         from snnconv_backends.loihi2 import format_report
@@ -247,8 +247,9 @@ def _cmd_run(args) -> int:
     if fidelity is not None:
         rec["quantisation_check"] = {k: fidelity[k] for k in ("warnings", "lowest_rate_ratio", "tolerances", "layers")}
         rec["quantisation_check"]["flushed"] = {k: v["fraction"] for k, v in fidelity["connections"].items()}
-    rec["energy_45nm_per_image_nj"] = {"snn": e_snn / 1e3, "ann": e_ann / 1e3,
-                                       "snn_over_ann": e_snn / max(e_ann, 1e-12)}
+    rec["energy_45nm_per_image_nj"] = {"snn": energy["snn_pj"] / 1e3, "ann": energy["ann_pj"] / 1e3,
+                                       "snn_over_ann": energy["ratio"]}
+    rec["energy"] = energy
     out = args.out or os.path.dirname(os.path.abspath(args.file))
     os.makedirs(os.path.join(out, "backends"), exist_ok=True)
     write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
@@ -266,29 +267,31 @@ def _quantisation_warning() -> type[Warning]:
     return QuantisationWarning
 
 
-def _print_synops(synops: dict, macs: dict, static: set, n: int, T: int) -> tuple[float, float]:
-    """The synaptic operations table (per image); returns the SNN's and the ANN's energy (pJ per
-    image) at :mod:`snnconv.energy`'s figures."""
+def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: int, T: int) -> dict:
+    """The synaptic operations table (per image); returns the arithmetic comparison
+    (:func:`snnconv.energy.arithmetic_energy`) of the run."""
     print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
     rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
-    e_snn = 0.0
+    analog = 0.0
+    for name, m in prefix_macs.items():
+        analog += m
+        rows.append([f"(analog prefix) {name}", "(dense: once)", f"{m / n:.4g}", ""])
     for name, m in macs.items():
         ac = synops.get(name)
         if ac is None:  # not fed by spikes: dense MACs, once for a static layer, else every step
-            e_snn += m / n * (1 if name in static else T) * E_MAC_PJ
+            analog += m * (1 if name in static else T)
             rows.append([name, "(dense: " + ("once" if name in static else f"x{T}") + ")",
                          f"{m / n:.4g}", ""])
         else:
-            e_snn += ac / n * E_AC_PJ
             rows.append([name, f"{ac / n:.4g}", f"{m / n:.4g}", f"{ac / m:.3f}"])
     for name, ac in synops.items():
         if name not in macs:  # an identity-shortcut Scale: one add per spike
-            e_snn += ac / n * E_AC_PJ
             rows.append([name, f"{ac / n:.4g}", "0", ""])
-    tot_ac, tot_mac = sum(synops.values()) / n, sum(macs.values()) / n
-    rows.append(["total", f"{tot_ac:.4g}", f"{tot_mac:.4g}", f"{tot_ac / max(tot_mac, 1e-9):.3f}"])
+    ann = sum(macs.values()) + sum(prefix_macs.values())
+    tot_ac = sum(synops.values()) / n
+    rows.append(["total", f"{tot_ac:.4g}", f"{ann / n:.4g}", f"{tot_ac * n / max(ann, 1e-9):.3f}"])
     _print_table(rows)
-    return e_snn, tot_mac * E_MAC_PJ
+    return arithmetic_energy(synops=sum(synops.values()), analog_macs=analog, ann_macs=ann, images=n)
 
 
 def _cmd_backends(args) -> int:

@@ -14,7 +14,10 @@ from .chip import (CLOCK, CORES_PER_CHIP, E_MAC_FP32, E_NEURON_UPDATE, E_SPIKE, 
                    NEURONS_PER_CORE, SYNAPSES_PER_CORE)
 from .network import Connection, QuantizedNetwork
 
-__all__ = ["resources", "energy", "ann_macs"]
+__all__ = ["resources", "energy", "ann_macs", "CHIP_MODEL"]
+
+#: The chip comparison's name, as every path prints it (the arithmetic one: snnconv.energy).
+CHIP_MODEL = "a published chip's figures (Loihi 1, Davies et al. 2018) against a 45 nm MAC"
 
 
 def _synapses(c: Connection) -> int:
@@ -72,6 +75,7 @@ def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
             "snn_over_ann": e_snn / e_ann if e_ann > 0 else float("inf"),
             "figures_pJ": {"synop": E_SYNOP * 1e12, "neuron_update": E_NEURON_UPDATE * 1e12,
                            "spike": E_SPIKE * 1e12, "ann_mac": E_MAC_FP32 * 1e12},
+            "model": CHIP_MODEL,
             "sources": "SNN: Davies et al. 2018, IEEE Micro 38(1), Table 2 (Loihi 1; no per-op "
                        "figures are published for Loihi 2). ANN: Horowitz, ISSCC 2014, fp32 MAC "
                        "(45 nm), as used across the SNN literature.",

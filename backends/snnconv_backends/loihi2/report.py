@@ -84,7 +84,7 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
                      f"({lat['note']})")
     e = ex.get("energy")
     if e:
-        lines.append(f"energy per image: SNN {e['per_image_J'] * 1e6:.3f} uJ "
+        lines.append(f"energy per image, {e.get('model', 'chip figures')}: SNN {e['per_image_J'] * 1e6:.3f} uJ "
                      f"({e['synops_per_image']:.3g} synops, {e['spikes_per_image']:.3g} spikes, "
                      f"{e['neuron_updates_per_image']:.3g} neuron updates) vs ANN "
                      f"{e['ann_per_image_J'] * 1e6:.3f} uJ ({e['ann_macs_per_image']:.3g} MACs): "
