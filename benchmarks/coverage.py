@@ -4,8 +4,8 @@ Every model of :data:`snnconv.models.tv.RELU_FAMILY` and :data:`~snnconv.models.
 at each input size of ``--sizes`` (default 32 and 64 px; a model too small for a size is a row
 that names the refusal), as a user brings it (``num_classes=10``, BatchNorm statistics from
 three random batches), then
-``convert(model, loader, T=4, finetune_epochs=0)`` on two unlabelled random batches (so no
-training runs), ``export_nir`` and the cpu backend on the exported graph against ``snn.run``
+``convert(model, loader, T=4, finetune_epochs=0, reconstruction_steps=0)`` on two unlabelled
+random batches (the calibration path: no training, no layer-wise reconstruction), ``export_nir`` and the cpu backend on the exported graph against ``snn.run``
 (outputs and per-layer spike counts, ``torch.equal``). Writes
 ``benchmarks/results/coverage.json`` and ``coverage.md``.
 
@@ -47,8 +47,8 @@ def check(spec: TVModel, *, T: int = 4, **convert_kw) -> dict:
         loader = [torch.randn(4, 3, spec.size, spec.size, generator=g) for _ in range(2)]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            snn, meta = snnconv.convert(model, loader, T=T, finetune_epochs=0, progress=False,
-                                        on_collapse="warn", **convert_kw)
+            snn, meta = snnconv.convert(model, loader, T=T, finetune_epochs=0, reconstruction_steps=0,
+                                        progress=False, on_collapse="warn", **convert_kw)
         row["converts"] = True
         prefix = meta.stages[0].changes.get("constructs", {}).get("prefix", {})
         row["analog_prefix"] = prefix.get("ends_at", "")

@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
     done = {(r["model"], r["input"][1], r["conversion"]) for r in rows}
     plan = []
+    large = {s.name for s in RELU_FAMILY if s.large}
+    names = sorted(names, key=lambda n: n in large)  # the large models last (the longest to train)
     for name in names:
         spec = next((s for s in RELU_FAMILY if s.name == name), None)
         for size in args.sizes:

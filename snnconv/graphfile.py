@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import keyword
+import math
 import operator
 import re
 from typing import Any, Callable
@@ -227,6 +228,46 @@ def _config_value(value: Any, what: str, depth: int = 0) -> None:
         raise _Refusal(f"{what} is of type {type(value).__name__}, not a constant the format stores")
 
 
+#: Ranges of the module constructors' integer arguments (kernel sizes, strides, paddings and
+#: pooling outputs a network of up to 4096 px can use; sizes of layers far above any network's).
+_INT_RANGES = {**{k: (0, 4096) for k in ("kernel_size", "stride", "padding", "dilation", "output_size")},
+               **{k: (1, 2**24) for k in ("in_channels", "out_channels", "in_features", "out_features",
+                                            "groups", "divisor_override")},
+               "start_dim": (-8, 8), "end_dim": (-8, 8), "T": (1, 2**20)}
+_BOOLS = {"bias", "ceil_mode", "count_include_pad", "detach_reset", "inplace", "return_indices"}
+_CHOICES = {"padding_mode": ("zeros", "reflect", "replicate", "circular"), "reset": ("subtract", "zero")}
+
+
+def _config_argument(key: str, value: Any, what: str) -> None:
+    """A constructor argument of the module table within its type and range (what torch would
+    otherwise accept here and fail on, or allocate for, at the first forward)."""
+    if key in _INT_RANGES:
+        if key == "padding" and value in ("same", "valid"):
+            return
+        low, high = _INT_RANGES[key]
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        if key == "output_size":
+            items = [v for v in items if v is not None]
+        if key == "divisor_override" and value is None:
+            return
+        if not items or len(items) > 3 or not all(
+                isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in items):
+            raise _Refusal(f"{what} is {value!r:.60}, not an integer (or up to 3) in [{low}, {high}]")
+    elif key in _BOOLS:
+        if not isinstance(value, bool):
+            raise _Refusal(f"{what} is {value!r:.60}, not True or False")
+    elif key in _CHOICES:
+        if value not in _CHOICES[key]:
+            raise _Refusal(f"{what} is {value!r:.60}, not one of {_CHOICES[key]}")
+    elif key in ("p", "alpha"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not (0 <= value <= (1 if key == "p" else 1e3)):
+            raise _Refusal(f"{what} is {value!r:.60}, out of range")
+    elif key in ("theta", "v_init"):
+        if not (isinstance(value, torch.Tensor) or (key == "v_init" and value is None)):
+            raise _Refusal(f"{what} is {type(value).__name__}, not a tensor")
+
+
 def _check_node(rec: Any, modules: dict, defined: set[str]) -> None:
     if not isinstance(rec, dict) or set(rec) != _NODE_KEYS:
         raise _Refusal(f"a node is not a record of {sorted(_NODE_KEYS)}")
@@ -285,6 +326,7 @@ def _check_module(target: Any, spec: Any, depth: int) -> None:
         if key not in _PARAMETERS[kind]:
             raise _Refusal(f"module '{target}' ({kind}): {key!r:.80} is not an argument of {kind}")
         _config_value(value, f"module '{target}' ({kind}): {key}")
+        _config_argument(key, value, f"module '{target}' ({kind}): {key}")
 
 
 def _check(data: Any, depth: int = 0) -> None:

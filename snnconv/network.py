@@ -262,6 +262,7 @@ class SpikingNetwork(nn.Module):
             raise CheckpointError(f"{path}: {exc}") from exc
         meta = payload.get("meta", {})
         snn.meta = meta if isinstance(meta, dict) else {}
+        _dry_run(path, snn)
         return snn.eval()  # freshly built modules start in training mode (dropout would be live)
 
 
@@ -295,6 +296,31 @@ def _check_values(path: Any, net: fx.GraphModule) -> None:
             if count > MAX_POOL_OUTPUT or any(d is not None and int(d) < 1 for d in dims):
                 raise CheckpointError(f"{path}: '{name}' pools to {tuple(dims)} ({count:,} values per "
                                       f"channel; at most {MAX_POOL_OUTPUT:,})")
+
+
+def _dry_run(path: Any, snn: "SpikingNetwork") -> None:
+    """One step on one zero input of the declared input shape: a graph that cannot run on it
+    (arguments of the wrong kind, shapes that do not chain) is refused at load, not at first use."""
+    shape = snn.meta.get("input_shape")
+    if not (isinstance(shape, list) and 0 < len(shape) <= 4
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= 4096 for d in shape)):
+        return  # files without it (version 1) run as before
+    if _numel(shape) > 2**26:
+        raise CheckpointError(f"{path}: its input shape {shape} is larger than snnconv runs")
+    try:
+        with torch.no_grad():
+            snn.eval()._steps(torch.zeros(1, *shape), 1)
+    except Exception as exc:  # what the graph does with its declared input: any failure is the file's
+        raise CheckpointError(f"{path}: the saved network cannot run on its declared input shape "
+                              f"{shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                              ) from None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _verify(path: Any, payload: dict) -> None:

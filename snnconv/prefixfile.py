@@ -96,7 +96,7 @@ def load_prefix(graph: nir.NIRGraph, nir_path: str | os.PathLike,
                        "which is missing: keep it beside the NIR file (snnconv export writes both), "
                        "or give its path")
     with open_regular(path, MAX_PREFIX_BYTES, error=NIRError, what="analog prefix file") as fh:
-        data = fh.read(MAX_PREFIX_BYTES + 1)
+        data = fh.read(os.fstat(fh.fileno()).st_size + 1)  # within the bound: checked on opening
     if len(data) > MAX_PREFIX_BYTES:  # it grew since it was opened
         raise NIRError(f"{path}: more than the {MAX_PREFIX_BYTES} bytes an analog prefix file may hold")
     if not isinstance(digest, str) or hashlib.sha256(data).hexdigest() != digest:

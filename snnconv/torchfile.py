@@ -41,7 +41,8 @@ def read_regular(path: str | os.PathLike, what: str, max_bytes: int = MAX_FILE_B
     if not os.path.lexists(where):
         raise FileNotFoundError(errno.ENOENT, f"no such {what}", where)
     with open_regular(where, max_bytes, error=CheckpointError, what=what) as fh:
-        data = fh.read(max_bytes + 1)
+        size = os.fstat(fh.fileno()).st_size  # within max_bytes: open_regular checked it
+        data = fh.read(size + 1)  # one byte more shows a file that grew (a buffer of the file's size)
     if len(data) > max_bytes:
         raise CheckpointError(f"{where} grew past {max_bytes:,} bytes while it was read")
     return data

@@ -2,8 +2,10 @@
 tests/test_nir_file_fuzz.py): ``python _fuzz_readers.py READER FOLDER``.
 
 Readers: ``nirfile`` (load_nir on mutants of small valid files and on the known hostile files,
-digests forged), ``nirgraph`` (parse on mutated graphs) and ``prefix`` (load_prefix on every kind
-of path and on mutated prefix files, SHA-256 forged). Per case it prints one JSON line: the case,
+digests forged), ``nirgraph`` (parse on mutated graphs), ``prefix`` (load_prefix on every kind
+of path and on mutated prefix files, SHA-256 forged), ``network`` (SpikingNetwork.load on
+mutants of a small network file: bytes, graph records, values, fields; digests forged) and
+``checkpoint`` (read_checkpoint and its field checks on mutated records, SHA-256 forged). Per case it prints one JSON line: the case,
 its outcome ("loaded" or the snnconv error's class; "RAW <class>" for anything else), the peak
 resident memory the case added (VmHWM, reset before each case) and whether the marker file a
 payload would create exists.
@@ -307,6 +309,143 @@ def fuzz_prefix(folder: str, marker: str) -> None:
         run_case(case, check, marker)
 
 
+# --- SpikingNetwork.load and fine-tuning checkpoints -------------------------------------------
+
+def _small_network():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import snnconv
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.pool = nn.Conv2d(1, 4, 3, padding=1), nn.MaxPool2d(2)
+            self.a, self.fc = nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 3)
+
+        def forward(self, x):
+            x = self.pool(F.relu(self.conv1(x)))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.a(x)) + x, 1), 1))
+
+    torch.manual_seed(0)
+    x = torch.rand(8, 1, 8, 8)
+    snn, _ = snnconv.convert(Net().eval(), [(x, torch.zeros(8, dtype=torch.long))], T=2, finetune_epochs=0,
+                             reconstruction_steps=0, progress=False, on_collapse="warn")
+    return snn, x
+
+
+def _graph_mutation(graph: dict, rng: random.Random, marker: str) -> None:
+    """One field of a node or module record replaced by a hostile or malformed value."""
+    code = _payload(marker)
+    values = [f"x, __z={code}", code, f'a"){code}+("', "__class__", "builtins.eval", "os.system",
+              "torch.load", 123, -1, None, 1e300, float("nan"), {"node": "nowhere"}, {"tuple": [code]},
+              {"dict": {f"__z={code}, dim": 1}}, {"tuple": [{"tuple": [{"tuple": []}]}] * 3}, [], {},
+              "get_attr", "call_method", "output", "placeholder", "fc", "x"]
+    nested = [m["graph"] for m in graph["modules"].values() if m.get("type") == "AnalogPrefix"]
+    g = rng.choice([graph] + nested)
+    if rng.random() < 0.7 or not g["modules"]:
+        rec = rng.choice(g["nodes"])
+        rec[rng.choice(["op", "name", "target", "args", "kwargs"])] = rng.choice(values)
+    else:
+        name = rng.choice(list(g["modules"]))
+        spec = g["modules"][name]
+        if rng.random() < 0.3:
+            g["modules"][rng.choice([f"x{code}", "__class__", "training", "a.b"])] = g["modules"].pop(name)
+        elif "config" in spec and spec["config"]:
+            spec["config"][rng.choice(list(spec["config"]) + ["evil"])] = rng.choice(
+                values + [2**40, (2**20, 2**20), -5])
+        else:
+            spec["type"] = rng.choice(["Evil", "Linear", "AnalogPrefix", code])
+
+
+def fuzz_network(folder: str, marker: str) -> None:
+    import torch
+
+    from snnconv.digest import content_digest
+    from snnconv.network import SpikingNetwork
+
+    snn, x = _small_network()
+    path = os.path.join(folder, "snn.pt")
+    snn.save(path)
+    good = open(path, "rb").read()
+    with torch.no_grad():
+        want = snn(x)
+    rng = random.Random(3)
+
+    def check(p, same=True):
+        with torch.no_grad():
+            got = SpikingNetwork.load(p)(x)  # it runs: a forged file is a network of its own
+        if same:  # damaged bytes under the old digest: a load must be the saved network
+            assert torch.equal(got, want)
+
+    for i in range(120):
+        target = os.path.join(folder, f"m{i}.pt")
+        kind = rng.choice(["bytes", "graph", "graph", "graph", "values", "payload"])
+        if kind == "bytes":
+            data = bytearray(good)
+            for _ in range(rng.randint(1, 6)):
+                data[rng.randrange(len(data))] ^= rng.randint(1, 255)
+            open(target, "wb").write(bytes(data))
+        else:
+            payload = torch.load(io.BytesIO(good), weights_only=True)
+            if kind == "graph":
+                for _ in range(rng.randint(1, 3)):
+                    _graph_mutation(payload["graph"], rng, marker)
+            elif kind == "values":
+                key = rng.choice(list(payload["state_dict"]))
+                t = payload["state_dict"][key].clone()
+                t.reshape(-1)[rng.randrange(max(1, t.numel()))] = rng.choice(
+                    [float("nan"), float("inf"), -1.0, 0.0, 1e30])
+                payload["state_dict"][key] = t
+            else:
+                payload[rng.choice(["meta", "T", "version", "format"])] = rng.choice(
+                    [_payload(marker), float("nan"), 10**9, -1, {"a": [_payload(marker)] * 3}, None])
+            try:
+                payload["digest"] = content_digest({k: v for k, v in payload.items() if k != "digest"})
+            except Exception:  # noqa: BLE001 (what cannot be digested keeps the old digest)
+                pass
+            buf = io.BytesIO()
+            torch.save(payload, buf)
+            open(target, "wb").write(buf.getvalue())
+        run_case(f"network mutant {i} ({kind})", lambda p=target, k=kind: check(p, k == "bytes"), marker)
+    run_case("the valid network", lambda: check(path), marker)
+
+
+def fuzz_checkpoint(folder: str, marker: str) -> None:
+    import torch
+
+    from snnconv.checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
+    from snnconv.finetune import CHECKPOINT_NAME, finetune
+
+    snn, x = _small_network()
+    batches = [(x, torch.randint(0, 3, (8,))) for _ in range(2)]
+    finetune(snn, batches, T=2, epochs=2, max_steps_per_epoch=1, checkpoint_dir=folder, progress=False)
+    path = os.path.join(folder, CHECKPOINT_NAME)
+    good = read_checkpoint(path)
+    rng = random.Random(4)
+    odd = [-1, 10**9, 0.5, "1", True, None, float("nan"), [], {}, "x" * 100, [1, 2], {"cpu": 1},
+           torch.zeros(3), {"a": torch.zeros(2)}, _payload(marker)]
+    for i in range(60):
+        state = dict(good)
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(list(state))
+            if rng.random() < 0.15:
+                del state[key]
+            else:
+                state[key] = rng.choice(odd)
+        target = os.path.join(folder, f"c{i}.ckpt")
+        write_checkpoint(target, state)  # the SHA-256 an attacker recomputes
+
+        def check(p=target):
+            loaded = read_checkpoint(p)
+            check_checkpoint(p, loaded, snn, 2, 1)
+            snn.load_state_dict(loaded["model"])
+
+        run_case(f"checkpoint mutant {i}", check, marker)
+    run_case("the valid checkpoint", lambda: check_checkpoint(path, read_checkpoint(path), snn, 2, 1), marker)
+
+
 if __name__ == "__main__":
     reader, folder = sys.argv[1], sys.argv[2]
     marker = os.path.join(folder, "CODE_RAN")
@@ -315,8 +454,10 @@ if __name__ == "__main__":
     import snnconv.nir_io  # noqa: F401
     import snnconv.prefixfile  # noqa: F401
     import snnconv_backends.nirgraph  # noqa: F401
+    import snnconv.finetune  # noqa: F401
 
     cap = _status("VmSize") + MEMORY_CAP
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     signal.signal(signal.SIGALRM, _alarm)
-    {"nirfile": fuzz_nirfile, "nirgraph": fuzz_nirgraph, "prefix": fuzz_prefix}[reader](folder, marker)
+    {"nirfile": fuzz_nirfile, "nirgraph": fuzz_nirgraph, "prefix": fuzz_prefix, "network": fuzz_network,
+     "checkpoint": fuzz_checkpoint}[reader](folder, marker)
