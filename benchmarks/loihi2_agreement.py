@@ -123,6 +123,14 @@ def measure(snn: nn.Module, test: TensorDataset, images: int, T: int, **options)
             res = get("loihi2-sim").compile(graph, **options).run(xin, T)
         t2 = time.perf_counter()
     p_cpu, p_chip = ref.outputs.mean(0).argmax(1), res.outputs.mean(0).argmax(1)
+    # the float network's own decision stability: cpu again on the input times (1 + eps * N(0, 1)),
+    # eps = 1e-4 (below the first layer's 13-bit rounding): no finite precision agrees better
+    stability = {}
+    for eps in (1e-5, 1e-4):
+        noise = torch.randn(xin.shape, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            o = get("cpu").compile(graph).run(xin * (1 + eps * noise), T).outputs.mean(0).argmax(1)
+        stability[str(eps)] = float((o == p_cpu).float().mean())
     fid = res.extra["fidelity"]
     qrep = res.extra["quantisation"]["layers"]
     conns = {}
@@ -138,6 +146,7 @@ def measure(snn: nn.Module, test: TensorDataset, images: int, T: int, **options)
     ratios = [v["ratio"] for v in layers.values() if v.get("ratio") is not None and v.get("float_rate", 0) >= 0.01]
     return {"images": images, "T": T,
             "agreement": float((p_cpu == p_chip).float().mean()),
+            "cpu_self_agreement_perturbed": stability,
             "cpu_accuracy": float((p_cpu == y).float().mean()),
             "loihi2_accuracy": float((p_chip == y).float().mean()),
             "lowest_rate_ratio": min(ratios) if ratios else None,
@@ -150,3 +159,49 @@ def measure(snn: nn.Module, test: TensorDataset, images: int, T: int, **options)
             "latency_steps": res.extra["latency"]["steps"],
             "cpu_seconds": round(t1 - t0, 1), "loihi2_seconds": round(t2 - t1, 1),
             "layers": layers, "connections": conns}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["tv-resnet18", "zoo-resnet18"])
+    ap.add_argument("--train", type=int, nargs="+", default=[5000, 2000],
+                    help="training images per model (one value, or one per model)")
+    ap.add_argument("--epochs", type=int, nargs="+", default=[3, 1], help="ANN epochs (as --train)")
+    ap.add_argument("--finetune", nargs="+", default=["0"], help="'0' (training-free) and/or 'default'")
+    ap.add_argument("--reconstruction-steps", type=int, default=None,
+                    help="override the default layer-wise reconstruction (diagnosis only)")
+    ap.add_argument("--images", type=int, default=256)
+    ap.add_argument("--T", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", default=os.path.join(RESULTS, "cache"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "loihi2_agreement.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    per = lambda v, i: v[i] if len(v) > 1 else v[0]  # noqa: E731
+    rows = []
+    for i, name in enumerate(args.models):
+        train, test = data(per(args.train, i))
+        ann, info = trained(name, train, per(args.epochs, i), args.cache)
+        with torch.no_grad():
+            x, y = test.tensors[0][:args.images], test.tensors[1][:args.images]
+            ann_acc = float((ann(x).argmax(1) == y).float().mean())
+        for ft in args.finetune:
+            t0 = time.perf_counter()
+            snn, cinfo = convert(ann, train, args.T, ft, args.reconstruction_steps)
+            row = {"model": name, "train_images": len(train), "epochs": per(args.epochs, i),
+                   "ann_accuracy": ann_acc, "finetune": ft, **cinfo, **measure(snn, test, args.images, args.T)}
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            print(f"{name} finetune={ft}: agreement {100 * row['agreement']:.1f}% (cpu {100 * row['cpu_accuracy']:.1f}%, "
+                  f"loihi2-sim {100 * row['loihi2_accuracy']:.1f}%, ANN {100 * ann_acc:.1f}%), cpu self-agreement "
+                  f"at 1e-4 input noise {100 * row['cpu_self_agreement_perturbed']['0.0001']:.1f}%, rate ratios "
+                  f"{row['lowest_rate_ratio']:.3f}-{row['highest_rate_ratio']:.3f}, max flushed "
+                  f"{100 * row['max_flushed']:.1f}%", flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    atomic_write_text(args.out, json.dumps({"command": "python benchmarks/loihi2_agreement.py " + " ".join(
+        sys.argv[1:] if argv is None else argv), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
