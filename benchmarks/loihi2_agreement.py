@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 import warnings
@@ -107,14 +108,21 @@ def convert(ann: nn.Module, train: TensorDataset, T: int, finetune: str, recon: 
     return snn, {"convert_seconds": round(time.perf_counter() - t0, 1), "settings": kw}
 
 
-def measure(snn: nn.Module, test: TensorDataset, images: int, T: int, **options) -> dict:
-    """export_nir, then cpu and loihi2-sim on the first ``images`` test images: agreement,
-    accuracies, per-layer firing-rate ratios, per-connection weights flushed and mantissa error."""
+def exported(snn: nn.Module, test: TensorDataset, images: int) -> dict:
+    """export_nir, and the graph's input for the first ``images`` test images (the analog
+    prefix applied): ``{"graph", "x", "y"}``."""
     x, y = test.tensors[0][:images], test.tensors[1][:images]
-    graph = snnconv.export_nir(snn)
     stem = analog_prefix(snn)
     with torch.no_grad():
         xin = stem(x) if stem is not None else x
+    return {"graph": snnconv.export_nir(snn), "x": xin, "y": y}
+
+
+def measure(graph, xin: torch.Tensor, y: torch.Tensor, T: int, **options) -> dict:
+    """cpu and loihi2-sim on ``xin``: agreement, accuracies, per-layer firing-rate ratios,
+    per-connection weights flushed and mantissa error."""
+    images = int(xin.shape[0])
+    with torch.no_grad():
         t0 = time.perf_counter()
         ref = get("cpu").compile(graph).run(xin, T)
         t1 = time.perf_counter()
@@ -187,9 +195,21 @@ def main(argv: list[str] | None = None) -> int:
             ann_acc = float((ann(x).argmax(1) == y).float().mean())
         for ft in args.finetune:
             t0 = time.perf_counter()
-            snn, cinfo = convert(ann, train, args.T, ft, args.reconstruction_steps)
+            key = (f"{name}-fmnist32-n{len(train)}-e{per(args.epochs, i)}-snn-T{args.T}-ft{ft}"
+                   f"-r{args.reconstruction_steps}-i{args.images}.pkl")
+            path = os.path.join(args.cache, key)
+            if os.path.exists(path):  # the converted network, exported (trusted: written here)
+                with open(path, "rb") as f:
+                    ex, cinfo = pickle.load(f)
+            else:
+                snn, cinfo = convert(ann, train, args.T, ft, args.reconstruction_steps)
+                ex = exported(snn, test, args.images)
+                with open(path + ".tmp", "wb") as f:
+                    pickle.dump((ex, cinfo), f)
+                os.replace(path + ".tmp", path)
             row = {"model": name, "train_images": len(train), "epochs": per(args.epochs, i),
-                   "ann_accuracy": ann_acc, "finetune": ft, **cinfo, **measure(snn, test, args.images, args.T)}
+                   "ann_accuracy": ann_acc, "finetune": ft, **cinfo,
+                   **measure(ex["graph"], ex["x"], ex["y"], args.T)}
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             print(f"{name} finetune={ft}: agreement {100 * row['agreement']:.1f}% (cpu {100 * row['cpu_accuracy']:.1f}%, "

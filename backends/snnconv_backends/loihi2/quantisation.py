@@ -32,8 +32,8 @@ _LATE_STATIC_VTH = 2**11
 _BIAS_MAX = ((LOIHI["bias_mant_max"] << LOIHI["bias_exp_max"]) * 255) // 256
 
 
-def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
-                      split: bool = False) -> tuple[np.ndarray, int, dict[str, Any]]:
+def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8, split: bool = False,
+                      mse_exp: bool = False) -> tuple[np.ndarray, int, dict[str, Any]]:
     """Float weights in ``a_in`` units -> (``bits``-bit mantissas, exponent, report).
 
     Mixed-sign weights keep even mantissas in ``[-2**bits + 2, 2**bits - 2]`` (Lava's mixed
@@ -41,6 +41,8 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
     ``split``, mixed-sign weights become two single-sign synapse groups with one exponent
     (``sign_mode="split"``): every mantissa in ``[-2**bits + 1, 2**bits - 1]``, twice as fine;
     only where that exponent is >= 0 (a negative one floors each group's sum separately).
+    ``mse_exp``: also try the two exponents below the one that fits the largest weight, clipping
+    the weights beyond the mantissa range, and keep the one with the least squared error.
     """
     amax = float(np.abs(scaled).max()) if scaled.size else 0.0
     mixed = scaled.size > 0 and scaled.min() < 0 < scaled.max()
@@ -51,13 +53,22 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
         split = False
     halve = mixed and not split  # Lava's mixed sign mode: even mantissas
     lim = 2**bits - 2 if halve else 2**bits - 1
-    e = _weight_exp(amax, halve, bias, bits)
-    x = scaled / 2.0**e
-    m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
-    clipped = int((np.abs(m) > lim).sum())
-    m = np.clip(m, -lim, lim).astype(np.int32)
-    deq = m.astype(np.float64) * 2.0**e
-    err = float(np.sqrt(((deq - scaled) ** 2).sum() / max((scaled**2).sum(), 1e-300)))
+    e0 = _weight_exp(amax, halve, bias, bits)
+    best = None
+    # the exponent that fits the largest weight, or one or two below it where clipping the
+    # few largest weights costs less squared error than the coarser step saves (outliers)
+    for e in range(e0, e0 - (3 if mse_exp else 1), -1):
+        if e < LOIHI["weight_exp_min"] - max(0, bits - 8) or (e < 0 and (bias or split)):
+            break
+        x = scaled / 2.0**e
+        m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
+        clipped = int((np.abs(m) > lim).sum())
+        m = np.clip(m, -lim, lim).astype(np.int32)
+        sse = float(((m.astype(np.float64) * 2.0**e - scaled) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, e, m, clipped)
+    sse, e, m, clipped = best
+    err = float(np.sqrt(sse / max((scaled**2).sum(), 1e-300)))
     sign = ("split" if split else "mixed") if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
     return m, e, {"exp": e, "mant_max": int(np.abs(m).max()), "bits": int(np.abs(m).max()).bit_length(),
                   "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
@@ -193,7 +204,7 @@ def _channel_max(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
              weight_groups: int | Mapping[str, int] = 1, per_neuron_vth: bool = True,
-             backend: str = "loihi2-sim") -> QuantizedNetwork:
+             mse_exponents: bool = False, backend: str = "loihi2-sim") -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
     ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
@@ -210,6 +221,8 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
     Lava), at twice the synapses and synaptic operations of that connection (see resources).
     ``per_neuron_vth``: a population whose single threshold would fall below
     ``_VTH_PER_CHANNEL`` gets one threshold per channel (the default; False: one per population).
+    ``mse_exponents``: each connection's exponent is the one (of the one that fits its largest
+    weight and the two below) with the least squared rounding error, clipping outliers.
     ``backend``: the name errors carry.
 
     Raises:
@@ -360,7 +373,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 else:
                     sc = w * s_n[:, None] / 64.0
                 bits = _bits(weight_bits, cname)
-                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs)
+                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs, mse_exp=mse_exponents)
                 rep["float_weights"] = int(w.size)
                 rep["float_nonzero"] = int(np.count_nonzero(w))
                 delay = d - depth[s] - 1
