@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="training images per model (one value, or one per model)")
     ap.add_argument("--epochs", type=int, nargs="+", default=[3, 1], help="ANN epochs (as --train)")
     ap.add_argument("--finetune", nargs="+", default=["0"], help="'0' (training-free) and/or 'default'")
-    ap.add_argument("--reconstruction-steps", type=int, default=None,
-                    help="override the default layer-wise reconstruction (diagnosis only)")
+    ap.add_argument("--reconstruction-steps", nargs="+", default=["default"],
+                    help="'default' or steps of layer-wise reconstruction (as --train; 0 for speed)")
     ap.add_argument("--images", type=int, default=256)
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     per = lambda v, i: v[i] if len(v) > 1 else v[0]  # noqa: E731
     rows = []
     for i, name in enumerate(args.models):
+        r = per(args.reconstruction_steps, i)
+        recon = None if r == "default" else int(r)
         train, test = data(per(args.train, i))
         ann, info = trained(name, train, per(args.epochs, i), args.cache)
         with torch.no_grad():
@@ -196,13 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         for ft in args.finetune:
             t0 = time.perf_counter()
             key = (f"{name}-fmnist32-n{len(train)}-e{per(args.epochs, i)}-snn-T{args.T}-ft{ft}"
-                   f"-r{args.reconstruction_steps}-i{args.images}.pkl")
+                   f"-r{recon}-i{args.images}.pkl")
             path = os.path.join(args.cache, key)
             if os.path.exists(path):  # the converted network, exported (trusted: written here)
                 with open(path, "rb") as f:
                     ex, cinfo = pickle.load(f)
             else:
-                snn, cinfo = convert(ann, train, args.T, ft, args.reconstruction_steps)
+                snn, cinfo = convert(ann, train, args.T, ft, recon)
                 ex = exported(snn, test, args.images)
                 with open(path + ".tmp", "wb") as f:
                     pickle.dump((ex, cinfo), f)
