@@ -207,7 +207,7 @@ class LavaProgram(Program):
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
                          "vth": None if per_vth else int(p.vth),
                          "v_init": None if per_neuron else int(p.v_init),
-                         "static": bool(p.static), "bias_from": int(p.depth) if p.late_static else 0, "conns": conns, "du": int(p.du), "dv": int(p.dv)})
+                         "static": bool(p.static), "bias_from": 0 if p.static or not p.has_bias else int(p.depth), "conns": conns, "du": int(p.du), "dv": int(p.dv)})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped

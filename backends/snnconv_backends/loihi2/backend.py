@@ -25,7 +25,7 @@ __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 #: The options of ``loihi2-sim`` and their defaults.
 OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
            "weight_bits": 8, "split_signs": True, "weight_groups": 1, "dt": 1.0,
-           "per_neuron_vth": True, "reference": True}
+           "per_neuron_vth": True, "reference": True, "mse_exponents": False}
 
 
 def _check_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,7 +133,7 @@ class Loihi2SimBackend(Backend):
     (1, or 2: each connection's rounding residual as a second synapse group, ~15-bit weights
     at twice the synapses; or a mapping connection -> groups; see :func:`quantize`),
     ``per_neuron_vth`` (default True: one threshold per channel where one per population would
-    be below 2**10), ``reference`` (default True: also run the float network on the batch and
+    be below 2**10), ``mse_exponents`` (default False: see :func:`quantize`), ``reference`` (default True: also run the float network on the batch and
     compare each layer's firing rate, ``extra["fidelity"]``; a departure beyond the tolerances
     of :mod:`.fidelity` warns with :class:`~snnconv_backends.loihi2.fidelity.QuantisationWarning`).
     """
@@ -145,4 +145,5 @@ class Loihi2SimBackend(Backend):
         return Loihi2Program(quantize(parse_graph(graph, self.name, opts["dt"]), weight_bits=opts["weight_bits"],
                                       split_signs=bool(opts["split_signs"]),
                                       weight_groups=opts["weight_groups"],
-                                      per_neuron_vth=bool(opts["per_neuron_vth"])), opts)
+                                      per_neuron_vth=bool(opts["per_neuron_vth"]),
+                                      mse_exponents=bool(opts["mse_exponents"])), opts)

@@ -18,6 +18,14 @@ departure), or when more than :data:`FLUSH_TOLERANCE` of a connection's nonzero 
 to zero (half: twice the worst healthy layer, below every broken one). Layers that fire less
 than :data:`MIN_RATE` in the float network are compared in absolute terms (a few spikes of a
 nearly silent layer are no evidence).
+
+On trained networks (``benchmarks/loihi2_agreement.py``, Fashion-MNIST at 3x32x32, 256 test
+images, T=8, training-free default conversion, layer biases as bias currents): every layer's
+rate ratio was 0.97-1.01 (torchvision ``resnet18``) and 0.996-1.008 (the zoo's ResNet-18), at
+most 26.5% and 8.4% of a connection's weights flushed, and no warning, while decision agreement
+with cpu was 61.7% and 88.3%: the float networks' own decisions agreed with themselves on 74%
+and 87% of the images under a relative input perturbation of 1e-4. Disagreement on such
+networks comes from their sensitivity, not from a broken layer, so the tolerances stay.
 """
 
 from __future__ import annotations

@@ -121,6 +121,10 @@ class Population:
         late_static: op chains from the static input (or the analog prefix's output) that reach
             this population beside spikes: their value, computed off-chip once per image, enters
             as a per-neuron bias current from the population's own first step (depth > 0).
+        bias: the layer biases (float units, one per neuron ``[size]``) that enter as the
+            neurons' bias current (13-bit mantissa, exponent 0..7 per neuron) from the
+            population's own first step, with any late static input; None: no bias, or a
+            leaky population's biases, which come through a connection from :data:`CLOCK`.
     """
 
     name: str
@@ -138,6 +142,7 @@ class Population:
     dv: int = 0
     gain: np.ndarray = field(default_factory=lambda: np.ones(1))
     late_static: tuple = ()
+    bias: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -150,8 +155,9 @@ class Population:
 
     @property
     def has_bias(self) -> bool:
-        """Whether a per-image bias current enters (the static first layer, or a late static input)."""
-        return self.static or bool(self.late_static)
+        """Whether a bias current enters (the static first layer, a late static input, or the
+        layer biases)."""
+        return self.static or bool(self.late_static) or self.bias is not None
 
     def neuron_vth(self) -> np.ndarray:
         """The integer threshold per neuron ``[size]`` (int64)."""

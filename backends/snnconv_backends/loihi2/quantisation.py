@@ -27,10 +27,13 @@ _VTH_PER_CHANNEL = 2**10
 #: Neurons that sum a static input with spikes: the bias current reaches 4095 << 7 = 2**19 -
 #: 128 v units, four thresholds at vth = 2**11 (the first layer's FIRST_VTH reaches two).
 _LATE_STATIC_VTH = 2**11
+#: The largest bias current (``v`` units) a layer's biases may reach: 13-bit mantissa << 7,
+#: with a margin for float rounding. A population's threshold is lowered until its biases fit.
+_BIAS_MAX = ((LOIHI["bias_mant_max"] << LOIHI["bias_exp_max"]) * 255) // 256
 
 
-def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
-                      split: bool = False) -> tuple[np.ndarray, int, dict[str, Any]]:
+def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8, split: bool = False,
+                      mse_exp: bool = False) -> tuple[np.ndarray, int, dict[str, Any]]:
     """Float weights in ``a_in`` units -> (``bits``-bit mantissas, exponent, report).
 
     Mixed-sign weights keep even mantissas in ``[-2**bits + 2, 2**bits - 2]`` (Lava's mixed
@@ -38,6 +41,8 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
     ``split``, mixed-sign weights become two single-sign synapse groups with one exponent
     (``sign_mode="split"``): every mantissa in ``[-2**bits + 1, 2**bits - 1]``, twice as fine;
     only where that exponent is >= 0 (a negative one floors each group's sum separately).
+    ``mse_exp``: also try the two exponents below the one that fits the largest weight, clipping
+    the weights beyond the mantissa range, and keep the one with the least squared error.
     """
     amax = float(np.abs(scaled).max()) if scaled.size else 0.0
     mixed = scaled.size > 0 and scaled.min() < 0 < scaled.max()
@@ -48,13 +53,22 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8,
         split = False
     halve = mixed and not split  # Lava's mixed sign mode: even mantissas
     lim = 2**bits - 2 if halve else 2**bits - 1
-    e = _weight_exp(amax, halve, bias, bits)
-    x = scaled / 2.0**e
-    m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
-    clipped = int((np.abs(m) > lim).sum())
-    m = np.clip(m, -lim, lim).astype(np.int32)
-    deq = m.astype(np.float64) * 2.0**e
-    err = float(np.sqrt(((deq - scaled) ** 2).sum() / max((scaled**2).sum(), 1e-300)))
+    e0 = _weight_exp(amax, halve, bias, bits)
+    best = None
+    # the exponent that fits the largest weight, or one or two below it where clipping the
+    # few largest weights costs less squared error than the coarser step saves (outliers)
+    for e in range(e0, e0 - (3 if mse_exp else 1), -1):
+        if e < LOIHI["weight_exp_min"] - max(0, bits - 8) or (e < 0 and (bias or split)):
+            break
+        x = scaled / 2.0**e
+        m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
+        clipped = int((np.abs(m) > lim).sum())
+        m = np.clip(m, -lim, lim).astype(np.int32)
+        sse = float(((m.astype(np.float64) * 2.0**e - scaled) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, e, m, clipped)
+    sse, e, m, clipped = best
+    err = float(np.sqrt(sse / max((scaled**2).sum(), 1e-300)))
     sign = ("split" if split else "mixed") if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
     return m, e, {"exp": e, "mant_max": int(np.abs(m).max()), "bits": int(np.abs(m).max()).bit_length(),
                   "sign_mode": sign, "zero_rounded": int(((m == 0) & (scaled != 0)).sum()),
@@ -162,6 +176,23 @@ def _v_init(op: Any, vth: int | np.ndarray, shape: tuple[int, ...]) -> int | np.
     return np.round(full * full_vth).astype(np.int64)
 
 
+def _bias_report(const: np.ndarray, scale: np.ndarray) -> dict[str, Any]:
+    """What the bias current keeps of a layer's biases (as :func:`.simulate.bias_current`
+    rounds them): nonzero biases, those rounded to zero, relative RMS error, clipped."""
+    val = const * scale
+    mmax, emax = LOIHI["bias_mant_max"], LOIHI["bias_exp_max"]
+    exp = np.zeros(val.shape)
+    for k in range(emax):
+        exp += np.round(np.abs(val) * 2.0**-k) > mmax
+    mant = np.round(val * 2.0**-exp)
+    clipped = int((np.abs(mant) > mmax).sum())
+    deq = np.clip(mant, -mmax, mmax) * 2.0**exp
+    nz = const != 0
+    err = float(np.sqrt(((deq - val) ** 2).sum() / max((val**2).sum(), 1e-300)))
+    return {"path": "bias current (13-bit mantissa, exponent 0..7 per neuron)", "nonzero": int(nz.sum()),
+            "zero_rounded": int((nz & (deq == 0)).sum()), "rel_error": err, "clipped": clipped}
+
+
 def _channel_min(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Per-neuron values ``[size]`` -> their minimum per channel (dim 0) ``[C]``."""
     return values.reshape(shape[0], -1).min(1) if len(shape) else values.reshape(1)
@@ -173,7 +204,7 @@ def _channel_max(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
              weight_groups: int | Mapping[str, int] = 1, per_neuron_vth: bool = True,
-             backend: str = "loihi2-sim") -> QuantizedNetwork:
+             mse_exponents: bool = False, backend: str = "loihi2-sim") -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
     ``weight_bits``: mantissa bits of the synaptic weights, 8 on Loihi (the default), or a
@@ -190,6 +221,8 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
     Lava), at twice the synapses and synaptic operations of that connection (see resources).
     ``per_neuron_vth``: a population whose single threshold would fall below
     ``_VTH_PER_CHANNEL`` gets one threshold per channel (the default; False: one per population).
+    ``mse_exponents``: each connection's exponent is the one (of the one that fits its largest
+    weight and the two below) with the least squared rounding error, clipping outliers.
     ``backend``: the name errors carry.
 
     Raises:
@@ -271,19 +304,26 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 cname = f"{cname}#{sum(r[0].split('#')[0] == cname for r in raw) + 1}"
             raw.append((cname, s, kind, w, cparams if kind == "conv" else None))
         const = mp.const(tgt.name).reshape(-1).numpy()  # static inputs: 0 (a bias per image)
+        # IF neurons and the IF readout take their biases as the neurons' bias current (13-bit
+        # mantissa per neuron); leaky ones through a connection from the clock neuron
+        as_current = leaky is None and bool(np.any(const != 0))
         # per-neuron worst-case sums in float units
         pos = np.zeros(n)
         neg = np.zeros(n)
         for _, _, kind, w, _ in raw:
             p_, n_ = _row_sums(kind, w, shape)
             pos, neg = pos + p_, neg + n_
-        pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
+        if not as_current:
+            pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
         worst = np.maximum(pos, -neg)
         a_max = LOIHI["a_in_max"] if leaky is None else leaky.a_in_max
         if role == "neuron":
             theta_n = per_neuron_values(theta, shape)
             with np.errstate(divide="ignore"):
                 lim = np.where(worst > 0, 64.0 * a_max * theta_n / np.maximum(worst, 1e-300), np.inf)
+                if as_current:  # the bias current |b| * (vth << 6) / theta within _BIAS_MAX
+                    lim = np.minimum(lim, np.where(const != 0, _BIAS_MAX * theta_n
+                                                   / np.maximum(np.abs(const), 1e-300), np.inf))
             cap = _LATE_STATIC_VTH if late else _VTH_CAP
             raised = 0
             vth = int(min(cap, math.floor(float(lim.min()) / 64.0)))
@@ -304,7 +344,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits, split_signs)
                                       for cname, _, kind, w, _ in raw]
                                 + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits, split_signs)]
-                                   if np.any(const != 0) else []))
+                                   if np.any(const != 0) and not as_current else []))
         else:
             vth = 0
         for attempt in range(12):
@@ -318,6 +358,8 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 gain = np.ones(1) if leaky is None else leaky.gain  # membrane units: scale / gain
                 wmax = float((worst * per_neuron_values(gain, shape)).max())
                 scale_c = np.asarray(gain) * (64.0 * a_max / wmax if wmax > 0 else 1.0) * (0.97 ** attempt)
+                if as_current:  # the biases fit the bias current
+                    scale_c = np.minimum(scale_c, _BIAS_MAX / float(np.abs(const).max()))
             s_n = per_neuron_values(scale_c, shape)
             conns: list[Connection] = []
             tot_pos = np.zeros(n, np.int64)
@@ -331,7 +373,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 else:
                     sc = w * s_n[:, None] / 64.0
                 bits = _bits(weight_bits, cname)
-                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs)
+                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs, mse_exp=mse_exponents)
                 rep["float_weights"] = int(w.size)
                 rep["float_nonzero"] = int(np.count_nonzero(w))
                 delay = d - depth[s] - 1
@@ -354,7 +396,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                     p_, n_ = _row_sums(kind, gmant, shape)
                     p_, n_ = _shifted_bounds(p_, n_, gexp)
                     tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
-            if np.any(const != 0):
+            if np.any(const != 0) and not as_current:
                 m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
                                               bits=_bits(weight_bits, f"{tgt.name}.bias"), split=split_signs)
                 conns.append(Connection(f"{tgt.name}.bias", CLOCK, tgt.name, "bias", m, e, d - 1,
@@ -390,10 +432,13 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             rep["warning"] = (f"vth = {vth_min}: the worst-case input is about {a_max // max(vth_min, 1)} times "
                               "the threshold, so the threshold has few bits; expect a larger "
                               "deviation from the float network in this layer")
+        if as_current:
+            rep["bias"] = _bias_report(const, per_neuron_values(scale_c, shape))
         pops.append(Population(tgt.name, role, shape, d, vth,
                                _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
                                np.asarray(scale_c, np.float64), tuple(conns), False, rep,
-                               late_static=late, **chip))
+                               late_static=late, bias=const.astype(np.float64) if as_current else None,
+                               **chip))
     names = {c.name for p in pops for c in p.conns}
     for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
         unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []

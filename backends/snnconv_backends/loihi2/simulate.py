@@ -28,9 +28,9 @@ def static_eval(q: QuantizedNetwork, x: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def static_input(q: QuantizedNetwork, p: Population, vals: dict[str, torch.Tensor], B: int) -> torch.Tensor:
-    """The float input ``[B, N]`` that the static values ``vals`` give population ``p``: its
-    whole input for the first layer, its static terms (biases left out: they are a connection
-    from the clock) for a population that also sees spikes."""
+    """The float input ``[B, N]`` that enters population ``p`` as its bias current: its whole
+    input for the first layer (the static values ``vals``); for a later population its static
+    terms (float64) plus its layer biases (:attr:`Population.bias`)."""
     z = None
     if p.static:
         for i in q.graph.op(p.name).inputs:
@@ -41,16 +41,21 @@ def static_input(q: QuantizedNetwork, p: Population, vals: dict[str, torch.Tenso
         for op in chain[1:]:
             y = apply_op(op, y.reshape(B, *op.in_shape), bias=False)
         z = y if z is None else z + y
+    if p.bias is not None:
+        b = torch.as_tensor(p.bias, dtype=torch.float64, device=vals[q.graph.ops[0].name].device)
+        z = b.reshape(1, -1).expand(B, -1) if z is None else z.reshape(B, -1).double() + b
     return z.reshape(B, -1)
 
 
 def bias_current(z: torch.Tensor, pop: Population) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """First-layer input ``z`` ``[B, N]`` (float) -> (bias mantissa, bias exponent, clipped count).
+    """Bias input ``z`` ``[B, N]`` (float, :func:`static_input`) -> (bias mantissa, bias
+    exponent, clipped count).
 
     ``v`` units: ``round(z * scale) = mant << exp``, ``|mant| <= 4095``, ``0 <= exp <= 7`` chosen
-    per neuron. Values beyond ``4095 << 7`` (about twice the threshold) are clipped: a static
-    input of at least one threshold makes the neuron spike at every step in both reset modes,
-    so the clipping leaves the spikes unchanged; it is counted all the same.
+    per neuron. Values beyond ``4095 << 7`` are clipped: on the first layer (about twice the
+    threshold) a static input of at least one threshold makes the neuron spike at every step
+    in both reset modes, so the clipping leaves the spikes unchanged; later layers' thresholds
+    are chosen so that their biases fit (:func:`~snnconv_backends.loihi2.quantize`). Counted.
     """
     s = torch.as_tensor(pop.neuron_scale(), dtype=torch.float64, device=z.device)
     val = z.double() * s
