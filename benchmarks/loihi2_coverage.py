@@ -182,12 +182,25 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
         row["weights_flushed"] = sum(c["flushed"] for c in conns.values())
         row["warned"] = any(f["warnings"] for f in fids)
         row["warnings"] = sorted({w for f in fids for w in f["warnings"]})[:5]
+    _judge_decisions(row)
     res = results[0].extra.get("resources", {})
     row["cores"], row["chips"] = res.get("cores"), res.get("chips")
     depth = max((layer.get("depth", 0) for layer in res.get("layers", {}).values()), default=0)
     row["latency_steps"] = T + depth
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
+
+
+def _judge_decisions(row: dict) -> None:
+    """What ``snnconv run`` judges over all images: decisions below the fidelity check's
+    tolerance warn (the per-run check sees one batch at a time)."""
+    from snnconv_backends.loihi2.fidelity import DECISION_TOLERANCE, MIN_IMAGES
+
+    if row.get("agreement") is not None and row["images"] >= MIN_IMAGES \
+            and row["agreement"] < 100 * DECISION_TOLERANCE:
+        row["warned"] = True
+        note = f"decisions agree on {row['agreement']}% of {row['images']} images"
+        row["warnings"] = sorted(set(row.get("warnings", [])) | {note})
 
 
 def markdown(rows: list[dict]) -> str:
@@ -220,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reconstruction-steps", type=int, default=None,
                     help="convert()'s layer-wise reconstruction steps (default: convert's, 300 here)")
     ap.add_argument("--train-only", action="store_true", help="only train (and cache) the ANNs")
+    ap.add_argument("--render", action="store_true", help="only write the table again from the JSON")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/loihi2_coverage"))
     ap.add_argument("--out", default=os.path.join(RESULTS, "loihi2_coverage.json"))
     args = ap.parse_args(argv)
@@ -229,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in args.models.split(",") if n]
     tuned = {n for n in args.finetune.split(",") if n}
     rows = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
+    for row in rows:
+        _judge_decisions(row)
+    if args.render:
+        atomic_write_text(os.path.splitext(args.out)[0] + ".md", markdown(rows))
+        return 0
     done = {(r["model"], r["input"][1], r["conversion"]) for r in rows}
     plan = []
     large = {s.name for s in RELU_FAMILY if s.large}

@@ -199,3 +199,25 @@ def test_a_trained_network_with_a_max_pooling_stem_agrees_with_cpu(reset):
     cpu = snnconv.backends.get("cpu").compile(graph).run(z, T)
     agree = (chip.outputs.mean(0).argmax(1) == cpu.outputs.mean(0).argmax(1)).float().mean()
     assert float(agree) >= 0.95
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_decisions_that_depart_from_the_float_network_warn_over_enough_images(reset):
+    """Rates within tolerance are not enough: a chip whose decisions are the float network's on
+    fewer than DECISION_TOLERANCE of at least MIN_IMAGES images warns; too few images are no
+    evidence either way; the run records the agreement it measured."""
+    from snnconv_backends.loihi2.fidelity import DECISION_TOLERANCE, MIN_IMAGES, check
+
+    g = small_graph(reset, seed=1)
+    x = torch.rand(MIN_IMAGES, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", QuantisationWarning)
+        res = Loihi2SimBackend().compile(g).run(x, T)
+    fid = res.extra["fidelity"]
+    assert fid["decisions"][1] == MIN_IMAGES and fid["decision_agreement"] >= DECISION_TOLERANCE
+    q = Loihi2SimBackend().compile(g).q
+    chip = {k: v for k, v in res.spikes.items()}
+    low = int(MIN_IMAGES * DECISION_TOLERANCE) - 1
+    assert any("decisions" in w for w in check(q, chip, chip, MIN_IMAGES, T, (low, MIN_IMAGES))["warnings"])
+    assert check(q, chip, chip, MIN_IMAGES - 1, T, (0, MIN_IMAGES - 1))["warnings"] == []
+    assert check(q, chip, chip, MIN_IMAGES, T, (MIN_IMAGES, MIN_IMAGES))["warnings"] == []

@@ -175,6 +175,7 @@ def _cmd_run(args) -> int:
     chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
     batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
     float_counts: dict = {}  # the float network's spike counts, where the backend compares (fidelity)
+    decisions = [0, 0]  # images on which the chip decides as the float network, images compared
     with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
         for x, y in DataLoader(dataset, batch_size=batch):
             if prefix is not None:  # the static analog prefix, once per image
@@ -185,8 +186,11 @@ def _cmd_run(args) -> int:
             with warnings.catch_warnings():  # judged once, on every image, below
                 warnings.simplefilter("ignore", _quantisation_warning())
                 r = program.run(x, T)
-            for k, v in ((r.extra.get("fidelity") or {}).get("float_counts") or {}).items():
+            fid = r.extra.get("fidelity") or {}
+            for k, v in (fid.get("float_counts") or {}).items():
                 float_counts[k] = float_counts.get(k, 0.0) + torch.tensor(v, dtype=torch.float64)
+            if fid.get("decisions"):
+                decisions = [a + b for a, b in zip(decisions, fid["decisions"])]
             # accuracy of the readout averaged over the first t steps, t = 1..T
             mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
             correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
@@ -229,7 +233,8 @@ def _cmd_run(args) -> int:
 
         print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
         q = getattr(program, "q", None)  # the quantised network (loihi2-sim, lava)
-        fidelity = None if q is None else check(q, spikes, float_counts or None, n, T)
+        fidelity = None if q is None else check(q, spikes, float_counts or None, n, T,
+                                                tuple(decisions) if decisions[1] else None)
         if fidelity is not None:
             line = summary(fidelity, args.backend)
             print(("WARNING: " if fidelity["warnings"] else "") + line)
@@ -245,7 +250,8 @@ def _cmd_run(args) -> int:
     rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
                          wall_s=time.perf_counter() - t_start)
     if fidelity is not None:
-        rec["quantisation_check"] = {k: fidelity[k] for k in ("warnings", "lowest_rate_ratio", "tolerances", "layers")}
+        rec["quantisation_check"] = {k: fidelity[k] for k in ("warnings", "lowest_rate_ratio", "decision_agreement",
+                                                              "tolerances", "layers")}
         rec["quantisation_check"]["flushed"] = {k: v["fraction"] for k, v in fidelity["connections"].items()}
     rec["energy_45nm_per_image_nj"] = {"snn": energy["snn_pj"] / 1e3, "ann": energy["ann_pj"] / 1e3,
                                        "snn_over_ann": energy["ratio"]}

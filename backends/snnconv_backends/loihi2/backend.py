@@ -101,18 +101,26 @@ class Loihi2Program(Program):
         return attach_fidelity(self.q, res, x, T, "loihi2-sim", bool(self.options["reference"]))
 
 
+def _decisions(outputs: torch.Tensor) -> torch.Tensor:
+    """Each image's decision: the readout averaged over T, its largest entry."""
+    return outputs.detach().cpu().double().mean(0).reshape(outputs.shape[1], -1).argmax(1)
+
+
 def attach_fidelity(q: QuantizedNetwork, res: RunResult, x: torch.Tensor, T: int, name: str,
                     reference: bool) -> RunResult:
     """Add ``extra["fidelity"]`` (per-layer firing rates against the float network run on the
     same batch by the cpu backend, weights flushed; :mod:`.fidelity`) and warn
     (:class:`QuantisationWarning`) where they depart beyond the tolerances."""
-    ref = None
+    ref, decisions = None, None
     if reference:
         from ..cpu import compile_parsed
 
         with torch.no_grad():
-            ref = compile_parsed(q.graph).run(x.detach().cpu().float(), T).spikes
-    fid = check(q, res.spikes, ref, int(x.shape[0]), T)
+            float_run = compile_parsed(q.graph).run(x.detach().cpu().float(), T)
+        ref = float_run.spikes
+        same = _decisions(res.outputs) == _decisions(float_run.outputs)
+        decisions = (int(same.sum()), int(same.numel()))
+    fid = check(q, res.spikes, ref, int(x.shape[0]), T, decisions)
     fid["float_counts"] = None if ref is None else {k: v.reshape(-1).tolist() for k, v in ref.items()}
     res.extra["fidelity"] = fid
     if fid["warnings"]:
