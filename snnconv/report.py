@@ -68,6 +68,14 @@ def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     for key in ("meta", "finetune", "evaluation"):
         path = os.path.join(run_dir, f"{key}.json")
         run[key] = _read_json(path) if os.path.exists(path) else None
+    # every file of a run records its run id: one left by an earlier run in the folder is left out
+    run_id = ((run["meta"] or {}).get("settings") or {}).get("run_id")
+    run["left_out"] = []
+    for key in ("finetune", "evaluation"):
+        found = (run[key] or {}).get("run_id") if isinstance(run[key], dict) else None
+        if run_id and found and found != run_id:
+            run["left_out"].append(f"{key}.json (run {found[:8]}, not the run of meta.json: {run_id[:8]})")
+            run[key] = None
     run["backends"] = {}
     for path in sorted(glob.glob(os.path.join(run_dir, "backends", "*.json"))):
         run["backends"][os.path.splitext(os.path.basename(path))[0]] = _read_json(path)
@@ -301,6 +309,8 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     info = ", ".join(f"{k} {v}" for k, v in env.items() if k in ("snnconv", "torch", "python"))
     parts.append(f"<h1>{html.escape(title)}</h1><p class='meta'>generated {stamp} from "
                  f"{html.escape(os.path.abspath(run_dir))}{'; ' + html.escape(info) if info else ''}</p>")
+    for what in run["left_out"]:
+        parts.append(_note(f"Left out {what}: written by another run in the same folder."))
     if settings:
         keys = [k for k in ("T", "L", "per_channel", "qcfs_epochs", "bias_calibration", "membrane_calibration",
                             "weight_calibration", "device")

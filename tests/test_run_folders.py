@@ -79,3 +79,13 @@ def test_readers_say_which_file_they_used(two_runs, capsys):
            json.load(open(os.path.join(r, f)))["settings"]["run_id"]
            for f in ("meta.json", "finetune.json")}
     assert len(ids) == 1 and None not in ids
+
+
+def test_the_report_leaves_out_files_of_another_run(two_runs, tmp_path):
+    r, s = two_runs
+    mixed = tmp_path / "mixed"
+    shutil.copytree(s, mixed)
+    shutil.copy(os.path.join(r, "finetune.json"), mixed / "finetune.json")
+    assert main(["report", str(mixed)]) == 0
+    page = (mixed / "report.html").read_text()
+    assert "Left out finetune.json" in page
