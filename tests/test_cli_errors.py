@@ -151,3 +151,13 @@ def test_quiet_silences_the_progress():
         beat.update(16)
         time.sleep(0.05)
     assert buf.getvalue() == ""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+@pytest.mark.parametrize("command", [["demo"], ["evaluate", "nowhere"], ["convert", "--model", "small_cnn",
+                                                                          "--train-epochs", "1"]])
+def test_a_cuda_device_on_a_machine_without_one_is_a_usage_error(command, capsys):
+    assert main(command + ["--device", "cuda", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA GPU is visible here" in err and "--device cpu" in err
+    assert main(command + ["--device", "tpu:0", "--quiet"]) == 2
