@@ -221,3 +221,17 @@ def test_decisions_that_depart_from_the_float_network_warn_over_enough_images(re
     assert any("decisions" in w for w in check(q, chip, chip, MIN_IMAGES, T, (low, MIN_IMAGES))["warnings"])
     assert check(q, chip, chip, MIN_IMAGES - 1, T, (0, MIN_IMAGES - 1))["warnings"] == []
     assert check(q, chip, chip, MIN_IMAGES, T, (MIN_IMAGES, MIN_IMAGES))["warnings"] == []
+
+
+def test_a_layer_whose_every_channel_exceeds_the_input_budget_runs_and_is_judged():
+    """Every channel of n2 at a threshold 1e-7 (its worst-case input is more than 32767 times
+    it even at vth = 1): each channel's threshold is raised until it fits and the fidelity check
+    judges the result, instead of the graph being refused (a channel that fires at every step in
+    the float network still does)."""
+    g = small_graph("zero", seed=1)
+    g.nodes["n2"].v_threshold[:] = 1e-7
+    x = torch.rand(32, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
+    res = Loihi2SimBackend().compile(g).run(x, T)
+    assert res.extra["quantisation"]["layers"]["n2"]["vth_per_channel"]["thresholds_raised"] >= 1
+    fid = res.extra["fidelity"]
+    assert fid["layers"]["n2"]["ratio"] == pytest.approx(1.0, abs=0.2) or fid["warnings"]
