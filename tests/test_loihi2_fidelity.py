@@ -235,3 +235,33 @@ def test_a_layer_whose_every_channel_exceeds_the_input_budget_runs_and_is_judged
     assert res.extra["quantisation"]["layers"]["n2"]["vth_per_channel"]["thresholds_raised"] >= 1
     fid = res.extra["fidelity"]
     assert fid["layers"]["n2"]["ratio"] == pytest.approx(1.0, abs=0.2) or fid["warnings"]
+
+
+def test_a_linear_bottleneck_runs_as_one_convolution():
+    """A 1x1 convolution without an activation, then a convolution (MobileNetV2 between blocks):
+    one integer convolution on the chip (not a dense matrix, which at 32 px was too large to
+    build), following the float network."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Bottleneck(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.project = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+            self.expand, self.fc = nn.Conv2d(4, 8, 3, padding=1), nn.Linear(8, 3)
+
+        def forward(self, x):
+            x = self.project(F.relu(self.a(x)))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.expand(x)), 1), 1))
+
+    torch.manual_seed(0)
+    x = torch.rand(64, 1, 8, 8)
+    snn, _ = snnconv.convert(Bottleneck().eval(), [(x, torch.zeros(64, dtype=torch.long))], T=T,
+                             finetune_epochs=0, reconstruction_steps=0, progress=False, on_collapse="warn")
+    graph = snnconv.export_nir(snn)
+    program = Loihi2SimBackend().compile(graph)
+    kinds = {c.name: c.kind for p in program.q.populations for c in p.conns}
+    assert kinds.get("expand") == "conv", kinds
+    res = program.run(x, T)
+    fid = res.extra["fidelity"]
+    assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.8

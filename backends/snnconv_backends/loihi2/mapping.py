@@ -14,7 +14,7 @@ from ..nirgraph import ParsedGraph
 from ..nirleaky import SPIKING
 from .ops import LINEAR_KINDS, apply_op, conv_params
 
-__all__ = ["Mapper", "chain_kind", "pool_then_conv", "compose", "fanout"]
+__all__ = ["Mapper", "chain_kind", "pool_then_conv", "conv_then_conv", "pair_as_conv", "compose", "fanout"]
 
 
 class Mapper:
@@ -68,7 +68,7 @@ def chain_kind(chain: list[Any], src_shape: tuple[int, ...], tgt_shape: tuple[in
     core = [op for op in chain if op.kind != "sum"]
     if len(core) == 1 and core[0].kind in ("conv1d", "conv2d"):
         return "conv", core[0]
-    if len(core) == 2 and core[1].kind == "conv2d" and pool_then_conv(core[0], core[1]) is not None:
+    if len(core) == 2 and core[1].kind == "conv2d" and pair_as_conv(core[0], core[1]) is not None:
         return "conv", core
     scales = [op for op in core if op.kind != "flatten"]
     if int(np.prod(src_shape)) == int(np.prod(tgt_shape)) and (
@@ -95,6 +95,27 @@ def pool_then_conv(pool: Any, conv: Any) -> tuple[np.ndarray, dict[str, Any]] | 
     big = np.repeat(np.repeat(w, k[0], axis=2), k[1], axis=3) / (k[0] * k[1])
     return big, {"ndim": 2, "stride": k, "padding": (cp["padding"][0] * k[0], cp["padding"][1] * k[1]),
                  "dilation": (1, 1), "groups": cp["groups"]}
+
+
+def conv_then_conv(first: Any, second: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """A 1x1 stride-1 convolution (no padding, one group) then any convolution of one group, as
+    one convolution with the second's geometry: ``K[o, i] = sum_m K2[o, m] K1[m, i]`` (exact: a
+    linear map of a linear map; MobileNetV2's linear bottleneck between two blocks). ``None``
+    when the pair does not have this form."""
+    if first.kind != "conv2d" or second.kind != "conv2d":
+        return None
+    c1, c2 = conv_params(first), conv_params(second)
+    w1 = np.asarray(first.params["weight"], np.float64)
+    if w1.shape[2:] != (1, 1) or c1["stride"] != (1, 1) or any(c1["padding"]) or c1["groups"] != 1 \
+            or c2["groups"] != 1:
+        return None
+    w2 = np.asarray(second.params["weight"], np.float64)
+    return np.einsum("omhw,mi->oihw", w2, w1[:, :, 0, 0]), dict(c2)
+
+
+def pair_as_conv(first: Any, second: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """Two linear ops as one convolution (:func:`pool_then_conv`, :func:`conv_then_conv`), or None."""
+    return pool_then_conv(first, second) or conv_then_conv(first, second)
 
 
 def compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndarray:
