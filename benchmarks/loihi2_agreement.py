@@ -1,4 +1,4 @@
-"""Decision agreement of loihi2-sim with cpu on trained ResNet-18s (issue 46's floor: >= 95% at T=8).
+"""Decision agreement of loihi2-sim with cpu on trained ResNet-18s (the target: >= 95% at T=8).
 
     PYTHONPATH=.:backends python benchmarks/loihi2_agreement.py [--models tv-resnet18 zoo-resnet18]
         [--train 5000] [--epochs 3] [--images 256] [--T 8] [--finetune 0 default] [--cache DIR]

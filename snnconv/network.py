@@ -11,6 +11,7 @@ from its config and compared with the stored tensors before a module is built.
 from __future__ import annotations
 
 import io
+import math
 import numbers
 import os
 import warnings
@@ -305,7 +306,7 @@ def _dry_run(path: Any, snn: "SpikingNetwork") -> None:
     if not (isinstance(shape, list) and 0 < len(shape) <= 4
             and all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= 4096 for d in shape)):
         return  # files without it (version 1) run as before
-    if _numel(shape) > 2**26:
+    if math.prod(shape) > 2**26:
         raise CheckpointError(f"{path}: its input shape {shape} is larger than snnconv runs")
     try:
         with torch.no_grad():
@@ -314,13 +315,6 @@ def _dry_run(path: Any, snn: "SpikingNetwork") -> None:
         raise CheckpointError(f"{path}: the saved network cannot run on its declared input shape "
                               f"{shape}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                               ) from None
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _verify(path: Any, payload: dict) -> None:

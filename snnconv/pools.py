@@ -125,20 +125,22 @@ def fold_adaptive_pools(gm: fx.GraphModule, example_inputs: Iterable) -> list[di
 _CEIL_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
-def drop_idle_ceil_mode(gm: fx.GraphModule, example_inputs: Iterable) -> list[str]:
-    """Turn off ``ceil_mode`` on every pooling module where it does not change the output."""
-    pools = [n for n in gm.graph.nodes
-             if isinstance(module_of(gm, n), _CEIL_POOLS) and module_of(gm, n).ceil_mode]
+def _ceil_pools(gm: fx.GraphModule, example_inputs: Iterable, kind) -> list[tuple[fx.Node, nn.Module, tuple]]:
+    """``(node, module, input shape)`` of each pooling module of ``kind`` with ``ceil_mode``
+    that is called once and whose input the example reaches."""
+    pools = [n for n in gm.graph.nodes if kind(module_of(gm, n)) and module_of(gm, n).ceil_mode]
     if not pools:
         return []
-    shapes = capture(gm, example_inputs, [n.args[0].name for n in pools],
-                     reduce=lambda t: tuple(t.shape))
+    shapes = capture(gm, example_inputs, [n.args[0].name for n in pools], reduce=lambda t: tuple(t.shape))
     calls = call_counts(gm)
+    return [(n, module_of(gm, n), shapes[n.args[0].name]) for n in pools
+            if shapes.get(n.args[0].name) is not None and calls.get(str(n.target)) == 1]
+
+
+def drop_idle_ceil_mode(gm: fx.GraphModule, example_inputs: Iterable) -> list[str]:
+    """Turn off ``ceil_mode`` on every pooling module where it does not change the output."""
     done = []
-    for node in pools:
-        mod, shape = module_of(gm, node), shapes.get(node.args[0].name)
-        if shape is None or calls.get(str(node.target)) != 1:
-            continue
+    for node, mod, shape in _ceil_pools(gm, example_inputs, lambda m: isinstance(m, _CEIL_POOLS)):
         floor = copy.deepcopy(mod)
         floor.ceil_mode = False
         probe = torch.zeros((1,) + tuple(shape[1:]))
@@ -189,17 +191,9 @@ def rewrite_ceil_pools(gm: fx.GraphModule, example_inputs: Iterable) -> list[dic
     """Write every ``AvgPool2d`` whose ``ceil_mode`` adds a partial window as a depthwise sum
     ``Conv2d`` and a per-position ``Scale`` (see the module docstring); return what changed.
     Checked on the example input (float64, relative 1e-6); a pool that fails stays."""
-    pools = [n for n in gm.graph.nodes
-             if type(module_of(gm, n)) is nn.AvgPool2d and module_of(gm, n).ceil_mode]
-    if not pools:
-        return []
-    shapes = capture(gm, example_inputs, [n.args[0].name for n in pools],
-                     reduce=lambda t: tuple(t.shape))
-    calls = call_counts(gm)
     done = []
-    for node in pools:
-        mod, shape = module_of(gm, node), shapes.get(node.args[0].name)
-        if shape is None or len(shape) != 4 or calls.get(str(node.target)) != 1:
+    for node, mod, shape in _ceil_pools(gm, example_inputs, lambda m: type(m) is nn.AvgPool2d):
+        if len(shape) != 4:
             continue
         conv, scale = ceil_pool_parts(mod, tuple(shape[1:]))
         probe = torch.rand((2,) + tuple(shape[1:]), dtype=torch.float64)

@@ -3,7 +3,7 @@ rates the float network does not, is flagged (:func:`check`, :class:`Quantisatio
 
 Tolerances, from measurements (random-init torchvision ``resnet18``, 10 classes, 3x32x32,
 ``convert(T=8, finetune_epochs=0, reconstruction_steps=0, maxpool="avg")``, 32 synthetic images;
-measured with ``benchmarks/loihi2_agreement.py``'s helpers):
+compiled and run by loihi2-sim with and without ``per_neuron_vth``, rates against cpu's):
 
 - one threshold per population (before per-channel thresholds): from ``layer2`` on, layers fired
   at 0.7%-61% of the float rate (ratios 0.01-0.61) and 75%-99% of a convolution's weights
