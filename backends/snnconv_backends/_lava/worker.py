@@ -57,6 +57,18 @@ DENSE_LIMIT = 2**22  # entries; larger connections use Sparse
 LI_VTH = 2**17 - 1  # the largest threshold: an LI readout's membrane is bounded below it
 
 
+def _if_vars(proc, shape, v, bias_mant, bias_exp) -> None:
+    """The ports and variables Lava's fixed-point LIF model reads (du = 4095, dv = 0: IF)."""
+    proc.a_in = InPort(shape=shape)
+    proc.s_out = OutPort(shape=shape)
+    proc.u = Var(shape=shape, init=0)
+    proc.v = Var(shape=shape, init=v)
+    proc.du = Var(shape=(1,), init=4095)
+    proc.dv = Var(shape=(1,), init=0)
+    proc.bias_mant = Var(shape=shape, init=bias_mant)
+    proc.bias_exp = Var(shape=shape, init=bias_exp)
+
+
 class SubtractiveIF(AbstractProcess):
     """Integrate-and-fire neuron with reset by subtraction (Loihi 2 custom neuron program).
 
@@ -66,14 +78,7 @@ class SubtractiveIF(AbstractProcess):
 
     def __init__(self, *, shape, vth, v=0, bias_mant=0, bias_exp=0, name=None):
         super().__init__(shape=shape, name=name)
-        self.a_in = InPort(shape=shape)
-        self.s_out = OutPort(shape=shape)
-        self.u = Var(shape=shape, init=0)
-        self.v = Var(shape=shape, init=v)
-        self.du = Var(shape=(1,), init=4095)
-        self.dv = Var(shape=(1,), init=0)
-        self.bias_mant = Var(shape=shape, init=bias_mant)
-        self.bias_exp = Var(shape=shape, init=bias_exp)
+        _if_vars(self, shape, v, bias_mant, bias_exp)
         self.vth = Var(shape=(1,), init=vth)
 
 
@@ -103,14 +108,7 @@ class ChannelIF(AbstractProcess):
 
     def __init__(self, *, shape, vth, hard, v=0, bias_mant=0, bias_exp=0, name=None):
         super().__init__(shape=shape, name=name)
-        self.a_in = InPort(shape=shape)
-        self.s_out = OutPort(shape=shape)
-        self.u = Var(shape=shape, init=0)
-        self.v = Var(shape=shape, init=v)
-        self.du = Var(shape=(1,), init=4095)
-        self.dv = Var(shape=(1,), init=0)
-        self.bias_mant = Var(shape=shape, init=bias_mant)
-        self.bias_exp = Var(shape=shape, init=bias_exp)
+        _if_vars(self, shape, v, bias_mant, bias_exp)
         self.vth = Var(shape=shape, init=vth)
         self.hard = Var(shape=(1,), init=int(bool(hard)))
 
