@@ -4,7 +4,7 @@ run on loihi2-sim against the cpu backend.
 For every model of :data:`snnconv.models.tv.RELU_FAMILY` at each input size asked for (its
 coverage size, and 64 px): trained briefly on Fashion-MNIST (resized, grey replicated to three
 channels; ``--train-images`` images, ``--epochs`` epochs, SGD Nesterov with OneCycle; the ANN is
-cached under ``--cache``), converted with ``convert(model, loader, T=8, finetune_epochs=0)``
+cached under ``--cache``; its BatchNorm statistics recomputed over the training images), converted with ``convert(model, loader, T=8, finetune_epochs=0)``
 (training-free: BN folding, calibration and the layer-wise reconstruction of convert's default,
 whose steps ``--reconstruction-steps`` sets),
 exported to NIR, then run on ``--images`` test images by the cpu backend (the exact reference)
@@ -80,7 +80,7 @@ def trained(name: str, size: int, train: TensorDataset, epochs: int, cache: str)
     if os.path.exists(path):
         model = model_of(name, size)
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model.eval()
+        return recalibrated(model, train)
     for lr in (0.05, 0.01, 0.002):
         model = model_of(name, size)
         if _train(model, name, train, epochs, lr):
@@ -89,6 +89,24 @@ def trained(name: str, size: int, train: TensorDataset, epochs: int, cache: str)
     os.makedirs(cache, exist_ok=True)
     torch.save(model.state_dict(), path + ".tmp")
     os.replace(path + ".tmp", path)
+    return recalibrated(model, train)
+
+
+def recalibrated(model: nn.Module, train: TensorDataset) -> nn.Module:
+    """The model in eval mode with its BatchNorm statistics recomputed over ``train`` (the
+    cumulative average of one pass). A brief training leaves running statistics that lag the
+    weights, most where the momentum is small (MNASNet's 0.0003): the eval-mode network is then
+    near chance while the training-mode one is not."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return model.eval()
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    model.train()
+    with torch.no_grad():
+        for x, _ in DataLoader(train, batch_size=64):
+            model(x)
     return model.eval()
 
 

@@ -265,3 +265,64 @@ def test_a_linear_bottleneck_runs_as_one_convolution():
     res = program.run(x, T)
     fid = res.extra["fidelity"]
     assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.8
+
+
+@pytest.mark.parametrize("reset", ["subtract", "zero"])
+def test_saturating_biases_are_clipped_without_changing_a_spike(reset):
+    """A bias beyond threshold + |most negative input| (fires at every step) or below -(largest
+    input) (never fires) is clipped to that bound: the IF neuron's spikes (snnconv.neuron.if_step)
+    are the same for any input within the bounds, any initial membrane in [0, theta]."""
+    from snnconv.neuron import if_step
+    from snnconv_backends.loihi2.quantisation import _saturating_bias
+
+    rng = np.random.default_rng(0)
+    n, T = 4000, 24
+    theta = rng.uniform(0.1, 3.0, n)
+    pos, neg = rng.uniform(0, 5, n), -rng.uniform(0, 5, n)
+    bias = rng.normal(0, 1, n) * 10.0 ** rng.integers(-1, 4, n)  # up to thousands of thresholds
+    clipped = _saturating_bias(bias, pos, neg, theta)
+    assert (clipped != bias).mean() > 0.3 and np.abs(clipped).max() <= (5 + 3.0) * 1.01
+    for v0 in (0.0, 0.5, 1.0):
+        va = vb = torch.as_tensor(v0 * theta)
+        for t in range(T):
+            u = rng.uniform(0, 1, n)
+            u = np.where(u < 0.1, 0.0, np.where(u > 0.9, 1.0, u))  # the extremes included
+            x = torch.as_tensor(neg + (pos - neg) * u)
+            sa, va = if_step(va, x + torch.as_tensor(bias), torch.as_tensor(theta), reset=reset)
+            sb, vb = if_step(vb, x + torch.as_tensor(clipped), torch.as_tensor(theta), reset=reset)
+            assert torch.equal(sa, sb), (v0, t)
+
+
+def test_saturating_biases_leave_the_layer_its_threshold_bits():
+    """Two channels whose biases calibration pushed to +-1000 thresholds (one always firing, one
+    silent) no longer set the layer's integer scale: the layer keeps a threshold of many bits,
+    and the chip's spikes of those channels are the float network's (all, none)."""
+    g = small_graph("subtract", seed=2)
+    b = np.asarray(g.nodes["conv2"].bias, np.float32).copy()
+    b[0], b[1] = 1000.0, -1000.0
+    g.nodes["conv2"].bias = b
+    q = quantize(g)
+    assert int(np.min(q.population("n2").vth)) >= 64
+    x = torch.rand(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = Loihi2SimBackend().compile(g, record=True).run(x, 6).extra["trace"]["s"]["n2"]
+    s = s.reshape(6, 4, 4, 8, 8)
+    assert bool(s[:, :, 0].all()) and not bool(s[:, :, 1].any())
+
+
+def test_auto_weight_groups_refine_only_the_connections_that_need_it():
+    """weight_groups="auto" (the default): a connection whose 8-bit weights' relative rounding
+    error exceeds SECOND_GROUP_ERROR (a few large outliers) gains a residual group; the others
+    keep one."""
+    from snnconv_backends.loihi2.quantisation import SECOND_GROUP_ERROR
+
+    g = small_graph("zero", seed=5, channels=32)
+    w = np.asarray(g.nodes["conv3"].weight, np.float32).copy()
+    w[0, 0, 1, 1] = 60 * float(np.sqrt((w**2).mean()))  # one outlier sets the shared exponent
+    g.nodes["conv3"].weight = w
+    one = {c.name: c for p in quantize(g, weight_groups=1).populations for c in p.conns}
+    auto = {c.name for p in quantize(g).populations for c in p.conns}
+    needs = {n for n, c in one.items() if c.report["rel_error"] > SECOND_GROUP_ERROR}
+    assert "conv3" in needs and needs != set(one)
+    assert {n[:-3] for n in auto if n.endswith(".lo")} == needs

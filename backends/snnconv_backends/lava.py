@@ -39,7 +39,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_grou
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
 _OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
-            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": 1,
+            "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": "auto",
             "dt": 1.0, "per_neuron_vth": True, "reference": True}
 
 

@@ -24,7 +24,7 @@ __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
 #: The options of ``loihi2-sim`` and their defaults.
 OPTIONS = {"device": "cpu", "record": False, "step_seconds": STEP_SECONDS, "batch_size": None,
-           "weight_bits": 8, "split_signs": True, "weight_groups": 1, "dt": 1.0,
+           "weight_bits": 8, "split_signs": True, "weight_groups": "auto", "dt": 1.0,
            "per_neuron_vth": True, "reference": True, "mse_exponents": False}
 
 

@@ -119,8 +119,18 @@ def _bits(weight_bits: int | Mapping[str, int], name: str, what: str = "weight_b
     return int(b)
 
 
-def _groups(weight_groups: int | Mapping[str, int], name: str) -> int:
-    return _bits(weight_groups, name, "weight_groups", 1, 2, 1)
+#: ``weight_groups="auto"``: a connection whose 8-bit weights' relative RMS rounding error
+#: exceeds this gets the second synapse group (see :func:`quantize`).
+SECOND_GROUP_ERROR = 0.02
+
+
+def _groups(weight_groups: int | str | Mapping[str, int | str], name: str, rel_error: float) -> int:
+    """1 or 2 synapse groups for connection ``name`` whose single group's relative RMS rounding
+    error is ``rel_error``."""
+    g = weight_groups.get(name, weight_groups.get("*", 1)) if isinstance(weight_groups, Mapping) else weight_groups
+    if g == "auto":
+        return 2 if rel_error > SECOND_GROUP_ERROR else 1
+    return _bits(g, name, "weight_groups", 1, 2, 1)
 
 
 def _shifted_bounds(pos: np.ndarray, neg: np.ndarray, e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -193,6 +203,19 @@ def _bias_report(const: np.ndarray, scale: np.ndarray) -> dict[str, Any]:
             "zero_rounded": int((nz & (deq == 0)).sum()), "rel_error": err, "clipped": clipped}
 
 
+def _saturating_bias(bias: np.ndarray, pos: np.ndarray, neg: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """IF neurons' biases clipped where the clipping changes no spike: a neuron whose bias
+    exceeds its threshold plus its most negative input sum ``neg`` fires at every step whatever
+    its inputs (with either reset its membrane only grows past the threshold), and one whose bias
+    is below minus its largest input sum ``pos`` never fires (its membrane, which starts at most at
+    the threshold, never grows). Such biases, often thousands of thresholds on a channel that
+    calibration left silent or saturated, would otherwise set the whole layer's scale (the bias
+    current's 13-bit mantissa) and leave the other neurons' thresholds a few bits."""
+    hi = (theta - neg) * (1 + 2**-10) + 1e-12
+    lo = -pos * (1 + 2**-10) - 1e-12
+    return np.where(bias > hi, hi, np.where(bias < lo, lo, bias))
+
+
 def _channel_min(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Per-neuron values ``[size]`` -> their minimum per channel (dim 0) ``[C]``."""
     return values.reshape(shape[0], -1).min(1) if len(shape) else values.reshape(1)
@@ -203,7 +226,7 @@ def _channel_max(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
-             weight_groups: int | Mapping[str, int] = 1, per_neuron_vth: bool = True,
+             weight_groups: int | str | Mapping[str, int | str] = "auto", per_neuron_vth: bool = True,
              mse_exponents: bool = False, backend: str = "loihi2-sim") -> QuantizedNetwork:
     """Map a NIR graph (or a :class:`ParsedGraph`) onto Loihi's fixed-point arithmetic.
 
@@ -214,11 +237,13 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
     groups (excitatory and inhibitory) sharing one exponent, so its mantissas have 8 bits of
     magnitude instead of Lava's mixed sign mode's 7; the same synapses (zero mantissas are
     absent), two processes in Lava (see :func:`_quantize_weights`).
-    ``weight_groups``: 1 (default) or 2 synapse groups per connection (or a mapping connection
-    name -> groups, ``"*"``: the others). With 2, the rounding residual of the 8-bit weights
-    becomes a second connection ``"<name>.lo"`` from the same source with an exponent about 8
-    lower, so the pair carries ~15-bit weights on 8-bit synapses: runnable on the chip (and in
-    Lava), at twice the synapses and synaptic operations of that connection (see resources).
+    ``weight_groups``: 1 or 2 synapse groups per connection, or ``"auto"`` (the default): 2
+    where one group's relative RMS rounding error exceeds :data:`SECOND_GROUP_ERROR` (or a
+    mapping connection name -> any of these, ``"*"``: the others). With 2, the rounding residual
+    of the 8-bit weights becomes a second connection ``"<name>.lo"`` from the same source with an
+    exponent about 8 lower, so the pair carries ~15-bit weights on 8-bit synapses: runnable on the
+    chip (and in Lava), at twice the synapses and synaptic operations of that connection (see
+    resources).
     ``per_neuron_vth``: a population whose single threshold would fall below
     ``_VTH_PER_CHANNEL`` gets one threshold per channel (the default; False: one per population).
     ``mse_exponents``: each connection's exponent is the one (of the one that fits its largest
@@ -313,6 +338,8 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
         for _, _, kind, w, _ in raw:
             p_, n_ = _row_sums(kind, w, shape)
             pos, neg = pos + p_, neg + n_
+        if as_current and role == "neuron" and not late:
+            const = _saturating_bias(const, pos, neg, per_neuron_values(theta, shape))
         if not as_current:
             pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
         worst = np.maximum(pos, -neg)
@@ -378,7 +405,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                 rep["float_nonzero"] = int(np.count_nonzero(w))
                 delay = d - depth[s] - 1
                 groups = [(cname, m, e, rep)]
-                if _groups(weight_groups, cname) == 2:
+                if _groups(weight_groups, cname, rep["rel_error"]) == 2:
                     # the rounding residual as a second synapse group with a smaller exponent
                     resid = sc - m.astype(np.float64) * 2.0**e
                     if np.any(resid != 0):
