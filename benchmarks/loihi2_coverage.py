@@ -9,7 +9,8 @@ cached under ``--cache``; its BatchNorm statistics recomputed over the training 
 whose steps ``--reconstruction-steps`` sets),
 exported to NIR, then run on ``--images`` test images by the cpu backend (the exact reference)
 and by loihi2-sim. A row: whether loihi2-sim runs it or refuses (the reason), the decision
-agreement with cpu (argmax of the readout averaged over T), cpu's agreement with itself on the
+agreement with cpu (argmax of the readout averaged over T; also with every connection on two
+synapse groups, ~15-bit weights, and the cores that takes), cpu's agreement with itself on the
 input times (1 + 1e-4 noise) (the float network's own decision stability, which bounds what any
 finite-precision executor can reach), both accuracies, the lowest
 per-layer firing-rate ratio chip / float, the largest fraction of a connection's weights that
@@ -134,9 +135,9 @@ def _train(model: nn.Module, name: str, train: TensorDataset, epochs: int, lr: f
     return True
 
 
-def run_backend(name: str, graph, x: torch.Tensor, batch: int) -> tuple[torch.Tensor, list]:
+def run_backend(name: str, graph, x: torch.Tensor, batch: int, **options) -> tuple[torch.Tensor, list]:
     """Predictions ``[B, classes]`` (the readout averaged over T) and each batch's result."""
-    program = get(name).compile(graph)
+    program = get(name).compile(graph, **options)
     preds, results = [], []
     for part in x.split(batch):
         with warnings.catch_warnings():
@@ -203,6 +204,11 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
     _judge_decisions(row)
     res = results[0].extra.get("resources", {})
     row["cores"], row["chips"] = res.get("cores"), res.get("chips")
+    # every connection on two synapse groups (~15-bit weights, twice the synapses): the agreement
+    # that finer weights buy, against the float network's own stability
+    fine, fine_results = run_backend("loihi2-sim", graph, xin, args.batch, weight_groups=2)
+    row["agreement_two_groups"] = round(100 * float((fine.argmax(1) == cpu.argmax(1)).float().mean()), 2)
+    row["cores_two_groups"] = fine_results[0].extra.get("resources", {}).get("cores")
     depth = max((layer.get("depth", 0) for layer in res.get("layers", {}).values()), default=0)
     row["latency_steps"] = T + depth
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -221,9 +227,13 @@ def _judge_decisions(row: dict) -> None:
         row["warnings"] = sorted(set(row.get("warnings", [])) | {note})
 
 
+def _pair(a, b) -> str:
+    return "" if a is None else f"{a}, {b}"
+
+
 def markdown(rows: list[dict]) -> str:
-    head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | cpu vs itself at 1e-4 noise | lowest rate ratio | "
-            "most flushed | warned | cores | chips | latency (steps) | refusal |")
+    head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | two groups everywhere: agreement, cores | "
+            "cpu vs itself at 1e-4 noise | lowest rate ratio | most flushed | warned | cores | chips | latency (steps) | refusal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mf = r.get("most_flushed") or {}
@@ -231,6 +241,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {'x'.join(map(str, r['input']))} | {r['conversion']} | {r.get('ann_accuracy', '')} | "
             f"{r.get('cpu_accuracy', '')} | {r.get('loihi2_accuracy', '')} | {r.get('agreement', '')} | "
+            f"{_pair(r.get('agreement_two_groups'), r.get('cores_two_groups'))} | "
             f"{r.get('cpu_self_agreement_1e-4', '')} | "
             f"{r.get('lowest_rate_ratio', '')} | {flush} | "
             f"{'yes' if r.get('warned') else ('no' if 'warned' in r else '')} | {r.get('cores', '')} | "
