@@ -9,7 +9,7 @@ random batches (the calibration path: no training, no layer-wise reconstruction)
 (outputs and per-layer spike counts, ``torch.equal``). Writes
 ``benchmarks/results/coverage.json`` and ``coverage.md``.
 
-    python benchmarks/coverage.py [--models resnet18,vgg11] [--small] [--sizes 32,64]
+    python benchmarks/coverage.py [--models resnet18,vgg11] [--small] [--sizes 32,64] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="", help="comma-separated names (default: all)")
     ap.add_argument("--small", action="store_true", help="only the models the test suite builds")
     ap.add_argument("--sizes", default="32,64", help="comma-separated input sides in px (default 32,64)")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "coverage.json"),
+                    help="results JSON (a .md beside it); rows it holds are kept, not run again")
     args = ap.parse_args(argv)
     sizes = [int(v) for v in args.sizes.split(",") if v]
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -93,18 +95,27 @@ def main(argv: list[str] | None = None) -> int:
         specs = [s for s in specs if s.name in want]
     if args.small:
         specs = [s for s in specs if not s.large]
-    rows = []
+    rows = json.load(open(args.out))["rows"] if os.path.exists(args.out) else []
+    done = {(r["model"], tuple(r["input"])) for r in rows}
     for spec in specs:
         for size in sizes:
+            if (spec.name, (3, size, size)) in done:
+                continue
             rows.append(check(dataclasses.replace(spec, size=size)))
             print(json.dumps(rows[-1]), flush=True)
-    os.makedirs(RESULTS, exist_ok=True)
-    payload = {"command": "python benchmarks/coverage.py " + " ".join(argv or sys.argv[1:]),
-               "torch": torch.__version__, "rows": rows}
-    atomic_write_bytes(os.path.join(RESULTS, "coverage.json"), json.dumps(payload, indent=1).encode())
-    atomic_write_bytes(os.path.join(RESULTS, "coverage.md"), markdown(rows).encode())
+            _write(args.out, rows, argv)
+    _write(args.out, rows, argv)
     print(markdown(rows))
     return 0
+
+
+def _write(out: str, rows: list[dict], argv: list[str] | None) -> None:
+    """The results so far (written after every row: a long run can stop and resume)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    payload = {"command": "python benchmarks/coverage.py " + " ".join(argv or sys.argv[1:]),
+               "torch": torch.__version__, "rows": rows}
+    atomic_write_bytes(out, json.dumps(payload, indent=1).encode())
+    atomic_write_bytes(os.path.splitext(out)[0] + ".md", markdown(rows).encode())
 
 
 if __name__ == "__main__":
