@@ -12,7 +12,8 @@ and by loihi2-sim. A row: whether loihi2-sim runs it or refuses (the reason), th
 agreement with cpu (argmax of the readout averaged over T; also with every connection on two
 synapse groups, ~15-bit weights, and the cores that takes), cpu's agreement with itself on the
 input times (1 + 1e-4 noise) (the float network's own decision stability, which bounds what any
-finite-precision executor can reach), both accuracies, the lowest
+finite-precision executor can reach) and the agreement on the images whose decision that noise
+leaves unchanged, both accuracies, the lowest
 per-layer firing-rate ratio chip / float, the largest fraction of a connection's weights that
 rounds to zero, whether the fidelity check warned, neuro cores and Loihi 2 chips (128 cores a
 chip), and the latency in steps (T plus the pipeline depth). ``--finetune`` adds rows with
@@ -191,6 +192,11 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
     row["loihi2_seconds"] = round(time.perf_counter() - t1, 1)
     row["loihi2_accuracy"] = round(100 * float((chip.argmax(1) == y).float().mean()), 2)
     row["agreement"] = round(100 * float((chip.argmax(1) == cpu.argmax(1)).float().mean()), 2)
+    # on the images whose float decision survives the 1e-4 perturbation (not near-ties)
+    stable = nudged.argmax(1) == cpu.argmax(1)
+    row["agreement_on_stable"] = round(100 * float((chip.argmax(1) == cpu.argmax(1))[stable].float().mean()), 2)
+    row["decisions"] = {"cpu": cpu.argmax(1).tolist(), "nudged": nudged.argmax(1).tolist(),
+                        "loihi2": chip.argmax(1).tolist(), "labels": y.tolist()}
     fids = [r.extra.get("fidelity") for r in results if r.extra.get("fidelity")]
     ratios = [f["lowest_rate_ratio"] for f in fids if f.get("lowest_rate_ratio") is not None]
     row["lowest_rate_ratio"] = round(min(ratios), 3) if ratios else None
@@ -208,6 +214,7 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
     # that finer weights buy, against the float network's own stability
     fine, fine_results = run_backend("loihi2-sim", graph, xin, args.batch, weight_groups=2)
     row["agreement_two_groups"] = round(100 * float((fine.argmax(1) == cpu.argmax(1)).float().mean()), 2)
+    row["decisions"]["loihi2_two_groups"] = fine.argmax(1).tolist()
     row["cores_two_groups"] = fine_results[0].extra.get("resources", {}).get("cores")
     depth = max((layer.get("depth", 0) for layer in res.get("layers", {}).values()), default=0)
     row["latency_steps"] = T + depth
@@ -232,7 +239,8 @@ def _pair(a, b) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | two groups everywhere: agreement, cores | "
+    head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | on stable images | "
+            "two groups everywhere: agreement, cores | "
             "cpu vs itself at 1e-4 noise | lowest rate ratio | most flushed | warned | cores | chips | latency (steps) | refusal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -241,6 +249,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['model']} | {'x'.join(map(str, r['input']))} | {r['conversion']} | {r.get('ann_accuracy', '')} | "
             f"{r.get('cpu_accuracy', '')} | {r.get('loihi2_accuracy', '')} | {r.get('agreement', '')} | "
+            f"{r.get('agreement_on_stable', '')} | "
             f"{_pair(r.get('agreement_two_groups'), r.get('cores_two_groups'))} | "
             f"{r.get('cpu_self_agreement_1e-4', '')} | "
             f"{r.get('lowest_rate_ratio', '')} | {flush} | "
