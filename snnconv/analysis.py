@@ -129,6 +129,30 @@ def _summed(mod: nn.Module, events: torch.Tensor, out: torch.Tensor) -> torch.Te
 _POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
 
 
+def _carried_scales(gm: fx.GraphModule) -> set[str]:
+    """Names of the ``Scale`` nodes whose output reaches a weight layer through ops that are
+    neither weight layers nor neurons (a concatenation, a flatten, a pooling): the weight layer
+    takes the scale into its weights and counts their spikes, as every backend does
+    (``snnconv_backends.engine.stats``); a Scale that reaches only neurons (an identity
+    shortcut) is one add per spike."""
+    def kind(n: fx.Node) -> str:
+        if n.op == "output":
+            return "stop"
+        if n.op != "call_module":
+            return "pass"
+        m = gm.get_submodule(str(n.target))
+        if isinstance(m, Scale):
+            return "scale"
+        if isinstance(m, _WEIGHT_LAYERS):
+            return "weight"
+        return "stop" if isinstance(m, (IFNeuron, LeakyNeuron, AnalogPrefix)) else "pass"
+    reaches: set[str] = set()
+    for n in reversed(list(gm.graph.nodes)):
+        if any(kind(u) == "weight" or (kind(u) in ("pass", "scale") and u.name in reaches) for u in n.users):
+            reaches.add(n.name)
+    return {n.name for n in gm.graph.nodes if kind(n) == "scale" and n.name in reaches}
+
+
 class _Counter(fx.Interpreter):
     """Run the network once and count, per weight layer, what the backends count (module docstring)."""
 
@@ -141,6 +165,7 @@ class _Counter(fx.Interpreter):
         self.static_macs: dict[str, float] = {}
         self.dense_macs: dict[str, float] = {}
         self.macs: dict[str, float] = {}
+        self.carried = _carried_scales(gm)
 
     def _layer(self, name: str, layer: nn.Module, x: torch.Tensor, events, static: bool) -> None:
         per_image = _macs_per_image(layer, x) if not isinstance(layer, Scale) else 0.0
@@ -168,6 +193,8 @@ class _Counter(fx.Interpreter):
                 ev = (out.detach() != 0).to(torch.float32)
         elif isinstance(mod, AnalogPrefix):
             self._prefix(str(n.target), mod, self.fetch_args_kwargs_from_env(n)[0][0])
+        elif isinstance(mod, Scale) and n.name in self.carried:
+            ev = spiking[0] if spiking else None  # folded into the weight layer after it
         elif isinstance(mod, _WEIGHT_LAYERS + (Scale,)):
             x = self.fetch_args_kwargs_from_env(n)[0][0]
             self._layer(str(n.target), mod, x, events[0] if events else None, static)

@@ -51,7 +51,7 @@ import torch.nn as nn
 
 from .errors import NIRError
 from .graph import describe_node, module_of
-from .nirformat import (ADAPTIVE_AVGPOOL, ANALOG_PREFIX, FORMAT_VERSION, INPUT_KEY, MODULE_KEY, OP_KEY,
+from .nirformat import (ADAPTIVE_AVGPOOL, ANALOG_PREFIX, CONCAT_OP, FORMAT_VERSION, INPUT_KEY, MODULE_KEY, OP_KEY,
                         SCALE_OP, SUM_OP, fire_threshold, graph_metadata, neuron_metadata, spec_threshold,
                         v_init_metadata)
 from .network import SpikingNetwork, check_T
@@ -261,10 +261,10 @@ class _Exporter:
             weight = np.zeros((out[0], shape[0]) + (1,) * (len(shape) - 1), np.float32)
             weight[np.arange(offset, offset + shape[0]), np.arange(shape[0])] = 1.0
             offset += shape[0]
-            node = (nir.Linear(weight=weight) if len(shape) == 1 else
+            node = (nir.Linear(weight=weight, metadata={OP_KEY: CONCAT_OP}) if len(shape) == 1 else
                     nir.Conv2d(input_shape=tuple(int(s) for s in shape[1:]), weight=weight, stride=(1, 1),
                                padding=(0, 0), dilation=(1, 1), groups=1, bias=np.zeros(out[0], np.float32),
-                               metadata={"snnconv_bias": "none", OP_KEY: "concat"}))
+                               metadata={"snnconv_bias": "none", OP_KEY: CONCAT_OP}))
             if len(shape) not in (1, 3):
                 raise self.unsupported(n, f"a concatenation of {len(shape)}-d parts")
             embeds.append(self.add(f"{n.name}_{k}", node, self.src(part, n)))

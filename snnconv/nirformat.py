@@ -44,7 +44,10 @@ write ``Identity``); ``AvgPool2d`` with ``{"snnconv_module": "AdaptiveAvgPool2d"
 torch's adaptive pooling; a 1x1 ``Conv2d`` (or a ``Linear``) with a diagonal weight, no bias
 and ``{"snnconv_op": "scale"}`` is an identity shortcut's per-channel scale, written so because
 readers without a ``Scale`` mapping (spikingjelly) run convolutions; it is exact (one nonzero
-term per output).
+term per output). A 1x1 ``Conv2d`` (or a ``Linear``) with ``{"snnconv_op": "concat"}`` places one
+part of a channel concatenation: a one-hot weight, no bias. Both carry each spike unchanged to
+the weighted layer after them (into whose weights a chip folds them), so the energy counts charge
+them nothing there.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ import numpy as np
 from .errors import ConfigError
 
 __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
-           "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP",
+           "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP", "CONCAT_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
            "spec_threshold", "engine_threshold", "neuron_metadata", "graph_metadata",
            "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain",
@@ -81,6 +84,7 @@ OP_KEY = "snnconv_op"
 MODULE_KEY = "snnconv_module"
 SUM_OP = "sum"
 SCALE_OP = "scale"
+CONCAT_OP = "concat"
 ADAPTIVE_AVGPOOL = "AdaptiveAvgPool2d"
 #: graph metadata key ``"input"``: :data:`ANALOG_PREFIX` where the graph's input is the output of
 #: the network's static analog prefix (:mod:`snnconv.prefix`), run once per image outside the graph

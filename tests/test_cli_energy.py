@@ -92,3 +92,73 @@ def test_evaluate_run_cpu_the_api_and_the_report_give_one_figure_for_one_run(sma
     assert [t for t, _ in rows] == ["evaluate (torch SNN)", "run --backend cpu"]
     assert [float(r) for _, r in rows] == [round(api["ratio"], 3)] * 2
     assert "Why two targets differ" in page
+
+
+class _Fire(torch.nn.Module):
+    """A SqueezeNet Fire module's shape: two branches of spikes concatenated, then a convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.e1, self.e3 = torch.nn.Conv2d(4, 3, 1), torch.nn.Conv2d(4, 5, 3, padding=1)
+        self.squeeze = torch.nn.Conv2d(8, 4, 1)
+        self.fc = torch.nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        x = torch.cat([torch.relu(self.e1(x)), torch.relu(self.e3(x))], 1)
+        return self.fc(torch.relu(self.squeeze(x)).flatten(1))
+
+
+def test_a_concatenation_of_spikes_costs_what_the_layer_after_it_counts():
+    """Spikes through a concatenation (and the per-channel scales before it) reach the convolution
+    after it as events: the torch analysis and the cpu backend count the same synaptic
+    operations and ANN MACs, the concatenation's placements no MAC, nothing as dense MACs."""
+    import warnings
+
+    import snnconv
+    from snnconv.backends import get
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x = torch.rand(32, 1, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        snn, _ = snnconv.convert(_Fire(), DataLoader(TensorDataset(x, torch.zeros(32, dtype=torch.long)),
+                                                      batch_size=16),
+                                 T=4, finetune_epochs=0, reconstruction_steps=0, progress=False)
+    a = analyse(snn, x[:8], 4)
+    r = get("cpu").compile(export_nir(snn)).run(x[:8], 4)
+    assert not a.dense_macs and a.synops.get("squeeze", 0) > 0
+    assert sum(r.synops.values()) == pytest.approx(sum(a.synops.values()), rel=1e-12)
+    assert sum(r.macs.values()) == pytest.approx(sum(a.macs.values()), rel=1e-12)
+    assert set(r.macs) == {"stem", "e1", "e3", "squeeze", "fc"}
+
+
+def test_a_concatenation_marker_on_other_weights_is_refused():
+    """A node marked as a concatenation's part is read as one only if its weight is a one-hot
+    placement: a file cannot hide a layer's MACs behind the marker."""
+    import warnings
+
+    import numpy as np
+    import snnconv
+    from snnconv.errors import NIRError
+    from snnconv.nirformat import CONCAT_OP, OP_KEY
+    from snnconv_backends.nirgraph import parse
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x = torch.rand(16, 1, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        snn, _ = snnconv.convert(_Fire(), DataLoader(TensorDataset(x, torch.zeros(16, dtype=torch.long)),
+                                                      batch_size=16),
+                                 T=2, finetune_epochs=0, reconstruction_steps=0, progress=False)
+    graph = export_nir(snn)
+    parts = [k for k, n in graph.nodes.items() if (getattr(n, "metadata", None) or {}).get(OP_KEY) == CONCAT_OP]
+    assert len(parts) == 2 and all(parse(graph).op(k).params.get("placement") for k in parts)
+    w = np.asarray(graph.nodes[parts[0]].weight).copy()
+    w[w == 1] = 2.0
+    graph.nodes[parts[0]].weight = w
+    with pytest.raises(NIRError, match="concatenation's part"):
+        parse(graph)

@@ -137,7 +137,7 @@ _READERS = {"nirfile": 60, "nirgraph": 150, "prefix": 30, "network": 120, "check
 
 def test_each_reader_gives_an_snnconv_error_or_a_correct_load_within_the_budget(tmp_path):
     """Per reader, one child (tests/_fuzz_readers.py) capped at its size after imports + 2 GiB
-    of address space and 10 s per case runs all of its cases: mutants of small valid files and
+    of address space and 20 CPU seconds per case runs all of its cases: mutants of small valid files and
     graphs, the known hostile files (digests forged) and every kind of path. Each case ends in
     a snnconv error or a correct load, runs no code (a payload would create a marker file), and
     adds less than the read budget to the child's resident memory."""
@@ -152,7 +152,7 @@ def test_each_reader_gives_an_snnconv_error_or_a_correct_load_within_the_budget(
             [sys.executable, os.path.join(_ROOT, "tests", "_fuzz_readers.py"), reader, str(folder)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for reader, child in children.items():
-        out, err = child.communicate(timeout=120)
+        out, err = child.communicate(timeout=3600)  # a hang guard only (cases are bounded in CPU time)
         assert child.returncode == 0, err[-3000:]
         rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert len(rows) >= _READERS[reader], err[-3000:]

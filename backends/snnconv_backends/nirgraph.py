@@ -63,7 +63,7 @@ import nir
 import numpy as np
 
 from snnconv.errors import NIRError
-from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARES, FORMAT_VERSION, FORMAT_VERSIONS, MODULE_KEY,
+from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARES, CONCAT_OP, FORMAT_VERSION, FORMAT_VERSIONS, MODULE_KEY,
                                NEURON_KEY, OP_KEY, RESETS, SCALE_OP, SOURCE_VERSION_KEY, SPEC_COMPARE,
                                SUM_OP, engine_threshold, fire_threshold,
                                integration_gain, legacy_if_reason, predates_v_reset,
@@ -538,6 +538,8 @@ def _read_conv(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int,
     params, in_shape, shape = _conv_params(name, node, 1 if kind == "conv1d" else 2, incoming)
     if meta.get(OP_KEY) == SCALE_OP:
         return _diagonal_scale(name, params, in_shape, shape)
+    if meta.get(OP_KEY) == CONCAT_OP:
+        _placement(name, params)
     return kind, params, in_shape, shape
 
 
@@ -551,7 +553,28 @@ def _read_dense(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int
         params["bias"] = bias
     if meta.get(OP_KEY) == SCALE_OP:
         return _diagonal_scale(name, params, (weight.shape[1],), (weight.shape[0],))
+    if meta.get(OP_KEY) == CONCAT_OP:
+        _placement(name, params)
     return kind, params, (weight.shape[1],), (weight.shape[0],)
+
+
+def _placement(name: str, params: dict) -> None:
+    """A concatenation's part (``{"snnconv_op": "concat"}``): checked to be a one-hot placement
+    (a 1x1 weight of zeros and ones, one one per input channel, at most one per output channel,
+    no bias) and marked ``params["placement"] = True`` (its spikes pass on unchanged: the energy
+    counts charge the weighted layer after it)."""
+    w = np.asarray(params["weight"])
+    bias = params.get("bias")
+    m = w.reshape(w.shape[0], -1) if w.ndim == 2 else w.reshape(w.shape[0], w.shape[1], -1)
+    ok = (w.ndim == 2 or (m.shape[2] == 1 and params.get("groups", 1) == 1
+                          and all(int(v) == 1 for v in np.ravel(params.get("stride", 1)))
+                          and not np.any(params.get("padding", 0))))
+    m = m.reshape(m.shape[0], m.shape[1])
+    ok = ok and bool(np.isin(m, (0.0, 1.0)).all()) and bool((m.sum(0) == 1).all()) and bool((m.sum(1) <= 1).all())
+    if not ok or (bias is not None and np.any(np.asarray(bias) != 0)):
+        raise NIRError(f"node '{name}': marked as a concatenation's part ({OP_KEY}={CONCAT_OP!r}) but its "
+                       "weight is not a one-hot 1x1 placement without bias")
+    params["placement"] = True
 
 
 def _read_pool(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):

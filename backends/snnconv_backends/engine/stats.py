@@ -17,28 +17,55 @@ from .ops import PASS, WEIGHTED, flatten_dims
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Stats", "fanouts", "macs_per_image"]
+__all__ = ["Stats", "fanouts", "folded", "macs_per_image"]
+
+
+def folded(op: Any) -> bool:
+    """A per-channel scale or a concatenation's placement: it carries each spike unchanged, and a
+    weighted op after it takes it into its weights (as a chip does)."""
+    return op.kind == "scale" or bool(op.params.get("placement"))
+
+
+def _feeds_weighted(ops: list[Any]) -> set[str]:
+    """Names of the folded ops whose output reaches a weighted op through pass-through ops: they
+    are charged nothing; that op counts their spikes (:func:`_sources`)."""
+    consumers: dict[str, list[Any]] = {}
+    for op in ops:
+        for i in op.inputs:
+            consumers.setdefault(i, []).append(op)
+    reaches: set[str] = set()
+    for op in reversed(ops):  # consumers come later in topological order
+        if folded(op) and any((c.kind in WEIGHTED and not folded(c)) or
+                              ((c.kind in PASS or folded(c)) and c.name in reaches)
+                              for c in consumers.get(op.name, ())):
+            reaches.add(op.name)
+        elif op.kind in PASS and any((c.kind in WEIGHTED and not folded(c)) or c.name in reaches
+                                     for c in consumers.get(op.name, ())):
+            reaches.add(op.name)
+    return reaches
 
 
 def fanouts(ops: list[Any], by_name: dict[str, Any]) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """layer -> [(neuron, fan-out per neuron position)], the accumulates one spike causes."""
     out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    carried = _feeds_weighted(ops)
     with torch.inference_mode(False), torch.enable_grad():  # compile() may run under no_grad
         for op in ops:
-            if op.kind in WEIGHTED:
-                _fanout_of(op, by_name, out)
+            if op.kind in WEIGHTED and op.name not in carried:
+                _fanout_of(op, by_name, out, carried)
     return out
 
 
-def _sources(op: Any, by_name: dict[str, Any]) -> list[tuple[str, list[Any]]]:
-    """(neuron name, ops between it and ``op``) for every spike path into ``op``."""
+def _sources(op: Any, by_name: dict[str, Any], carried: set[str]) -> list[tuple[str, list[Any]]]:
+    """(neuron name, ops between it and ``op``) for every spike path into ``op`` (through
+    pass-through ops and the folded ops in ``carried``)."""
     found = []
 
     def walk(name: str, chain: list[Any]) -> None:
         src = by_name[name]
         if src.kind in SPIKING:
             found.append((src.name, chain))
-        elif src.kind in PASS:
+        elif src.kind in PASS or src.name in carried:
             for i in src.inputs:
                 walk(i, [src] + chain)
 
@@ -47,9 +74,9 @@ def _sources(op: Any, by_name: dict[str, Any]) -> list[tuple[str, list[Any]]]:
     return found
 
 
-def _fanout_of(op: Any, by_name: dict[str, Any], out: dict) -> None:
+def _fanout_of(op: Any, by_name: dict[str, Any], out: dict, carried: set[str]) -> None:
     """d(sum of ``op``'s outputs with unit weights)/d(each spike): its structural fan-out."""
-    for neuron, chain in _sources(op, by_name):
+    for neuron, chain in _sources(op, by_name, carried):
         x = torch.ones(1, *by_name[neuron].out_shape, dtype=torch.float64, requires_grad=True)
         y = x
         for c in chain:
@@ -63,12 +90,14 @@ def _structural(op: Any, x: torch.Tensor) -> torch.Tensor:
     """``op`` with every weight 1 and pooling as a sum: the connectivity it has, as a function."""
     p = op.params
     if op.kind in ("conv1d", "conv2d"):
-        w = torch.ones(p["weight"].shape, dtype=x.dtype)
+        w = (torch.as_tensor(p["weight"] != 0, dtype=x.dtype) if p.get("placement")
+             else torch.ones(p["weight"].shape, dtype=x.dtype))
         conv = F.conv2d if op.kind == "conv2d" else F.conv1d
         return conv(x, w, None, tuple(p["stride"]), tuple(p["padding"]), tuple(p["dilation"]),
                     int(p["groups"]))
     if op.kind in ("affine", "linear"):
-        return F.linear(x, torch.ones(p["weight"].shape, dtype=x.dtype))
+        return F.linear(x, torch.as_tensor(p["weight"] != 0, dtype=x.dtype) if p.get("placement")
+                        else torch.ones(p["weight"].shape, dtype=x.dtype))
     if op.kind == "scale":
         return x
     if op.kind in ("avgpool2d", "sumpool2d"):
@@ -89,6 +118,8 @@ def macs_per_image(ops: list[Any]) -> dict[str, float]:
     macs = {}
     for op in ops:
         p = op.params
+        if p.get("placement"):  # a concatenation's part: no synapse of the ANN
+            continue
         if op.kind in ("conv1d", "conv2d"):
             macs[op.name] = float(conv_macs(op.in_shape, tuple(p["weight"].shape), p["stride"],
                                             p["padding"], p["dilation"]))
