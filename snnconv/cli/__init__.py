@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     pa = parents()
-    parser = Parser(prog="snnconv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="snnconv", description=__doc__.replace("``", ""),  # plain text, not reST
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"snnconv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
