@@ -128,7 +128,8 @@ def _cmd_finetune(args) -> int:
     write_json(os.path.join(out, "finetune.json"),
                {"source": src, "T": T_train, "epochs": epochs, "lr": args.lr, "alpha": args.alpha,
                 "config": {k: v for k, v in vars(config).items() if k != "checkpoint_dir"},
-                "history": history, "accuracy": {"snn": ev["accuracy"]}, "run_id": run_id})
+                "history": history, "accuracy": {"snn": ev["accuracy"]}, "images": ev["images"],
+                "data": args.data, "run_id": run_id})
     print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
     say(args, f"\nwrote {out}/snn_finetuned.pt, finetune.json, evaluation.json")
     return 0

@@ -12,7 +12,7 @@ from ..energy import arithmetic_energy, format_arithmetic
 from .common import (Heartbeat, UsageError, add_command, datasets, load_snn, nir_path, positive_float,
                      positive_int, write_json)
 
-__all__ = ["add_export", "add_inspect", "add_run", "add_backends"]
+__all__ = ["add_export", "add_inspect", "add_run", "add_backends", "record_name", "rate_text"]
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -216,11 +216,8 @@ def _cmd_run(args) -> int:
 
     sizes = {op.name: op.out_shape for op in parse(graph, dt=args.dt).ops if op.kind == "neuron"}
     timed = seconds if seconds > 0 else time.perf_counter() - t_start  # the backend's own time, else wall
-    rate = n * T / max(timed, 1e-9)
     print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
-          f"{timed:.2f} s ({rate:,.0f} image-steps/s)" if rate >= 100 else
-          f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
-          f"{timed:.2f} s ({rate:.3g} image-steps/s)")
+          f"{timed:.2f} s ({rate_text(n * T, timed)})")
     print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
     by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
     print(f"accuracy by t: {by_t}")
@@ -279,6 +276,12 @@ def _cmd_run(args) -> int:
         print(f"--strict: the quantisation check failed ({len(fidelity['warnings'])} departure(s))")
         return 1
     return 0
+
+
+def rate_text(image_steps: int, seconds: float) -> str:
+    """``"25,600 image-steps/s"``, ``"0.4 image-steps/s"``: three significant digits below 100."""
+    rate = image_steps / max(seconds, 1e-9)
+    return f"{rate:,.0f} image-steps/s" if rate >= 100 else f"{rate:.3g} image-steps/s"
 
 
 def _accuracy_in(path: str) -> str | None:
