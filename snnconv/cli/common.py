@@ -495,9 +495,9 @@ def evaluation(args, snn, test_loader, Ts: list[int], label: str) -> dict:
     return rec
 
 
-def print_accuracy(args, rows: list[tuple[str, float]]) -> None:
-    """A two-column table: what was measured, its accuracy in percent."""
-    say(args, f"\n{'':28}accuracy (%)")
+def print_accuracy(args, rows: list[tuple[str, float]], images: int | None = None) -> None:
+    """A two-column table: what was measured, its accuracy in percent (on ``images`` test images)."""
+    say(args, f"\n{'':28}accuracy (%)" + (f" on {images:,} test images" if images else ""))
     for name, value in rows:
         say(args, f"{name:28}{value:6.2f}")
 

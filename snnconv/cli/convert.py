@@ -74,7 +74,7 @@ def _cmd_convert(args) -> int:
     write_json(os.path.join(out, "evaluation.json"), ev)
     print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
                           (f"QCFS-ANN (L={meta.settings['L']})", acc["qcfs"])]
-                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts])
+                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts], images=len(test.dataset))
     say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
     return 0
 
@@ -130,7 +130,7 @@ def _cmd_finetune(args) -> int:
                 "config": {k: v for k, v in vars(config).items() if k != "checkpoint_dir"},
                 "history": history, "accuracy": {"snn": ev["accuracy"]}, "images": ev["images"],
                 "data": args.data, "run_id": run_id})
-    print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
+    print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts], images=ev["images"])
     say(args, f"\nwrote {out}/snn_finetuned.pt, finetune.json, evaluation.json")
     return 0
 

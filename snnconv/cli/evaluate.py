@@ -32,7 +32,7 @@ def _cmd_evaluate(args) -> int:
     path = os.path.join(out, "evaluation.json")
     before = _recorded(path) if os.path.exists(path) else None
     write_json(path, ev)
-    print_accuracy(args, [(f"SNN T={t}", ev["accuracy"][str(t)]) for t in Ts])
+    print_accuracy(args, [(f"SNN T={t}", ev["accuracy"][str(t)]) for t in Ts], images=ev["images"])
     rates = ev["analysis"]["firing_rate"]
     e = ev["analysis"]["energy"]
     say(args, f"mean firing rate {100 * sum(rates.values()) / max(1, len(rates)):.2f}% per step "
