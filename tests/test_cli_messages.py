@@ -103,7 +103,7 @@ def test_a_missing_dataset_points_at_the_download_flag(tmp_path, capsys):
 
 def test_an_unknown_model_is_said_first_and_leaves_no_folder(tmp_path, capsys):
     out = tmp_path / "runs" / "convert"
-    assert main(["convert", "--model", "resnet50", "--out", str(out), "--quiet"]) == 2
+    assert main(["convert", "--model", "resnet50", "--train-epochs", "1", "--out", str(out), "--quiet"]) == 2
     err = _one_error(capsys, "convert")
     assert "--model resnet50: no such zoo model (the zoo: resnet14, resnet18, resnet20, resnet8," in err
     assert "give your own as --model package.module:factory" in err
@@ -208,6 +208,8 @@ def test_convert_export_and_run_a_factory_model_on_an_image_folder(own, capsys):
     (["--model", "tinynets:broken"], "broken() raised RuntimeError: no weights here"),
     (["--model", "tinynets:build", "--data", "nofolder"], "argument --data: 'nofolder' is neither a dataset "
                                                            "(digits, fashion_mnist, cifar10, synthetic) nor a folder"),
+    (["--model", "tinynets:build", "--data", "digits"], "--model tinynets:build does not take the images of "
+                                                         "--data digits (one is 1x8x8): RuntimeError"),
     (["--model", "small_cnn", "--data", "digits", "--image-size", "8"], "--image-size applies to a folder of "
                                                                           "images (--data DIR)"),
     (["--model", "tinynets:build", "--data", "images", "--weights", "images/red/00.png"],

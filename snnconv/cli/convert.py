@@ -44,6 +44,8 @@ def _cmd_convert(args) -> int:
     else:
         torch.manual_seed(args.seed)  # the initialisation too: the same --seed, the same network
         model = build(classes, in_channels)
+    _takes(model, x0, args)
+    if not args.weights:
         say(args, f"[1/3] training {args.model} on {args.data} for {args.train_epochs} epoch(s) ...")
         torch.manual_seed(args.seed)
         model = train_ann(model, train, epochs=args.train_epochs, lr=args.lr, progress=not args.quiet)
@@ -77,6 +79,23 @@ def _cmd_convert(args) -> int:
                    + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts], images=len(test.dataset))
     say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
     return 0
+
+
+def _takes(model, x0, args) -> None:
+    """UsageError unless ``model`` takes an image of ``--data`` (one, in eval mode; its mode kept)."""
+    import torch
+
+    was = model.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()(x0.unsqueeze(0))
+    except Exception as exc:
+        raise UsageError(f"--model {args.model} does not take the images of --data {args.data} (one is "
+                         f"{'x'.join(map(str, x0.shape))}): {type(exc).__name__}: {str(exc)[:160]}. Give "
+                         "data of the shape the model was built for (--image-size N resizes a folder's "
+                         "images), or a model for this data") from None
+    finally:
+        model.train(was)
 
 
 def _teacher(args, src: str, train):
