@@ -210,6 +210,8 @@ def test_convert_export_and_run_a_factory_model_on_an_image_folder(own, capsys):
                                                            "(digits, fashion_mnist, cifar10, synthetic) nor a folder"),
     (["--model", "tinynets:build", "--data", "digits"], "--model tinynets:build does not take the images of "
                                                          "--data digits (one is 1x8x8): RuntimeError"),
+    (["--model", "tinynets:build", "--data", "images", "--num-classes", "5"], "--num-classes shape(s) a zoo "
+                                                                              "model; --model tinynets:build builds"),
     (["--model", "small_cnn", "--data", "digits", "--image-size", "8"], "--image-size applies to a folder of "
                                                                           "images (--data DIR)"),
     (["--model", "tinynets:build", "--data", "images", "--weights", "images/red/00.png"],

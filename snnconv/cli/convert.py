@@ -31,6 +31,10 @@ def _cmd_convert(args) -> int:
     from ..plots import plot_accuracy_vs_T
 
     build = model_builder(args.model)  # an unknown model is said first, before any other advice
+    fixed = [f for f, v in (("--num-classes", args.num_classes), ("--in-channels", args.in_channels)) if v]
+    if ":" in args.model and fixed:
+        raise UsageError(f"{' and '.join(fixed)} shape(s) a zoo model; --model {args.model} builds its own "
+                         "(called without arguments): leave them out, or build what you need in the factory")
     if not args.weights and not args.train_epochs:
         raise UsageError(_WEIGHTS_OR_TRAIN)
     Ts = time_steps(args)
