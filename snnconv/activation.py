@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from .errors import ConfigError, UnsupportedLayerError
 from .graph import describe_node, module_of, set_module
+from .refusals import Construct, module_path, refusal_message, source_line
 
 __all__ = ["QCFS", "FloorSTE", "relu_sites", "relu_input", "is_inplace", "qcfs_sites",
-           "check_activations", "max_pools", "replace_maxpool"]
+           "check_activations", "unsupported_constructs", "max_pools", "replace_maxpool"]
 
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
 _RELU_METHODS = {"relu", "relu_"}
@@ -136,33 +137,87 @@ def qcfs_sites(model: nn.Module) -> dict[str, QCFS]:
 
 
 def check_activations(gm: fx.GraphModule, maxpool: str, *, stage: str = "QCFS calibration") -> None:
-    """Refuse activations other than ReLU, and max-pooling unless ``maxpool == "avg"``."""
+    """Refuse, in one error, every construct without an IF form: activations other than ReLU,
+    max-pooling unless ``maxpool == "avg"``, and operations between neurons that need analog
+    values (:func:`unsupported_constructs`).
+
+    Raises:
+        UnsupportedLayerError: listing all of them by kind, each with its module path and fx
+            node, and what to do for that kind (``.found`` holds them as :class:`Construct`).
+    """
+    found = unsupported_constructs(gm, maxpool)
+    if found:
+        raise UnsupportedLayerError(refusal_message(found, stage), found=found)
+
+
+def unsupported_constructs(gm: fx.GraphModule, maxpool: str) -> list[Construct]:
+    """Every construct of ``gm`` that has no IF form, in graph order (see :mod:`snnconv.refusals`)."""
+    found: dict[fx.Node, Construct] = {}
     for node in gm.graph.nodes:
         mod = module_of(gm, node)
-        bad = None
         if mod is not None and isinstance(mod, _UNSUPPORTED_MODULES):
-            bad = f"{type(mod).__name__} at {describe_node(node)}"
-        elif node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS:
-            bad = describe_node(node)
-        elif node.op == "call_method" and node.target in _UNSUPPORTED_METHODS:
-            bad = describe_node(node)
-        if bad:
-            raise UnsupportedLayerError(
-                f"unsupported activation {bad} found at {stage}: only ReLU maps onto "
-                "integrate-and-fire neurons (QCFS). Replace it with nn.ReLU and retrain the ANN "
-                "before converting.")
+            found[node] = _construct("activation", node, type(mod).__name__)
+        elif (node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS) or (
+                node.op == "call_method" and node.target in _UNSUPPORTED_METHODS):
+            found[node] = _construct("activation", node, f"{node.op} '{_name(node)}'")
         is_max = (mod is not None and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}) or (
             node.op == "call_function" and node.target in _MAXPOOL_FUNCTIONS)
         if is_max and (maxpool != "avg" or mod is None):
-            if mod is not None:
-                hint = ("pass maxpool='avg' to calibrate_qcfs/convert to replace it with average "
-                        "pooling (retraining or QCFS training recovers the accuracy)")
-            else:
-                hint = "replace the functional call with an nn.MaxPool module or nn.AvgPool2d"
-            raise UnsupportedLayerError(
-                f"max-pooling at {describe_node(node)} found at {stage}: a max over spike trains "
-                f"is not the spike train of the max, so it has no exact IF equivalent; {hint}.")
-    _check_between_neurons(gm, maxpool, stage)
+            what = type(mod).__name__ if mod is not None else f"call_function '{_name(node)}'"
+            hint = ("Pass maxpool='avg' to calibrate_qcfs/convert to replace it with average pooling "
+                    "(retraining or QCFS training recovers the accuracy)." if mod is not None else
+                    "Replace the functional call with an nn.MaxPool module or nn.AvgPool2d.")
+            found[node] = _construct("max-pooling", node, what, note=hint)
+    carriers = _spike_carriers(gm)
+    for node in gm.graph.nodes:
+        if node in carriers and node not in found:
+            why = _refusal(gm, node, carriers, maxpool)
+            if why is not None:
+                kind, what = why
+                note = _neighbours(gm, node) if kind == "normalisation" else ""
+                found[node] = _construct(kind, node, what, note=note)
+    gates = [c.path + "." for c in found.values() if c.kind == "product" and c.path]
+    for node, c in found.items():  # a gate's activation sits inside the module that multiplies
+        inside = next((g for g in gates if c.path.startswith(g)), None)
+        if c.kind == "activation" and inside is not None:
+            found[node] = _construct(c.kind, node, c.what, note=f"the gate of the product in '{inside[:-1]}'")
+    return [found[n] for n in gm.graph.nodes if n in found]
+
+
+def _name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _construct(kind: str, node: fx.Node, what: str, note: str = "") -> Construct:
+    return Construct(kind, module_path(node), node.name, what, note, source_line(node))
+
+
+def _neighbours(gm: fx.GraphModule, node: fx.Node) -> str:
+    """Where a normalisation sits: after the nearest activation, before the nearest weighted layer."""
+    sites = set(relu_sites(gm))
+    before = after = None
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack and before is None:
+        n = stack.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in sites or isinstance(module_of(gm, n), (QCFS,)):
+            before = n
+        stack.extend(n.all_input_nodes)
+    frontier = list(node.users)
+    while frontier and after is None:
+        for n in frontier:
+            if isinstance(module_of(gm, n), (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)):
+                after = n
+                break
+        frontier = [u for n in frontier for u in n.users]
+    parts = []
+    if before is not None:
+        parts.append(f"after the activation at '{module_path(before) or before.name}' (a spiking layer)")
+    if after is not None:
+        parts.append(f"before '{module_path(after)}'")
+    return "sits " + ", ".join(parts) if parts else ""
 
 
 # --- what may stand between two spiking layers ------------------------------------------------
@@ -198,6 +253,10 @@ _SCALING_FUNCTIONS = {operator.mul, operator.truediv, torch.mul, torch.multiply,
 _SCALING_METHODS = {"mul", "mul_", "div", "div_", "matmul", "__mul__", "__truediv__"}
 _REDUCTIONS_FUNCTIONS = {torch.mean, torch.sum}
 _REDUCTION_METHODS = {"mean", "sum"}
+_NORMALISATION_MODULES = (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+                          nn.LocalResponseNorm, nn.RMSNorm)
+_NORMALISATION_FUNCTIONS = {F.layer_norm, F.group_norm, F.instance_norm, F.local_response_norm,
+                            F.normalize, F.rms_norm, torch.layer_norm, torch.group_norm}
 
 
 def _spike_carriers(gm: fx.GraphModule) -> set[fx.Node]:
@@ -214,8 +273,10 @@ def _spike_carriers(gm: fx.GraphModule) -> set[fx.Node]:
     return carriers
 
 
-def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool: str) -> str | None:
-    """Why ``node`` (reading spike trains) cannot be converted, or None when it can."""
+def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool: str
+             ) -> tuple[str, str] | None:
+    """Why ``node`` (reading spike trains) cannot be converted, as ``(kind, what)`` (a kind of
+    :data:`snnconv.refusals.KINDS`), or None when it can."""
     if node.op in ("output", "placeholder", "get_attr"):
         return None
     mod = module_of(gm, node)
@@ -225,7 +286,8 @@ def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool:
             return None
         if maxpool == "avg" and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}:
             return None
-        return f"{type(mod).__name__} module"
+        kind = "normalisation" if isinstance(mod, _NORMALISATION_MODULES) else "operation"
+        return kind, f"{type(mod).__name__} module"
     target = node.target
     name = getattr(target, "__name__", str(target))
     moving = [a for a in node.all_input_nodes if a in carriers]
@@ -235,58 +297,41 @@ def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool:
                 value = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0)
                 mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
                 if mode != "constant" or value not in (0, 0.0, None):
-                    return f"padding with mode {mode!r} and value {value!r} (only zero padding commutes)"
+                    return "operation", (f"padding with mode {mode!r} and value {value!r} (only zero "
+                                         "padding commutes)")
             return None
         if target in _SCALING_FUNCTIONS:
             if len(moving) > 1:
-                return f"'{name}' of two activations (a product is not linear in the spike rates)"
+                return "product", f"'{name}' of two activations"
             if target in (operator.truediv, torch.div, torch.true_divide) and node.args[1:2] and \
                     node.args[1] in carriers:
-                return f"'{name}' by an activation"
+                return "product", f"'{name}' by an activation"
             return None
         if target in _REDUCTIONS_FUNCTIONS:
             return _reduction_refusal(node, name, 1)
-        return f"'{name}'"
+        kind = "normalisation" if target in _NORMALISATION_FUNCTIONS else "operation"
+        return kind, f"'{name}'"
     if node.op == "call_method":
         if target in _ALLOWED_METHODS:
             return None
         if target in _SCALING_METHODS:
             if len(moving) > 1:
-                return f"'{name}' of two activations (a product is not linear in the spike rates)"
+                return "product", f"'{name}' of two activations"
             if target in ("div", "div_", "__truediv__") and node.args[1:2] and node.args[1] in carriers:
-                return f"'{name}' by an activation"
+                return "product", f"'{name}' by an activation"
             return None
         if target in _REDUCTION_METHODS:
             return _reduction_refusal(node, name, 1)
-        return f"method '{name}'"
-    return f"{node.op} '{name}'"
+        return "operation", f"method '{name}'"
+    return "operation", f"{node.op} '{name}'"
 
 
-def _reduction_refusal(node: fx.Node, name: str, dim_pos: int) -> str | None:
+def _reduction_refusal(node: fx.Node, name: str, dim_pos: int) -> tuple[str, str] | None:
     dim = node.args[dim_pos] if len(node.args) > dim_pos else node.kwargs.get("dim")
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     if dim is None or any(not isinstance(d, int) or d == 0 for d in dims):
-        return f"'{name}' over the batch dimension (or all dimensions); reduce over dims >= 1 only"
+        return "operation", f"'{name}' over the batch dimension (or all dimensions); reduce over dims >= 1 only"
     return None
-
-
-def _check_between_neurons(gm: fx.GraphModule, maxpool: str, stage: str) -> None:
-    """Refuse any operation on spike trains outside the allow-list (see above), by fx node."""
-    carriers = _spike_carriers(gm)
-    bad = []
-    for node in gm.graph.nodes:
-        if node in carriers:
-            why = _refusal(gm, node, carriers, maxpool)
-            if why is not None:
-                bad.append(f"{why} at {describe_node(node)}")
-    if bad:
-        raise UnsupportedLayerError(
-            f"{len(bad)} operation(s) after a ReLU found at {stage} have no spiking equivalent: "
-            + "; ".join(bad) + ". Between spiking layers only operations that commute with "
-            "averaging over time steps are exact: conv, linear, average pooling, flatten/reshape/"
-            "view, add/sub, concatenation, slicing, zero padding, dropout, identity, scaling by a "
-            "constant. Remove or replace the operation (e.g. a clamp by a ReLU, max-pooling by "
-            "average pooling) and retrain the ANN.")
 
 
 def max_pools(gm: fx.GraphModule) -> list[str]:

@@ -3,7 +3,8 @@
 - scikit-learn digits (1797 8x8 images, ships with scikit-learn): the embedded default;
 - Fashion-MNIST from the IDX files of Debian's ``dataset-fashion-mnist`` package, or through
   torchvision's download where a network exists;
-- CIFAR-10 through torchvision (``torchvision.datasets.CIFAR10``).
+- CIFAR-10 through torchvision (``torchvision.datasets.CIFAR10``);
+- a folder of the user's images in torchvision's ``ImageFolder`` layout (:func:`image_folder`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ __all__ = ["SameShape",
     "DEBIAN_FASHION_MNIST",
     "synthetic",
     "load",
+    "image_folder",
     "DATASETS",
+    "TEST_EVERY",
 ]
 
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
@@ -95,11 +98,13 @@ def _idx_file(root: str, stem: str) -> str | None:
 
 
 def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool = False,
-                  normalize: bool = True) -> TensorDataset:
+                  normalize: bool = True, download_hint: str = "call fashion_mnist(root=DIR, "
+                  "download=True) where a network is available") -> TensorDataset:
     """Fashion-MNIST as a TensorDataset of ``[1, 28, 28]`` float images and labels.
 
     Looks in ``root`` (default: Debian's ``/usr/share/datasets/fashion-mnist``) for the four IDX
     files; with ``download=True`` and no files there, uses torchvision's downloader into ``root``.
+    ``download_hint``: how the message for missing files says to download them.
 
     Raises:
         DataError: the files are missing (the message says how to get them) or corrupted.
@@ -118,9 +123,8 @@ def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool
     if images is None or labels is None:
         raise DataError(
             f"Fashion-MNIST {prefix} files not found in {root}. Install them with "
-            "'sudo apt-get install dataset-fashion-mnist' (Debian/Ubuntu), or call "
-            "fashion_mnist(root=DIR, download=True) where a network is available, or point "
-            "SNNCONV_FASHION_MNIST at a folder holding the IDX files.")
+            f"'sudo apt-get install dataset-fashion-mnist' (Debian/Ubuntu), or {download_hint}, or "
+            "point SNNCONV_FASHION_MNIST at a folder holding the IDX files.")
     x = torch.from_numpy(read_idx(images).copy()).float().div_(255.0).unsqueeze(1)
     y = torch.from_numpy(read_idx(labels).astype(np.int64))
     if x.dim() != 4 or x.shape[2:] != (28, 28) or len(x) != len(y):
@@ -131,8 +135,10 @@ def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool
     return TensorDataset(x, y)
 
 
-def cifar10(root: str, *, train: bool = True, download: bool = False, augment: bool = False) -> Dataset:
+def cifar10(root: str, *, train: bool = True, download: bool = False, augment: bool = False,
+            download_hint: str = "Pass download=True where a network exists") -> Dataset:
     """CIFAR-10 through torchvision, normalised with the usual channel statistics.
+    ``download_hint``: how the message for missing files says to download them.
 
     Raises:
         DataError: the dataset is not in ``root`` and ``download`` is False.
@@ -149,7 +155,7 @@ def cifar10(root: str, *, train: bool = True, download: bool = False, augment: b
                                             transform=T.Compose(steps))
     except (RuntimeError, OSError) as exc:  # missing or corrupted files; a failed download
         raise DataError(
-            f"CIFAR-10 not found in {root} ({exc}). Pass download=True where a network exists, or "
+            f"CIFAR-10 not found in {root} ({exc}). {download_hint}, or "
             "copy the 'cifar-10-batches-py' folder from https://www.cs.toronto.edu/~kriz/ there."
         ) from exc
 
@@ -381,26 +387,104 @@ def synthetic(*, n_train: int = 256, n_test: int = 128, shape: tuple[int, ...] =
     return make(n_train), make(n_test)
 
 
+#: A folder without train/ and test/ subfolders: one image in this many (in file order) is the
+#: test split, the others train.
+TEST_EVERY = 5
+_SPLITS = (("train", "test"), ("train", "val"))
+
+
+class _Images(Dataset):
+    """An ``ImageFolder`` (or a part of one) whose images all have one size: the first's, or
+    ``image_size`` x ``image_size`` where given (resized). ``classes``: the class folder names."""
+
+    def __init__(self, folder: Any, indices: list[int], image_size: int | None):
+        self.folder, self.indices, self.image_size = folder, indices, image_size
+        self.classes: list[str] = list(folder.classes)
+        self.size: tuple[int, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from torchvision.transforms.functional import resize, to_tensor
+
+        path, label = self.folder.samples[self.indices[i]]
+        image = self.folder.loader(path)
+        if self.image_size is not None:
+            image = resize(image, [self.image_size, self.image_size])
+        elif self.size is None:
+            self.size = image.size
+        elif image.size != self.size:
+            raise DataError(f"{path} is {image.size[0]}x{image.size[1]} pixels, the folder's first image "
+                            f"{self.size[0]}x{self.size[1]}; give an image size (--image-size N, "
+                            "image_size=N) to resize every image to N x N")
+        return to_tensor(image), label
+
+
+def _image_folder(root: str) -> Any:
+    from torchvision.datasets import ImageFolder
+
+    try:
+        return ImageFolder(root)
+    except (FileNotFoundError, OSError) as exc:
+        raise DataError(f"{root} is not an image folder in torchvision's ImageFolder layout "
+                        f"(ROOT/CLASS/image.png, one subfolder per class): {exc}") from None
+
+
+def image_folder(root: str | os.PathLike, *, image_size: int | None = None) -> tuple[Dataset, Dataset]:
+    """``(train, test)`` from a folder of images in torchvision's ``ImageFolder`` layout.
+
+    ``ROOT/train/CLASS/*`` and ``ROOT/test/CLASS/*`` (or ``ROOT/val/CLASS/*``) are the two
+    splits; otherwise ``ROOT/CLASS/*`` holds every image and one in :data:`TEST_EVERY`, in file
+    order, is the test split. Class indices follow the sorted class folder names. Images are
+    read as RGB, resized to ``image_size`` x ``image_size`` where given, and scaled to [0, 1]
+    (no normalisation). Images are read as they are drawn.
+
+    Raises:
+        DataError: not a folder, no class folder holding images, splits with different classes,
+            or (without ``image_size``) an image of another size than the first.
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise DataError(f"image folder {root} does not exist")
+    for train_name, test_name in _SPLITS:
+        if all(os.path.isdir(os.path.join(root, d)) for d in (train_name, test_name)):
+            train = _image_folder(os.path.join(root, train_name))
+            test = _image_folder(os.path.join(root, test_name))
+            if train.classes != test.classes:
+                raise DataError(f"{root}/{train_name} and {root}/{test_name} hold different classes "
+                                f"({train.classes} and {test.classes}); give both the same class folders")
+            return (_Images(train, list(range(len(train))), image_size),
+                    _Images(test, list(range(len(test))), image_size))
+    folder = _image_folder(root)
+    n = len(folder)
+    if n < 2:
+        raise DataError(f"{root} holds {n} image(s); a training and a test split need at least 2")
+    return (_Images(folder, [i for i in range(n) if i % TEST_EVERY], image_size),
+            _Images(folder, [i for i in range(n) if i % TEST_EVERY == 0], image_size))
+
+
 def load(name: str, *, root: str | None = None, download: bool = False, augment: bool = False,
-         seed: int = 0) -> tuple[Dataset, Dataset]:
+         seed: int = 0, download_hint: str | None = None) -> tuple[Dataset, Dataset]:
     """``(train, test)`` datasets by name: one of :data:`DATASETS`.
 
     ``root`` is where Fashion-MNIST's IDX files or CIFAR-10's folder live (defaults: Debian's
     Fashion-MNIST folder, ``data/cifar10``); ``augment`` applies CIFAR-10's crop-and-flip to
-    its training split.
+    its training split. ``download_hint`` replaces the messages' advice on downloading.
 
     Raises:
         DataError: an unknown name, or the files are missing (the message says how to get them).
     """
     if name == "digits":
         return digits(seed=seed)
+    hint = {"download_hint": download_hint} if download_hint else {}
     if name == "fashion_mnist":
-        return fashion_mnist(root, train=True, download=download), fashion_mnist(root, train=False,
-                                                                                 download=download)
+        return (fashion_mnist(root, train=True, download=download, **hint),
+                fashion_mnist(root, train=False, download=download, **hint))
     if name == "cifar10":
         root = root or "data/cifar10"
-        return (cifar10(root, train=True, download=download, augment=augment),
-                cifar10(root, train=False, download=download))
+        return (cifar10(root, train=True, download=download, augment=augment, **hint),
+                cifar10(root, train=False, download=download, **hint))
     if name == "synthetic":
         return synthetic(seed=seed)
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")

@@ -43,7 +43,16 @@ class BatchNormRemainsError(SnnconvError):
 
 
 class UnsupportedLayerError(SnnconvError):
-    """A layer or call the conversion cannot turn into a spiking equivalent."""
+    """A layer or call the conversion cannot turn into a spiking equivalent.
+
+    Attributes:
+        found: where one error lists several, each of them (a :class:`snnconv.refusals.Construct`:
+            kind, module path, fx node, what it is).
+    """
+
+    def __init__(self, message: str, found: list | None = None):
+        super().__init__(message)
+        self.found = list(found or [])
 
 
 class UnsupportedModelError(SnnconvError):

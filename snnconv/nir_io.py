@@ -464,7 +464,7 @@ def _compact(arr: np.ndarray, where: str, what: str) -> torch.Tensor:
     if not (per == per[:, :1]).all():
         raise NIRError(f"node '{where}': the {what} varies within a channel; snnconv's Scale holds "
                        "one value per layer or per channel")
-    return torch.from_numpy(np.ascontiguousarray(per[:, 0], dtype=np.float32))
+    return torch.from_numpy(np.array(per[:, 0], dtype=np.float32))  # a copy: file arrays are read-only
 
 
 def _tensor(value: Any) -> torch.Tensor:

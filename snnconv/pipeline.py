@@ -29,8 +29,9 @@ from .guards import assert_no_batchnorm
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
 from .network import SpikingNetwork
-from .qcfs import QCFSTrainConfig, calibrate_qcfs, max_pools
+from .qcfs import QCFSTrainConfig, calibrate_qcfs, check_activations, max_pools
 from .replace import to_spiking
+from .summary import images_in, say_beyond_ann
 
 __all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finetune_recipe", "default_finetune_epochs"]
 
@@ -567,11 +568,12 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             gm = prepare(model)
             gm.to(device)
             _check_batch(gm, x0, y0, device)
-            rec.changes = {"input_shape": list(x0.shape),
+            rec.changes = {"model": type(model).__name__, "input_shape": list(x0.shape),
                            "parameters": sum(p.numel() for p in gm.parameters()),
                            "constructs": rewrite_constructs(gm, (x0.to(device),), maxpool=cfg.maxpool)}
             if cfg.maxpool == "auto":  # the prefix's max-pooling is kept; every later one averages
                 cfg = cfg.replace(maxpool="avg")
+            check_activations(gm, cfg.maxpool, stage="prepare")  # every refusal at once, early
             health = _Health(calib[:2], device, cfg.on_collapse)
             health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
         if eval_loader is not None:
@@ -660,7 +662,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             Ts = sorted(set(cfg.eval_T) | {cfg.T})
             meta.accuracy["snn"] = {str(t): a for t, a in
                                     accuracy_by_T(snn, eval_loader, Ts, device).items()}
+            record["eval_images"] = images_in(eval_loader)
         _record_budget(meta)
+        say_beyond_ann(meta, cfg.progress)
         return snn, meta
 
 

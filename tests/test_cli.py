@@ -54,8 +54,14 @@ def test_check_zoo_with_fold_exits_0_for_every_model(capsys):
         assert f"ok   zoo:{name}" in out
 
 
-def test_check_zoo_without_fold_exits_1():
-    assert main(["check", "--zoo"]) == 1
+def test_check_zoo_lists_the_zoo_as_convert_sees_it(capsys):
+    """``--help`` points at ``check --zoo`` for the list of models: it lists them, each checked
+    after folding (the zoo's models hold BatchNorm by design), and exits 0."""
+    assert main(["check", "--zoo"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "after folding" in out.splitlines()[0]
+    for name in models.names():
+        assert f"ok   zoo:{name} (" in out and "parameters): no BatchNorm after folding" in out
 
 
 def test_check_a_pickled_module_needs_trust_pickle(tmp_path, capsys):

@@ -48,7 +48,7 @@ def test_run_evaluate_and_the_backend_report_show_one_ann_energy(small_digits_sn
                  "--limit", "32", "--quiet"]) == 0
     out = capsys.readouterr().out
     ev = json.loads((tmp_path / "evaluation.json").read_text())["analysis"]["energy"]
-    rec = json.loads((tmp_path / "backends" / "loihi2-sim.json").read_text())
+    rec = json.loads((tmp_path / "backends" / "loihi2-sim_T2_digits_32img.json").read_text())
     ann_pj = ev["ann_pj"]
     assert rec["energy"]["ann_pj"] == pytest.approx(ann_pj, rel=1e-9)
     assert rec["extra"]["energy"]["ann_per_image_J"] * 1e12 == pytest.approx(ann_pj, rel=1e-9)
@@ -80,7 +80,7 @@ def test_evaluate_run_cpu_the_api_and_the_report_give_one_figure_for_one_run(sma
     x = digits_data[1].tensors[0][:24]
     api = analyse(small_digits_snn, x, T=4).energy()
     ev = json.loads((tmp_path / "evaluation.json").read_text())["analysis"]["energy"]
-    cpu = json.loads((tmp_path / "backends" / "cpu.json").read_text())["energy"]
+    cpu = json.loads((tmp_path / "backends" / "cpu_T4_digits_24img.json").read_text())["energy"]
     assert api["ratio"] == pytest.approx(ev["ratio"], rel=1e-12)
     assert cpu["ratio"] == pytest.approx(api["ratio"], rel=1e-9)
     assert cpu["snn_pj"] == pytest.approx(api["snn_pj"], rel=1e-9)

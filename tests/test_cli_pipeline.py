@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from _pagetext import visible_text
 
 from snnconv.cli import build_parser, main
 
@@ -25,6 +26,30 @@ HAS_NIR_AND_BACKENDS = all(importlib.util.find_spec(m) is not None
 
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def _check_the_page_text(run_dir: str, text: str) -> None:
+    """The headline and the counts of the report, as the browser shows them, against the run's files."""
+    meta = json.load(open(os.path.join(run_dir, "meta.json")))
+    ft = json.load(open(os.path.join(run_dir, "finetune.json")))
+    acc, n = meta["accuracy"], meta["settings"]["eval_images"]
+    assert n == 449  # the digits test split: every accuracy comes with its count
+    assert (f"small_cnn on digits, converted to a spiking network at T=4: ANN {acc['ann']:.2f}% \u2192 "
+            f"SNN {acc['snn']['4']:.2f}% on 449 test images.") in text
+    steps = meta["settings"]["budget"]["finetune_steps_run"]
+    assert re.search(rf"Conversion cost: [\d.]+ (s|min \d\d s) on cpu; [\d,]+ parameters; training steps: "
+                     rf"QCFS training \d+, BPTT fine-tuning {steps:,} \(T=8\)\.", text), text[:600]
+    assert (f"After snnconv finetune (trained for T=4, 1 epoch(s)): SNN {ft['accuracy']['snn']['4']:.2f}% at "
+            f"T=4 on 449 test images.") in text
+    for t in ("1", "2", "4"):
+        assert f"SNN (converted) {t} 449 {acc['snn'][t]:.2f}" in text
+    # both fine-tuning histories: convert's (meta.json) and snnconv finetune's
+    assert f"BPTT in snnconv convert: {steps:,} steps unrolled over T=8 steps" in text
+    assert "BPTT in snnconv finetune: trained for T=4, 1 epoch(s)" in text
+    assert "Firing rate per layer (snn_finetuned.pt, T=4, the first 64 test images)" in text
+    if HAS_NIR_AND_BACKENDS:
+        assert "backend cpu (digits) 4 128" in text and "backend cpu (digits) (few images) 4 4" in text
+        assert "Left off the plot (fewer than 100 images, against 449 for the others): cpu (digits) at T=4" in text
 
 
 def _subcommands() -> dict:
@@ -131,12 +156,16 @@ def test_export_run_report_and_the_page_in_chromium(run_dir):
                     "--out", run_dir, "--quiet"]
             if ready.get(backend, (False, ""))[0]:
                 assert main(argv) == 0, backend
-                rec = json.load(open(os.path.join(run_dir, "backends", f"{backend}.json")))
+                rec = json.load(open(os.path.join(run_dir, "backends", f"{backend}_T4_digits_128img.json")))
                 assert rec["images"] == 128 and 0 <= rec["accuracy"] <= 100
             else:  # not in this build or not usable here: refused by name, never faked
                 assert main(argv) == 2, backend
-        cpu = json.load(open(os.path.join(run_dir, "backends", "cpu.json")))
-        assert cpu["agreement"] == 100.0
+        # a later run on 4 images is kept beside the 128-image result, never over it
+        assert main(["run", nir_file, "--backend", "cpu", "--data", "digits", "--T", "4", "--limit", "4",
+                     "--out", run_dir, "--quiet"]) == 0
+        cpu = json.load(open(os.path.join(run_dir, "backends", "cpu_T4_digits_128img.json")))
+        assert cpu["agreement"] == 100.0 and cpu["images"] == 128
+        assert json.load(open(os.path.join(run_dir, "backends", "cpu_T4_digits_4img.json")))["images"] == 4
     else:  # the slots say what is missing instead of pretending
         assert main(["export", run_dir, "--quiet"]) == 2
         assert main(["run", "x.nir", "--quiet"]) == 2
@@ -154,6 +183,7 @@ def test_export_run_report_and_the_page_in_chromium(run_dir):
     dom = subprocess.run(flags + ["--virtual-time-budget=5000", "--dump-dom", f"file://{page_path}"],
                          capture_output=True, text=True, timeout=120).stdout
     assert f'data-plots="{n_plots}/{n_plots}"' in dom  # every embedded PNG decoded, width > 0
+    _check_the_page_text(run_dir, visible_text(dom))
     os.makedirs(os.path.dirname(SCREENSHOT), exist_ok=True)
     if os.path.exists(SCREENSHOT):
         os.unlink(SCREENSHOT)

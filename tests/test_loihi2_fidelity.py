@@ -153,12 +153,13 @@ def test_run_warns_and_strict_exits_1(tmp_path, capsys):
         assert main(args + ["--option", "per_neuron_vth=false"]) == 0
     out = capsys.readouterr().out
     assert "WARNING: loihi2-sim: quantisation departs" in out
-    rec = json.loads((tmp_path / "backends" / "loihi2-sim.json").read_text())
+    # one record per setting: the option's run is kept beside the default's
+    rec = json.loads(next((tmp_path / "backends").glob("loihi2-sim_T6_digits_64img_*.json")).read_text())
     assert rec["quantisation_check"]["warnings"]
     with pytest.warns(QuantisationWarning):
         assert main(args + ["--option", "per_neuron_vth=false", "--strict"]) == 1
     assert main(args + ["--strict"]) == 0
-    rec = json.loads((tmp_path / "backends" / "loihi2-sim.json").read_text())
+    rec = json.loads((tmp_path / "backends" / "loihi2-sim_T6_digits_64img.json").read_text())
     assert rec["quantisation_check"]["warnings"] == []
 
 

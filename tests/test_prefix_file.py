@@ -117,7 +117,7 @@ def test_export_writes_the_prefix_beside_the_file_and_run_applies_it(prefixed, c
     assert main(["inspect", str(folder / "snn.nir")]) == 0
     assert "analog prefix in snn.prefix.pt" in capsys.readouterr().out
     assert main(["run", str(folder / "snn.nir"), "--data", "digits", "--quiet"]) == 0
-    rec = json.loads((folder / "backends" / "cpu.json").read_text())
+    rec = json.loads(next((folder / "backends").glob("cpu_T*_digits_*img.json")).read_text())
     assert rec["agreement"] == 100.0 and rec["accuracy"] > 50.0
     (folder / "snn.prefix.pt").rename(folder / "moved.pt")
     assert main(["run", str(folder / "snn.nir"), "--data", "digits", "--quiet"]) != 0

@@ -4,10 +4,11 @@ terminal, a tqdm bar on a terminal, nothing when disabled; it never touches the 
 from __future__ import annotations
 
 import io
+import re
 
 import torch
 
-from snnconv.progress import LOG_INTERVAL, LogProgress, progress_bar
+from snnconv.progress import FIRST_LINE, LOG_INTERVAL, LogProgress, progress_bar
 
 
 class _Tty(io.StringIO):
@@ -54,3 +55,19 @@ def test_progress_leaves_the_global_rng_alone():
     for _ in progress_bar(range(100), file=io.StringIO()):
         pass
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_line_of_a_running_loop_gives_the_time_left_where_the_total_is_known():
+    out = io.StringIO()
+    bar = LogProgress(total=10, desc="BPTT epoch 1/3", file=out, first=0.0)
+    bar.update(4)  # the first line comes once `first` seconds have passed: at once here
+    line = out.getvalue().splitlines()[0]
+    assert re.fullmatch(r"BPTT epoch 1/3: 4/10 \[[\d.]+ s elapsed, about [\d.]+ s left\]", line), line
+    bar.update(6)
+    bar.close()
+    assert "left" not in out.getvalue().splitlines()[-1]  # done: nothing left to estimate
+    unknown = io.StringIO()
+    bar = LogProgress(desc="stream", file=unknown, first=0.0)
+    bar.update(3)
+    assert re.fullmatch(r"stream: 3 \[[\d.]+ s elapsed\]", unknown.getvalue().splitlines()[0])
+    assert FIRST_LINE <= 10 < LOG_INTERVAL  # a loop of a few seconds shows its estimate early

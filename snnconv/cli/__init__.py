@@ -5,6 +5,8 @@
     snnconv finetune runs/d --data digits --T 4 --epochs 2
     snnconv export runs/d && snnconv run runs/d/snn.nir --backend cpu --data digits
     snnconv report runs/d                              one HTML page with every plot
+    snnconv convert --model mynets:build --weights w.pt --data images/ --image-size 32 --out runs/m
+                                                       your own model (a factory) and image folder
 
 Exit codes: 0 success, 1 a check failed (``check``: BatchNorm remains), 2 a usage or input
 error, 3 an unexpected error (out of memory, say), 130 interrupted (Ctrl-C), 143 terminated
@@ -38,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
 
     pa = parents()
-    parser = Parser(prog="snnconv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="snnconv", description=__doc__.replace("``", ""),  # plain text, not reST
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"snnconv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:

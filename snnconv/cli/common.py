@@ -13,10 +13,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..data import DATASETS
+from ..data import DATASETS, TEST_EVERY
+from ..progress import duration
 
 __all__ = ["UsageError", "Parser", "FLAGS", "PARENTS", "parents", "add_command", "say", "out_dir",
-           "write_json", "datasets", "loaders", "time_steps", "snn_path", "nir_path", "load_model",
+           "write_json", "datasets", "loaders", "num_classes", "model_builder", "data_source", "DOWNLOAD_HINT", "time_steps", "snn_path", "nir_path", "load_model",
            "RUN_FILES", "new_run_dir", "load_snn",
            "evaluation", "print_accuracy", "one_line", "positive_int", "positive_float", "count", "duration",
            "Heartbeat"]
@@ -69,6 +70,15 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
+def data_source(text: str) -> str:
+    """An argparse type: a dataset of :data:`snnconv.data.DATASETS`, or a folder of images."""
+    if text in DATASETS or os.path.isdir(text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a dataset ({', '.join(DATASETS)}) nor a folder of images "
+        "(torchvision's ImageFolder layout: DIR/CLASS/image.png)")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line usage error (exit 2) that points at ``--help``."""
 
@@ -84,15 +94,25 @@ FLAGS: dict[str, dict[str, Any]] = {
     "--device": dict(default="cpu", help="torch device: cpu, cuda, cuda:1 (default cpu)"),
     "--seed": dict(type=int, default=0, help="random seed (default 0)"),
     "--quiet": dict(action="store_true", help="no progress bars or tables"),
-    "--data": dict(default="digits", choices=DATASETS,
-                   help="dataset (default digits, embedded; synthetic: CIFAR-shaped, made here)"),
+    "--data": dict(default="digits", type=data_source, metavar="NAME|DIR",
+                   help="a dataset: digits (default, embedded), fashion_mnist, cifar10, synthetic "
+                        "(CIFAR-shaped, made here); or a folder of your images in torchvision's "
+                        "ImageFolder layout, DIR/CLASS/*.png (DIR/train/CLASS and DIR/test/CLASS, "
+                        f"else one image in {TEST_EVERY} is the test split), scaled to [0, 1]"),
+    "--image-size": dict(type=positive_int, metavar="N",
+                         help="with --data DIR: resize every image to N x N (default: as they are, "
+                              "all of one size)"),
     "--data-root": dict(help="folder of the dataset's files (Fashion-MNIST IDX, CIFAR-10)"),
     "--download": dict(action="store_true", help="download the dataset if missing"),
     "--batch-size": dict(type=positive_int, default=64, help="batch size (default 64)"),
     "--limit": dict(type=positive_int, help="use only the first N test images"),
     "--train-limit": dict(type=positive_int, help="use only the first N training images"),
-    "--model": dict(help="zoo model name (small_cnn, resnet18, ...; see snnconv check --zoo)"),
-    "--num-classes": dict(type=positive_int, default=10),
+    "--model": dict(metavar="NAME|MODULE:FACTORY",
+                    help="a zoo model (snnconv check --zoo lists them: small_cnn, resnet18, ...), or "
+                         "your own as package.module:factory, a function that returns the nn.Module "
+                         "(called without arguments; the current folder is importable)"),
+    "--num-classes": dict(type=positive_int,
+                          help="classes of a zoo model (default: the folder's with --data DIR, else 10)"),
     "--in-channels": dict(type=positive_int, help="input channels (default: from the data, or 3)"),
     "--T": dict(type=positive_int, nargs="+", default=[1, 2, 4, 8],
                 help="time steps; several values evaluate at each (default 1 2 4 8)"),
@@ -102,8 +122,9 @@ FLAGS: dict[str, dict[str, Any]] = {
 #: The parents a command picks from: name -> (help group, flags of :data:`FLAGS`).
 PARENTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "common": ("common", ("--out", "--device", "--seed", "--quiet")),
-    "data": ("data", ("--data", "--data-root", "--download", "--batch-size", "--limit", "--train-limit")),
-    "test_data": ("data", ("--data", "--data-root", "--limit")),  # a test split only, no loader
+    "data": ("data", ("--data", "--image-size", "--data-root", "--download", "--batch-size", "--limit",
+                      "--train-limit")),
+    "test_data": ("data", ("--data", "--image-size", "--data-root", "--download", "--limit")),  # a test split
     "model": ("model", ("--model", "--num-classes", "--in-channels")),
     "time": ("time", ("--T",)),
     "levels": ("conversion", ("--L",)),
@@ -159,6 +180,8 @@ def new_run_dir(args, default: str) -> tuple[str, str]:
     A folder that holds a run (``meta.json`` or a network file) is refused unless
     ``--overwrite``, which first removes the old run's files (:data:`RUN_FILES`,
     :data:`RUN_FOLDERS`); other files are left alone. The id goes into every file of the run.
+    The folder itself is not created here: the command's first file does it, so that a command
+    that fails before writing leaves no empty folder behind.
     """
     import shutil
     import uuid
@@ -172,7 +195,6 @@ def new_run_dir(args, default: str) -> tuple[str, str]:
     for f in held:
         path = os.path.join(out, f.rstrip("/"))
         shutil.rmtree(path) if f.endswith("/") else os.remove(path)
-    os.makedirs(out, exist_ok=True)
     return out, uuid.uuid4().hex
 
 
@@ -215,18 +237,42 @@ def write_json(path: str, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, default=jsonable) + "\n")
 
 
+#: What a message for missing dataset files says about downloading them, on the command line.
+DOWNLOAD_HINT = "give --download (with --data-root DIR: where the files go)"
+
+
+def _full_datasets(args):
+    """``(train, test)`` of ``--data``: a dataset by name, or a folder of images."""
+    from ..data import image_folder, load
+
+    if args.data not in DATASETS:  # a folder (data_source checked it)
+        return image_folder(args.data, image_size=args.image_size)
+    if args.image_size:
+        raise UsageError(f"--image-size applies to a folder of images (--data DIR); --data {args.data} "
+                         "has its own size")
+    return load(args.data, root=args.data_root, download=args.download, seed=args.seed,
+                download_hint=DOWNLOAD_HINT)
+
+
 def datasets(args):
     """``(train, test)`` for ``--data``, cut to ``--train-limit`` / ``--limit`` images."""
     from torch.utils.data import Subset
 
-    from ..data import load
-
-    train, test = load(args.data, root=args.data_root, download=args.download, seed=args.seed)
-    if args.train_limit:
+    train, test = _full_datasets(args)
+    if getattr(args, "train_limit", None):
         train = Subset(train, range(min(args.train_limit, len(train))))
     if args.limit:
         test = Subset(test, range(min(args.limit, len(test))))
     return train, test
+
+
+def num_classes(args, dataset) -> int:
+    """``--num-classes``, else the class folders of ``--data DIR``, else 10."""
+    if args.num_classes:
+        return args.num_classes
+    while hasattr(dataset, "dataset") and not hasattr(dataset, "classes"):  # a Subset
+        dataset = dataset.dataset
+    return len(dataset.classes) if hasattr(dataset, "classes") else 10
 
 
 def loaders(args):
@@ -248,8 +294,32 @@ def time_steps(args) -> list[int]:
     return Ts
 
 
+#: What a file is, by its first bytes: (magic, what it is, the command that reads it).
+_FILE_KINDS = ((b"PK\x03\x04", "a torch.save file", ""),
+               (b"\x89HDF\r\n\x1a\n", "an HDF5 file (a NIR graph?)", "snnconv inspect and snnconv run read it"),
+               (b"\x89PNG", "a PNG image", ""),
+               (b"{", "a JSON file (a run's record)", "snnconv report reads the run folder holding it"),
+               (b"<", "an HTML or XML file", ""))
+
+
+def _file_kind(path: str) -> tuple[str, str]:
+    """``(what the file is, what reads it)`` by its first bytes; ``("", "")`` when unknown."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64).lstrip()
+    except OSError:
+        return "", ""
+    return next(((what, reader) for magic, what, reader in _FILE_KINDS if head.startswith(magic)), ("", ""))
+
+
+def _not_a(path: str, want: str, kind: tuple[str, str], hint: str) -> UsageError:
+    what, reader = kind
+    return UsageError(f"{path} is {what}, not {want}{' (' + reader + ')' if reader else ''}; {hint}")
+
+
 def snn_path(path: str, name: str = "snn.pt") -> str:
-    """A saved SpikingNetwork: the file itself, or ``name`` in a run folder (the fine-tuned one first)."""
+    """A saved SpikingNetwork: the file itself, or ``name`` in a run folder (the fine-tuned one
+    first); a file that is plainly something else (JSON, NIR, an image) is refused by what it is."""
     if os.path.isdir(path):
         for candidate in ("snn_finetuned.pt", name):
             if os.path.exists(os.path.join(path, candidate)):
@@ -257,6 +327,11 @@ def snn_path(path: str, name: str = "snn.pt") -> str:
         raise UsageError(f"{path} holds no snn.pt; run 'snnconv convert --out {path}' first")
     if not os.path.exists(path):
         raise UsageError(f"{path} does not exist")
+    kind = _file_kind(path)
+    if kind[0] and kind[0] != "a torch.save file":
+        folder = os.path.dirname(path) or "."
+        raise _not_a(path, "a saved network", kind,
+                     f"give a network file (snn.pt, written by snnconv convert) or its run folder ({folder})")
     return path
 
 
@@ -270,17 +345,104 @@ def nir_path(path: str) -> str:
                          f"holding snn.nir (snnconv export {path} writes it)")
     if not os.path.exists(path):
         raise UsageError(f"{path} does not exist; give a NIR file (snnconv export writes one)")
+    kind = _file_kind(path)
+    if kind[0] and not kind[0].startswith("an HDF5"):
+        raise _not_a(path, "a NIR file", kind, f"give a NIR file (snnconv export {path} writes one "
+                     "from a network file)" if kind[0] == "a torch.save file" else
+                     "give a NIR file (snnconv export writes one)")
     return path
+
+
+def _zoo_or_import(spec: str) -> Callable[[int, int], Any]:
+    """``--model``: a builder ``(num_classes, in_channels) -> nn.Module`` for a zoo name, or for
+    ``package.module:factory`` (called without arguments, the current folder importable)."""
+    import importlib
+
+    from .. import models
+
+    if ":" not in spec:
+        if spec in models.names():
+            return lambda classes, channels: models.get(spec, num_classes=classes, in_channels=channels)
+        import torchvision.models as tvm
+
+        tv = (f"; torchvision's is --model torchvision.models:{spec} (its default classes and input)"
+              if callable(getattr(tvm, spec, None)) else "")
+        raise UsageError(f"--model {spec}: no such zoo model (the zoo: {', '.join(models.names())}); give "
+                         f"your own as --model package.module:factory{tv}")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"--model {spec}: expected package.module:factory (e.g. mynets:build)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module: any error of theirs, said in one line
+        raise UsageError(f"--model {spec}: cannot import {module_name} ({type(exc).__name__}: "
+                         f"{one_line(exc)[:200]}); it must be importable from the current folder or "
+                         "PYTHONPATH") from None
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise UsageError(f"--model {spec}: {module_name} has no function {attr!r} (found "
+                         f"{type(factory).__name__})")
+
+    def build(classes: int, channels: int):
+        import torch.nn as nn
+
+        try:
+            model = factory()
+        except Exception as exc:
+            raise UsageError(f"--model {spec}: {attr}() raised {type(exc).__name__}: "
+                             f"{one_line(exc)[:200]}") from None
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--model {spec}: {attr}() returned a {type(model).__name__}, not an "
+                             "nn.Module")
+        return model
+
+    return build
+
+
+def model_builder(spec: str | None) -> Callable[[int, int], Any]:
+    """The builder of ``--model`` (:func:`_zoo_or_import`); UsageError without ``--model``."""
+    if not spec:
+        from .. import models
+
+        raise UsageError(f"give --model NAME (a zoo model: {', '.join(models.names())}) or your own "
+                         "as --model package.module:factory")
+    return _zoo_or_import(spec)
+
+
+def _read_state(path: str, trusted: str):
+    """The tensors of a ``torch.save`` file, read with :func:`snnconv.torchfile.load_untrusted`
+    (weights only); a file of pickled objects is refused, naming what it holds."""
+    import torch
+
+    from ..errors import CheckpointError, SnnconvError
+    from ..torchfile import load_untrusted
+
+    try:
+        return load_untrusted(path, "state dict")
+    except CheckpointError as exc:
+        if "UnpicklingError" not in str(exc):
+            raise
+        try:
+            found = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path)[:3])
+        except Exception:
+            found = "objects"
+        raise SnnconvError(
+            f"{path} holds pickled Python objects ({found}), not only tensors: a whole saved "
+            "module? It is not unpickled, because that would run code from the file. Save "
+            f"model.state_dict() with torch.save and give that file{trusted}") from None
 
 
 def load_model(path: str, model_name: str | None, num_classes: int, in_channels: int,
                trust_pickle: bool, pickle_flag: bool = False):
-    """A zoo model with the state dict at ``path``, or (``trust_pickle``) a whole pickled module.
+    """``--model`` (a zoo name or ``package.module:factory``) with the state dict at ``path``, or
+    (``trust_pickle``) a whole pickled module.
 
     ``pickle_flag``: the command has ``--trust-pickle`` (its messages may point at it).
     """
-    import pickle
-
     import torch
 
     from .. import models
@@ -292,21 +454,8 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
     trusted = (" (or, for a file you trust, --trust-pickle without --model to unpickle it)"
                if pickle_flag else "")
     if model_name:
-        model = models.get(model_name, num_classes=num_classes, in_channels=in_channels)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as exc:
-            found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
-            if found is None:  # not a pickle of objects: a damaged or foreign file
-                raise SnnconvError(f"cannot read {path} as a torch file of tensors (it is damaged "
-                                   "or not a torch.save file)") from None
-            raise SnnconvError(
-                f"{path} holds pickled Python objects ({found.group(1)}), not only tensors: a whole "
-                "saved module? It is not unpickled, because that would run code from the file. Save "
-                f"model.state_dict() with torch.save and give that file{trusted}") from None
-        except Exception as exc:
-            raise SnnconvError(f"cannot read {path} as a torch file of tensors ({type(exc).__name__}: "
-                               f"{one_line(exc)[:200]})") from None
+        model = model_builder(model_name)(num_classes, in_channels)
+        state = _read_state(path, trusted)
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
         if not isinstance(state, dict):
@@ -315,12 +464,12 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
         try:
             model.load_state_dict(state)
         except RuntimeError as exc:
-            raise SnnconvError(f"{path} does not fit model '{model_name}' (num_classes={num_classes}, "
-                               f"in_channels={in_channels}): {exc}") from exc
+            fits = "" if ":" in model_name else f" (num_classes={num_classes}, in_channels={in_channels})"
+            raise SnnconvError(f"{path} does not fit model '{model_name}'{fits}: {exc}") from exc
         return model
     if not trust_pickle:
-        raise UsageError(f"{path}: give --model NAME (one of {', '.join(models.names())}) to read it "
-                         f"as that model's state dict{trusted}")
+        raise UsageError(f"{path}: give --model NAME (one of {', '.join(models.names())}) or "
+                         f"package.module:factory to read it as that model's state dict{trusted}")
     try:
         model = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
@@ -333,29 +482,24 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
 
 
 def evaluation(args, snn, test_loader, Ts: list[int], label: str) -> dict:
-    """``evaluation.json``'s record (:func:`snnconv.analysis.evaluation_record`), announced."""
+    """``evaluation.json``'s record (:func:`snnconv.analysis.evaluation_record`), announced, with
+    the data it was measured on (``data``, ``images``) and the network's run id."""
     from ..analysis import evaluation_record
+    from ..summary import images_in
 
     say(args, f"evaluating {label} at T = {', '.join(map(str, Ts))} ...")
-    return evaluation_record(snn, test_loader, Ts, device=args.device, label=label,
-                             progress=not args.quiet)
+    rec = evaluation_record(snn, test_loader, Ts, device=args.device, label=label,
+                            progress=not args.quiet)
+    rec.update(data=args.data, images=images_in(test_loader),
+               run_id=snn.meta.get("run_id") if isinstance(snn.meta, dict) else None)
+    return rec
 
 
-def print_accuracy(args, rows: list[tuple[str, float]]) -> None:
-    """A two-column table: what was measured, its accuracy in percent."""
-    say(args, f"\n{'':28}accuracy (%)")
+def print_accuracy(args, rows: list[tuple[str, float]], images: int | None = None) -> None:
+    """A two-column table: what was measured, its accuracy in percent (on ``images`` test images)."""
+    say(args, f"\n{'':28}accuracy (%)" + (f" on {images:,} test images" if images else ""))
     for name, value in rows:
         say(args, f"{name:28}{value:6.2f}")
-
-
-def duration(seconds: float) -> str:
-    """``"45 s"``, ``"3 min 20 s"``, ``"2 h 05 min"``."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{max(seconds, 0):.0f} s" if seconds >= 1 else f"{max(seconds, 0):.1f} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 class Heartbeat:

@@ -6,7 +6,8 @@ import io
 import os
 
 from .common import (UsageError, add_command, count, evaluation, load_model, load_snn, loaders,
-                     new_run_dir, out_dir, positive_int, print_accuracy, say, time_steps, write_json)
+                     model_builder, new_run_dir, num_classes, out_dir, positive_int, print_accuracy, say,
+                     time_steps, write_json)
 
 __all__ = ["add_demo", "add_convert", "add_finetune"]
 
@@ -24,27 +25,31 @@ def _cmd_demo(args) -> int:
 def _cmd_convert(args) -> int:
     import torch
 
-    from .. import models
     from ..demo import train_ann
     from ..meta import atomic_write_bytes
     from ..pipeline import convert
     from ..plots import plot_accuracy_vs_T
 
+    build = model_builder(args.model)  # an unknown model is said first, before any other advice
+    fixed = [f for f, v in (("--num-classes", args.num_classes), ("--in-channels", args.in_channels)) if v]
+    if ":" in args.model and fixed:
+        raise UsageError(f"{' and '.join(fixed)} shape(s) a zoo model; --model {args.model} builds its own "
+                         "(called without arguments): leave them out, or build what you need in the factory")
     if not args.weights and not args.train_epochs:
         raise UsageError(_WEIGHTS_OR_TRAIN)
     Ts = time_steps(args)
+    out, run_id = new_run_dir(args, "runs/convert")  # checked; created when the first file is written
     train, test = loaders(args)
-    out, run_id = new_run_dir(args, "runs/convert")
     x0 = train.dataset[0][0]
     in_channels = args.in_channels or x0.shape[0]
+    classes = num_classes(args, train.dataset)
     if args.weights:
-        model = load_model(args.weights, args.model, args.num_classes, in_channels, False)
+        model = load_model(args.weights, args.model, classes, in_channels, False)
     else:
-        try:
-            torch.manual_seed(args.seed)  # the initialisation too: the same --seed, the same network
-            model = models.get(args.model, num_classes=args.num_classes, in_channels=in_channels)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+        torch.manual_seed(args.seed)  # the initialisation too: the same --seed, the same network
+        model = build(classes, in_channels)
+    _takes(model, x0, args)
+    if not args.weights:
         say(args, f"[1/3] training {args.model} on {args.data} for {args.train_epochs} epoch(s) ...")
         torch.manual_seed(args.seed)
         model = train_ann(model, train, epochs=args.train_epochs, lr=args.lr, progress=not args.quiet)
@@ -59,6 +64,8 @@ def _cmd_convert(args) -> int:
                         reconstruction_steps=args.reconstruction_steps, eval_loader=test, eval_T=Ts,
                         seed=args.seed, device=args.device, progress=not args.quiet)
     snn.meta["run_id"] = meta.settings["run_id"] = run_id
+    meta.settings.update(model=args.model, data=args.data, eval_images=len(test.dataset))
+    os.makedirs(out, exist_ok=True)
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
     acc = meta.accuracy
@@ -73,9 +80,26 @@ def _cmd_convert(args) -> int:
     write_json(os.path.join(out, "evaluation.json"), ev)
     print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
                           (f"QCFS-ANN (L={meta.settings['L']})", acc["qcfs"])]
-                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts])
+                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts], images=len(test.dataset))
     say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
     return 0
+
+
+def _takes(model, x0, args) -> None:
+    """UsageError unless ``model`` takes an image of ``--data`` (one, in eval mode; its mode kept)."""
+    import torch
+
+    was = model.training
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()(x0.unsqueeze(0))
+    except Exception as exc:
+        raise UsageError(f"--model {args.model} does not take the images of --data {args.data} (one is "
+                         f"{'x'.join(map(str, x0.shape))}): {type(exc).__name__}: {str(exc)[:160]}. Give "
+                         "data of the shape the model was built for (--image-size N resizes a folder's "
+                         "images), or a model for this data") from None
+    finally:
+        model.train(was)
 
 
 def _teacher(args, src: str, train):
@@ -91,7 +115,7 @@ def _teacher(args, src: str, train):
             raise UsageError("--teacher needs --model NAME (the teacher is read as a state dict of it)")
         return None
     in_channels = args.in_channels or train.dataset[0][0].shape[0]
-    return load_model(path, args.model, args.num_classes, in_channels, False).eval()
+    return load_model(path, args.model, num_classes(args, train.dataset), in_channels, False).eval()
 
 
 def _cmd_finetune(args) -> int:
@@ -127,8 +151,9 @@ def _cmd_finetune(args) -> int:
     write_json(os.path.join(out, "finetune.json"),
                {"source": src, "T": T_train, "epochs": epochs, "lr": args.lr, "alpha": args.alpha,
                 "config": {k: v for k, v in vars(config).items() if k != "checkpoint_dir"},
-                "history": history, "accuracy": {"snn": ev["accuracy"]}, "run_id": run_id})
-    print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts])
+                "history": history, "accuracy": {"snn": ev["accuracy"]}, "images": ev["images"],
+                "data": args.data, "run_id": run_id})
+    print_accuracy(args, [(f"SNN fine-tuned T={t}", ev["accuracy"][str(t)]) for t in Ts], images=ev["images"])
     say(args, f"\nwrote {out}/snn_finetuned.pt, finetune.json, evaluation.json")
     return 0
 
@@ -154,7 +179,7 @@ def add_convert(sub, pa: dict) -> None:
                    help="QCFS-aware training epochs (default: convert()'s, none unless max-pooling "
                         "became average pooling)")
     p.add_argument("--reconstruction-steps", type=count, default=None,
-                   help="SGD steps fitting each IF layer to the QCFS-ANN on the calibration images "
+                   help="Adam steps fitting each IF layer to the QCFS-ANN on the calibration images "
                         "(default: convert()'s, 300 at T <= 8 where neither QCFS training nor "
                         "fine-tuning runs; 0: none)")
     p.add_argument("--overwrite", action="store_true",

@@ -9,9 +9,10 @@ import time
 import warnings
 
 from ..energy import arithmetic_energy, format_arithmetic
-from .common import Heartbeat, UsageError, add_command, load_snn, nir_path, positive_float, positive_int, write_json
+from .common import (Heartbeat, UsageError, add_command, datasets, load_snn, nir_path, positive_float,
+                     positive_int, write_json)
 
-__all__ = ["add_export", "add_inspect", "add_run", "add_backends"]
+__all__ = ["add_export", "add_inspect", "add_run", "add_backends", "record_name", "rate_text"]
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -99,22 +100,27 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
-def _run_dataset(name: str, root: str | None):
-    """The test split of ``--data`` (digits and synthetic: the split of seed 0)."""
-    from ..data import DATASETS, cifar10, digits, fashion_mnist, synthetic
-    from ..errors import DataError
+def _run_dataset(args):
+    """The test split of ``--data`` (digits and synthetic: the split of seed 0; a folder: its test
+    split), cut to ``--limit`` images."""
+    import argparse
 
-    if name == "digits":
-        return digits(seed=0)[1]
-    if name == "synthetic":
-        return synthetic(seed=0)[1]
-    if name == "fashion_mnist":
-        return fashion_mnist(root, train=False)
-    if name == "cifar10":
-        if not root:
-            raise DataError("--data cifar10 needs --data-root DIR (holding cifar-10-batches-py)")
-        return cifar10(root, train=False)
-    raise DataError(f"unknown --data {name!r}; choose one of {', '.join(DATASETS)}")
+    return datasets(argparse.Namespace(**{**vars(args), "seed": 0}))[1]
+
+
+def record_name(rec: dict, data: str, settings: dict) -> str:
+    """``backends/``'s file name for one run: backend, T, data and images, and a digest of the
+    other settings where there are any (``cpu_T4_digits_128img.json``): a run with another T,
+    data, image count or option is written beside the others, never over them."""
+    import hashlib
+
+    def clean(text: str) -> str:
+        return "".join(c if c.isalnum() or c in "-." else "-" for c in text).strip("-.") or "data"
+
+    name = f"{clean(rec['backend'])}_T{rec['T']}_{clean(os.path.basename(os.path.normpath(data)))}_{rec['images']}img"
+    if settings:
+        name += "_" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    return name + ".json"
 
 
 def _backend_options(pairs: list[str]) -> dict:
@@ -142,8 +148,8 @@ DEFAULT_BATCH = 256
 def _cmd_run(args) -> int:
     """``snnconv run FILE.nir --backend cpu --data digits --T 8``: accuracy, spikes, synops, energy.
 
-    Also writes ``OUT/backends/BACKEND.json`` (default OUT: the NIR file's folder) for
-    ``snnconv report``: accuracy, agreement with the torch network read from the same file,
+    Also writes ``OUT/backends/BACKEND_T<T>_<DATA>_<N>img[_<digest>].json`` (default OUT: the
+    NIR file's folder; :func:`record_name`) for ``snnconv report``: accuracy, agreement with the torch network read from the same file,
     operation counts, energy and the backend's own report.
     """
     import torch
@@ -159,9 +165,7 @@ def _cmd_run(args) -> int:
     graph = load_nir(args.file, dt=args.dt)
     prefix = load_prefix(graph, args.file, args.prefix)
     program = backends.get(args.backend).compile(graph, dt=args.dt, **_backend_options(args.option))
-    dataset = _run_dataset(args.data, args.data_root)
-    if args.limit:
-        dataset = torch.utils.data.Subset(dataset, range(min(args.limit, len(dataset))))
+    dataset = _run_dataset(args)
     if len(dataset) == 0:
         raise SnnconvError(f"the {args.data} test set holds no images")
     T = args.T if args.T is not None else graph.metadata.get("T")
@@ -211,8 +215,9 @@ def _cmd_run(args) -> int:
     from snnconv_backends.nirgraph import parse
 
     sizes = {op.name: op.out_shape for op in parse(graph, dt=args.dt).ops if op.kind == "neuron"}
+    timed = seconds if seconds > 0 else time.perf_counter() - t_start  # the backend's own time, else wall
     print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
-          f"{seconds:.2f} s ({n * T / max(seconds, 1e-9):.0f} image-steps/s)")
+          f"{timed:.2f} s ({rate_text(n * T, timed)})")
     print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
     by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
     print(f"accuracy by t: {by_t}")
@@ -256,15 +261,36 @@ def _cmd_run(args) -> int:
     rec["energy_45nm_per_image_nj"] = {"snn": energy["snn_pj"] / 1e3, "ann": energy["ann_pj"] / 1e3,
                                        "snn_over_ann": energy["ratio"]}
     rec["energy"] = energy
+    # what else changes the result: recorded, and a part of the file name where set
+    settings = {k: v for k, v, unset in (("option", _backend_options(args.option), {}), ("dt", args.dt, 1.0),
+                                         ("image_size", args.image_size, None)) if v != unset}
+    rec.update(data=args.data, settings=settings, file=os.path.basename(args.file))
     out = args.out or os.path.dirname(os.path.abspath(args.file))
-    os.makedirs(os.path.join(out, "backends"), exist_ok=True)
-    write_json(os.path.join(out, "backends", f"{args.backend}.json"), rec)
+    path = os.path.join(out, "backends", record_name(rec, args.data, settings))
+    before = _accuracy_in(path)
+    write_json(path, rec)
     print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
-          f"wrote {os.path.join(out, 'backends', args.backend + '.json')}")
+          f"wrote {path}" + (f" (it replaces an earlier run of the same backend, T, data, images and "
+                             f"settings: {before})" if before else ""))
     if args.strict and fidelity is not None and fidelity["warnings"]:
         print(f"--strict: the quantisation check failed ({len(fidelity['warnings'])} departure(s))")
         return 1
     return 0
+
+
+def rate_text(image_steps: int, seconds: float) -> str:
+    """``"25,600 image-steps/s"``, ``"0.4 image-steps/s"``: three significant digits below 100."""
+    rate = image_steps / max(seconds, 1e-9)
+    return f"{rate:,.0f} image-steps/s" if rate >= 100 else f"{rate:.3g} image-steps/s"
+
+
+def _accuracy_in(path: str) -> str | None:
+    """``"accuracy 97.66%"`` of the backend record at ``path``; None where there is none."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return f"accuracy {json.load(fh)['accuracy']:.2f}%"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _quantisation_warning() -> type[Warning]:
