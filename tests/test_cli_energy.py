@@ -110,14 +110,11 @@ class _Fire(torch.nn.Module):
         return self.fc(torch.relu(self.squeeze(x)).flatten(1))
 
 
-def test_a_concatenation_of_spikes_costs_what_the_layer_after_it_counts():
-    """Spikes through a concatenation (and the per-channel scales before it) reach the convolution
-    after it as events: the torch analysis and the cpu backend count the same synaptic
-    operations and ANN MACs, the concatenation's placements no MAC, nothing as dense MACs."""
+def _fire_snn(T: int):
+    """:class:`_Fire` converted training-free on 32 random images at ``T``; and those images."""
     import warnings
 
     import snnconv
-    from snnconv.backends import get
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
@@ -126,7 +123,17 @@ def test_a_concatenation_of_spikes_costs_what_the_layer_after_it_counts():
         warnings.simplefilter("ignore")
         snn, _ = snnconv.convert(_Fire(), DataLoader(TensorDataset(x, torch.zeros(32, dtype=torch.long)),
                                                       batch_size=16),
-                                 T=4, finetune_epochs=0, reconstruction_steps=0, progress=False)
+                                 T=T, finetune_epochs=0, reconstruction_steps=0, progress=False)
+    return snn, x
+
+
+def test_a_concatenation_of_spikes_costs_what_the_layer_after_it_counts():
+    """Spikes through a concatenation (and the per-channel scales before it) reach the convolution
+    after it as events: the torch analysis and the cpu backend count the same synaptic
+    operations and ANN MACs, the concatenation's placements no MAC, nothing as dense MACs."""
+    from snnconv.backends import get
+
+    snn, x = _fire_snn(T=4)
     a = analyse(snn, x[:8], 4)
     r = get("cpu").compile(export_nir(snn)).run(x[:8], 4)
     assert not a.dense_macs and a.synops.get("squeeze", 0) > 0
@@ -138,22 +145,12 @@ def test_a_concatenation_of_spikes_costs_what_the_layer_after_it_counts():
 def test_a_concatenation_marker_on_other_weights_is_refused():
     """A node marked as a concatenation's part is read as one only if its weight is a one-hot
     placement: a file cannot hide a layer's MACs behind the marker."""
-    import warnings
-
     import numpy as np
-    import snnconv
     from snnconv.errors import NIRError
     from snnconv.nirformat import CONCAT_OP, OP_KEY
     from snnconv_backends.nirgraph import parse
-    from torch.utils.data import DataLoader, TensorDataset
 
-    torch.manual_seed(0)
-    x = torch.rand(16, 1, 6, 6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        snn, _ = snnconv.convert(_Fire(), DataLoader(TensorDataset(x, torch.zeros(16, dtype=torch.long)),
-                                                      batch_size=16),
-                                 T=2, finetune_epochs=0, reconstruction_steps=0, progress=False)
+    snn, _ = _fire_snn(T=2)
     graph = export_nir(snn)
     parts = [k for k, n in graph.nodes.items() if (getattr(n, "metadata", None) or {}).get(OP_KEY) == CONCAT_OP]
     assert len(parts) == 2 and all(parse(graph).op(k).params.get("placement") for k in parts)
