@@ -303,7 +303,10 @@ _FILE_KINDS = ((b"PK\x03\x04", "a torch.save file", ""),
 
 
 def _file_kind(path: str) -> tuple[str, str]:
-    """``(what the file is, what reads it)`` by its first bytes; ``("", "")`` when unknown."""
+    """``(what the file is, what reads it)`` by its first bytes; ``("", "")`` when unknown or not
+    a regular file (a FIFO or a device is never opened here: the reader refuses it by name)."""
+    if not os.path.isfile(path):
+        return "", ""
     try:
         with open(path, "rb") as fh:
             head = fh.read(64).lstrip()
