@@ -6,22 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ResourceError
+from ..memory import available_bytes
 
 __all__ = ["available_bytes", "refuse_if_short_of_memory"]
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Free memory where the calibration runs (CUDA's, or Linux's MemAvailable); None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def refuse_if_short_of_memory(per_image: int, batches: list, T: int) -> None:
