@@ -204,20 +204,24 @@ def test_convert_with_threshold_calibration_and_membrane_calibration(trained_dig
     assert meta.stage("spiking").changes["bias_calibration"]["membrane"] is True
 
 
-def test_bias_calibration_refuses_before_it_runs_out_of_memory(qcfs_and_snn, monkeypatch):
-    """The lockstep holds every calibration image at once: where that will not fit, the user
-    hears how much it needs and what to lower before anything runs (an out-of-memory kill says
-    nothing)."""
-    from snnconv.calibration import memory
+def test_bias_calibration_refuses_only_where_one_image_does_not_fit(qcfs_and_snn, monkeypatch):
+    """Where every calibration image at once does not fit, the images go through in groups;
+    only a single image that does not fit is refused, before anything runs, with how much it
+    needs and what to lower (an out-of-memory kill says nothing)."""
+    from snnconv import memory
+    from snnconv.calibration import bias
     from snnconv.errors import ResourceError
 
     qcfs, snn, train = qcfs_and_snn
     loader = torch.utils.data.DataLoader(train.dataset, batch_size=64)
+    monkeypatch.setattr(bias, "budget_bytes", lambda device: 1024)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1024)
-    with pytest.raises(ResourceError, match=r"GiB free on cpu.*calib_batches"):
+    with pytest.raises(ResourceError, match=r"single image.*GiB free on cpu.*lower T"):
         calibrate_bias(snn, qcfs, loader, T=4)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2**50)
-    calibrate_bias(snn, qcfs, loader, T=4)
+    out = calibrate_bias(snn, qcfs, loader, T=4)
+    assert out.meta["bias_calibration"]["method"] == "grouped"
+    assert out.meta["bias_calibration"]["groups"]["images"] == 1
 
 
 def test_firing_gives_the_spike_rates_from_charge_and_membrane():

@@ -302,11 +302,27 @@ class WeightCalibration:
         ``spans`` (batch, first, end) of the calibration: least squares over the sampled
         positions, the rates over ``T`` steps against the reference at ``L = T``. ``rates``:
         those means over the steps, where already known (``values`` is then not read)."""
-        layer, _, ref_layer = self.plan[node.name]
-        acc = WeightFit(layer, ref_layer, steps=self.T if rates is not None else None,
-                        positions=sum(len(pos) for pos, _ in self.targets[node.name]))
+        acc = self.start(node, counts=rates is not None)
+        self.add(node, acc, values, spans, rates)
+        self.solve(node, acc)
 
-        def add(group: list, k: int, lo: int, hi: int) -> None:
+    def start(self, node: fx.Node, counts: bool = False) -> WeightFit:
+        """The empty normal equations of ``node``'s layer (``counts``: its input rates will be
+        spike counts over ``T`` steps, divided by ``T``)."""
+        layer, _, ref_layer = self.plan[node.name]
+        return WeightFit(layer, ref_layer, steps=self.T if counts else None,
+                         positions=sum(len(pos) for pos, _ in self.targets[node.name]))
+
+    def solve(self, node: fx.Node, acc: WeightFit) -> None:
+        """Set ``node``'s layer to the solution of ``acc`` (every image added)."""
+        self.changes[str(node.target)] = acc.solve(RIDGE)
+        del self.targets[node.name]
+
+    def add(self, node: fx.Node, acc: WeightFit, values: Iterable, spans: list, rates: list | None = None) -> None:
+        """Add the images ``spans`` of ``node``'s input ``values`` (or their ``rates``) to ``acc``."""
+        layer = self.plan[node.name][0]
+
+        def gather(group: list, k: int, lo: int, hi: int) -> None:
             # the chunks of one batch together: a few gathers of many positions (the rates
             # are a T-th of the spikes' size)
             part = group[0] if len(group) == 1 else torch.cat(group)
@@ -319,11 +335,9 @@ class WeightCalibration:
         group, span = [], None
         for r, (k, lo, hi) in zip(means if rates is None else rates, spans):
             if group and (k != span[0] or lo != span[2]):
-                add(group, *span)
+                gather(group, *span)
                 group = []
             span = (k, span[1] if group else lo, hi)
             group.append(r)
         if group:
-            add(group, *span)
-        self.changes[str(node.target)] = acc.solve(RIDGE)
-        del self.targets[node.name]
+            gather(group, *span)
