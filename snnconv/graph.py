@@ -23,6 +23,7 @@ __all__ = [
     "call_sites",
     "call_counts",
     "capture",
+    "capture_pieces",
     "run_lockstep",
     "run_grouped",
     "GroupStore",
@@ -208,6 +209,28 @@ def capture(gm: fx.GraphModule, inputs: Iterable[Any], names: Iterable[str],
     with torch.no_grad():
         out = interp.run(*inputs)
     return (interp.values, out) if with_output else interp.values
+
+
+def capture_pieces(gm: fx.GraphModule, x: torch.Tensor, names: Iterable[str], *,
+                   reduce: Callable[[torch.Tensor], Any] | None = None) -> Iterator[tuple[int, int, dict]]:
+    """:func:`capture` over the images of ``x``, in pieces whose values fit the memory
+    (:func:`snnconv.memory.budget_bytes`; sized from one image: what it keeps and twice its
+    largest value): ``(first, end, values)`` per piece, all of ``x`` at once where it fits."""
+    from .memory import budget_bytes, refuse_one_image
+
+    names = list(names)
+    budget = budget_bytes(x.device)
+    if budget is not None and len(x) > 1:
+        one = capture(gm, (x[:1],), names, reduce=reduce)
+        per_image = 2 * largest_value(gm, x[:1]) + sum(
+            v.numel() * v.element_size() for v in one.values() if isinstance(v, torch.Tensor))
+        refuse_one_image(per_image, x.device, "a calibration forward", "lower the input size")
+        per = max(1, budget // max(1, per_image))
+        if per < len(x):
+            for lo in range(0, len(x), per):
+                yield lo, min(len(x), lo + per), capture(gm, (x[lo:lo + per],), names, reduce=reduce)
+            return
+    yield 0, len(x), capture(gm, (x,), names, reduce=reduce)
 
 
 class _Largest(fx.Interpreter):

@@ -24,7 +24,8 @@ class LogProgress:
     """A log-friendly stand-in for the part of tqdm's API the stages use.
 
     ``update``, ``set_postfix``, ``close``, iteration and ``with``; writes
-    ``"desc: n/total postfix"`` lines to ``file`` (default ``sys.stderr``) at most every
+    ``"desc: n/total [elapsed, ~remaining left] postfix"`` lines (the remaining time where the
+    total is known, from the rate so far) to ``file`` (default ``sys.stderr``) at most every
     ``interval`` seconds and once at ``close()``.
     """
 
@@ -34,7 +35,7 @@ class LogProgress:
         self.iterable = iterable
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)
-        self.total, self.desc, self.n = total, desc, int(initial)
+        self.total, self.desc, self.n, self.initial = total, desc, int(initial), int(initial)
         self.interval = float(interval)
         self.file = file
         self.postfix = ""
@@ -45,7 +46,11 @@ class LogProgress:
         out = self.file if self.file is not None else sys.stderr
         count = f"{self.n}/{self.total}" if self.total is not None else str(self.n)
         elapsed = time.monotonic() - self.start
-        line = f"{self.desc}: {count} [{elapsed:.0f}s]" + (f" {self.postfix}" if self.postfix else "")
+        timing = f"{elapsed:.0f}s"
+        done = self.n - self.initial
+        if self.total is not None and 0 < done and self.n < self.total and not self.closed:
+            timing += f", ~{elapsed / done * (self.total - self.n):.0f}s left"
+        line = f"{self.desc}: {count} [{timing}]" + (f" {self.postfix}" if self.postfix else "")
         print(line, file=out, flush=True)
 
     def update(self, n: int = 1) -> None:

@@ -54,3 +54,14 @@ def test_progress_leaves_the_global_rng_alone():
     for _ in progress_bar(range(100), file=io.StringIO()):
         pass
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_log_line_before_the_end_says_the_time_left_from_the_rate_so_far():
+    out = io.StringIO()
+    bar = progress_bar(total=10, desc="reconstruction", file=out, interval=0.0)
+    bar.start -= 20.0  # 20 s ago: two steps at 10 s each, eight left
+    bar.update(2)
+    bar.close()
+    first, last = out.getvalue().splitlines()[0], out.getvalue().splitlines()[-1]
+    assert first.startswith("reconstruction: 2/10 [20s, ~80s left]"), first
+    assert "left" not in last  # the closing line says what it took

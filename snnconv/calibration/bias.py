@@ -531,7 +531,7 @@ def _rerun(snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
     shifts: dict[str, Any] = {}
     for node in gm.graph.nodes:
         if wfit is not None and node.name in wfit.plan:
-            values = [_value_at(gm, x, node.args[0].name) for x in batches]
+            values = (_value_at(gm, x, node.args[0].name) for x in batches)  # one batch's at a time
             wfit.fit(node, values, [(k, 0, len(x)) for k, x in enumerate(batches)])
         neuron_mod = module_of(gm, node)
         if not isinstance(neuron_mod, IFNeuron):
@@ -541,9 +541,9 @@ def _rerun(snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
         if _target(target_mean, source) is None or layer is None:
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
-        values = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
-        parts = [counted(None, v, T, k, (T,) if horizons is None else horizons)
-                 for k, v in enumerate(values)]  # the neuron's own spikes: counted, not re-run
+        # the neuron's own spikes ([T*b, ...]), one batch's at a time: counted, not re-run
+        parts = [counted(None, _value_at(gm, x, node.name), T, k, (T,) if horizons is None else horizons)
+                 for k, x in enumerate(batches)]
         delta = fit_shift(neuron_mod, parts, len(batches), T, _target(target_mean, source), horizons,
                           membrane)
         apply_shift(layer, delta)

@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..graph import call_counts, capture, module_of
+from ..graph import call_counts, capture_pieces, module_of
 from ..neuron import IFNeuron
 from .reference import channel_mean, qcfs_levels
 
@@ -279,23 +279,45 @@ class WeightCalibration:
         self.means: dict[str, torch.Tensor] | None = None if sites is None else {}
         with qcfs_levels(ref, T):
             for x in batches:
-                values = capture(ref, (x,), names)
-                for target, name in (sites or {}).items():  # as reference_means
-                    mean = channel_mean(values[name])
-                    self.means[target] = self.means.get(target, 0) + mean / len(batches)
-                for name, (layer, ref_name, ref_layer) in self.plan.items():
-                    a = values[ref_name]
-                    n = len(a) * math.prod(_output_size(ref_layer, a))
-                    features = ref_layer.weight[0].numel()  # per group
-                    budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * len(a) / images
-                    if budget < n:
-                        pos = torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values.to(a.device)
-                        self.targets[name].append((pos, layer_output(ref_layer, a, pos)))
-                    else:
-                        pos = torch.arange(n, device=a.device)
-                        self.targets[name].append((pos, layer_output(ref_layer, a)))
-                del values
+                picks: dict[str, tuple[torch.Tensor | None, int]] = {}
+                outputs: dict[str, list[torch.Tensor]] = {name: [] for name in self.plan}
+                # in pieces of images where the batch's values do not fit the memory
+                for lo, hi, values in capture_pieces(ref, x, names):
+                    for target, name in (sites or {}).items():  # as reference_means
+                        mean = channel_mean(values[name]) * ((hi - lo) / len(x))
+                        self.means[target] = self.means.get(target, 0) + mean / len(batches)
+                    for name, (layer, ref_name, ref_layer) in self.plan.items():
+                        a = values[ref_name]
+                        if name not in picks:  # the batch's sampled positions, drawn at its first piece
+                            picks[name] = self._positions(ref_layer, a, len(x), images, gen)
+                        pos, per_image = picks[name]
+                        if pos is None:
+                            outputs[name].append(layer_output(ref_layer, a))
+                        else:
+                            i, j = torch.searchsorted(pos, torch.tensor([lo * per_image, hi * per_image],
+                                                                        device=pos.device))
+                            outputs[name].append(layer_output(ref_layer, a, pos[i:j] - lo * per_image))
+                    del values
+                for name, (pos, per_image) in picks.items():
+                    y = outputs[name][0] if len(outputs[name]) == 1 else torch.cat(outputs[name])
+                    if pos is None:
+                        pos = torch.arange(len(x) * per_image, device=y.device)
+                    self.targets[name].append((pos, y))
         self.changes: dict[str, float] = {}
+
+    @staticmethod
+    def _positions(ref_layer: nn.Module, a: torch.Tensor, batch: int, images: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor | None, int]:
+        """The sampled output positions of ``ref_layer`` over a batch of ``batch`` images (sorted
+        flat indices; None: all of them) and its positions per image, from ``a`` (its input, any
+        number of images)."""
+        per_image = math.prod(_output_size(ref_layer, a))
+        n = batch * per_image
+        features = ref_layer.weight[0].numel()  # per group
+        budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * batch / images
+        if budget < n:
+            return torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values.to(a.device), per_image
+        return None, per_image
 
     def fit(self, node: fx.Node, values: Iterable, spans: list, rates: list | None = None) -> None:
         """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
