@@ -189,14 +189,17 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def _step_time(step: Callable[[torch.Tensor], Any], x: torch.Tensor, batch: int) -> float:
+def _step_time(step: Callable[[torch.Tensor], Any], x: torch.Tensor, batch: int,
+               first: float | None = None) -> float:
     """Seconds of ``step`` on ``batch`` images. Timed on one image and on two (after one call
     to warm up): where the second image adds little (a fixed cost per step dominates: small
     images) or the step is cheap, the batch itself (as much of it as ``x`` holds) is timed
     and scaled; else the line through the two is extended (a cost per image dominates: large
-    images, where one image already takes long)."""
-    step(x[:1])
-    one = _timed(lambda: step(x[:1]))
+    images, where one image already takes long). ``first``: the seconds of a call on one image
+    made already (the warm-up; where it took a second or more, its own time is taken)."""
+    if first is None:
+        first = _timed(lambda: step(x[:1]))
+    one = first if first >= 1.0 else _timed(lambda: step(x[:1]))
     n = min(batch, len(x))
     if n < 2:
         return one * batch
@@ -325,9 +328,12 @@ def _snn_step(snn: nn.Module, x: torch.Tensor, T: int, batch: int) -> tuple[floa
     old = snn.T
     snn.T = T
     snn.train()
+    step, kept = _train_step(snn), []
     try:
-        per_image = int(TRAINING_FACTOR * saved_bytes(lambda: snn(x[:1]), snn))
-        return _step_time(_train_step(snn), x, batch), images_that_fit(per_image, step_budget(x.device), batch)
+        # the warm-up step measures what autograd keeps for one image
+        first = _timed(lambda: kept.append(saved_bytes(lambda: step(x[:1]), snn)))
+        per_image = int(TRAINING_FACTOR * kept[0])
+        return _step_time(step, x, batch, first), images_that_fit(per_image, step_budget(x.device), batch)
     finally:
         snn.eval()
         snn.T = old

@@ -105,7 +105,7 @@ def test_an_allocation_failure_in_a_stage_is_a_resource_error_naming_it(monkeypa
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
     monkeypatch.setattr(pipeline, "to_spiking", out_of_memory)
-    with pytest.raises(ResourceError, match="stage 'spiking' ran out of memory.*batch size"):
+    with pytest.raises(ResourceError, match="stage 'spiking' ran out of memory.*SNNCONV_MEMORY"):
         snnconv.convert(_model(), _data(), T=2, finetune_epochs=0, progress=False, on_collapse="warn")
 
 

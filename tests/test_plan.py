@@ -99,9 +99,9 @@ def test_step_time_extrapolates_along_a_fixed_cost_and_a_cost_per_image(monkeypa
         it = iter(costs)
         monkeypatch.setattr(plan_module, "_timed", lambda fn: (fn(), next(it))[1])
 
-    clock(10.0, 16.0)  # one image, then two: 4 s a step and 6 s an image
+    clock(10.0, 16.0)  # one image (its own warm-up, being slow), then two: 4 s a step and 6 s an image
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(10.0 + 6.0 * 31)
     clock(10.0, 11.0, 12.0)  # the second image adds 10%: the 8 images of x are timed
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(12.0 * 32 / 8)
-    clock(0.01, 0.2)  # cheap: the batch timed at once
+    clock(0.01, 0.01, 0.2)  # cheap (a warm-up, then one image): the batch timed at once
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(0.2 * 32 / 8)
