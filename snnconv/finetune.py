@@ -9,6 +9,7 @@ Runs under ``torchrun`` with DistributedDataParallel (gloo on CPU, NCCL on GPUs)
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -19,7 +20,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 import torch
-import torch.fx as fx
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
 from .progress import progress_bar
@@ -32,7 +32,8 @@ from .checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
 from .metrics import TeacherLabelled, accuracy_by_T, distillation_loss, evaluate, teacher_targets
 from .qcfs import make_optimizer
 from .network import SpikingNetwork
-from .neuron import IFNeuron, neurons
+from .neuron import neurons
+from .recompute import StepPlan, checkpointed, plan_step
 
 __all__ = ["FinetuneConfig", "finetune", "blend", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
 
@@ -48,7 +49,9 @@ class FinetuneConfig:
     ``alpha`` (ATan surrogate sharpness) and ``detach_reset``, ``train_thresholds`` (with
     ``threshold_lr``; never weight-decayed, kept positive), ``val_fraction`` of the training
     data held out to pick the best epoch, ``checkpoint_dir``/``checkpoint_every``/``resume``,
-    ``activation_checkpointing`` (None | "block" | "neuron"), ``amp`` (CUDA only), and
+    ``activation_checkpointing`` (``"auto"``, None, ``"block"``, ``"neuron"``) and
+    ``micro_batch`` (images per forward/backward pass; None: as many as fit the memory, see
+    :func:`snnconv.recompute.plan_step`), ``amp`` (CUDA only), and
     ``horizons``: step counts h <= T whose running-average readouts each get a cross-entropy
     term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too); the
     best epoch is then the one with the best mean validation accuracy over them.
@@ -83,7 +86,8 @@ class FinetuneConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
-    activation_checkpointing: str | None = None
+    activation_checkpointing: str | None = "auto"
+    micro_batch: int | None = None
     amp: bool = True
     horizons: tuple[int, ...] | None = None
     distill: float = 0.0
@@ -121,9 +125,12 @@ class FinetuneConfig:
             bad(f"momentum must be in [0, 1), got {self.momentum}")
         if self.grad_clip < 0:
             bad(f"grad_clip must be >= 0 (0 turns clipping off), got {self.grad_clip}")
-        if self.activation_checkpointing not in (None, "block", "neuron"):
-            bad(f"activation_checkpointing must be None, 'block' or 'neuron', got "
+        if self.activation_checkpointing not in ("auto", None, "block", "neuron"):
+            bad(f"activation_checkpointing must be 'auto', None, 'block' or 'neuron', got "
                 f"{self.activation_checkpointing!r}")
+        if self.micro_batch is not None and (isinstance(self.micro_batch, bool)
+                                             or not isinstance(self.micro_batch, int) or self.micro_batch < 1):
+            bad(f"micro_batch must be None or an integer >= 1, got {self.micro_batch!r}")
         if self.checkpoint_every < 0 or self.warmup_steps < 0:
             bad("checkpoint_every and warmup_steps must be >= 0")
         if self.batch_size is not None and self.batch_size < 1:
@@ -135,68 +142,6 @@ class FinetuneConfig:
                                         for h in self.horizons):
                 bad(f"horizons must be step counts in [1, T={self.T}], got {self.horizons!r}")
             object.__setattr__(self, "horizons", tuple(sorted(set(self.horizons))))
-
-
-# --- activation checkpointing ---------------------------------------------------------------
-
-class _Checkpointed(nn.Module):
-    """Run ``module`` under ``torch.utils.checkpoint`` while training (recompute in backward)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, *args):
-        if self.training and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
-        return self.module(*args)
-
-
-def _cut_points(gm: fx.GraphModule) -> set[fx.Node]:
-    """IF nodes after which only their own output is live: the boundaries between blocks."""
-    order = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(order)}
-    cuts, live_until = set(), -1  # the last position any earlier value is still needed at
-    for i, n in enumerate(order):
-        if live_until <= i and n.op == "call_module" and isinstance(gm.get_submodule(n.target), IFNeuron):
-            cuts.add(n)
-        if n.op != "get_attr":
-            live_until = max(live_until, max((pos[u] for u in n.users), default=i))
-    return cuts
-
-
-def checkpointed(snn: SpikingNetwork, mode: str) -> SpikingNetwork:
-    """A view of ``snn`` with activation checkpointing, sharing its parameters.
-
-    ``"neuron"`` recomputes each IF layer's T-step loop in backward (keeping only its input);
-    ``"block"`` splits the graph where a single tensor is live (block outputs) and recomputes
-    each segment in backward. Train the view; read and save the weights through ``snn``.
-    """
-    from torch.fx.passes.split_module import split_module
-
-    gm = snn.net
-    if mode == "neuron":
-        view = fx.GraphModule(gm, copy.deepcopy(gm.graph), "CheckpointedNeurons")
-        for name, m in neurons(gm).items():
-            if "." in name:
-                raise ConfigError(f"neuron '{name}' is nested; 'neuron' checkpointing needs "
-                                 "root-level neurons")
-            setattr(view, name, _Checkpointed(m))
-        return SpikingNetwork(view, snn.T)
-    if mode != "block":
-        raise ConfigError(f"activation checkpointing mode must be 'block' or 'neuron', got {mode!r}")
-    cuts = _cut_points(gm)
-    assign: dict[str, int] = {}
-    part = 0
-    for n in gm.graph.nodes:
-        assign[n.name] = part
-        if n in cuts:
-            part += 1
-    split = split_module(gm, gm, lambda n: assign[n.name])
-    for name, child in list(split.named_children()):
-        if name.startswith("submod_"):
-            setattr(split, name, _Checkpointed(child))
-    return SpikingNetwork(split, snn.T)
 
 
 # --- checkpoint files -----------------------------------------------------------------------
@@ -396,6 +341,61 @@ def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | No
                              label_smoothing=cfg.label_smoothing, where="the fine-tuning loader")
 
 
+def _step_plan(model: SpikingNetwork, x: torch.Tensor, cfg: FinetuneConfig, device: torch.device,
+               world: int) -> StepPlan:
+    """:func:`plan_step` for this run's batches; under DDP every process takes the smallest
+    micro-batch and the most checkpointing any of them needs."""
+    plan = plan_step(model, x, len(x), cfg.activation_checkpointing, cfg.micro_batch)
+    if world == 1:
+        return plan
+    import torch.distributed as dist
+
+    agreed = torch.tensor([-plan.micro_batch, plan.mode == "block"], dtype=torch.int64,
+                          device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return StepPlan("block" if agreed[1] else plan.mode, int(-agreed[0]), plan.per_image)
+
+
+def _runner(model: SpikingNetwork, plan: StepPlan, device: torch.device, world: int) -> nn.Module:
+    """The module that computes the training forward: ``model``, a checkpointed view of it, and
+    under DDP its wrapper (all sharing ``model``'s parameters)."""
+    runner: nn.Module = model if plan.mode is None else checkpointed(model, plan.mode)
+    runner.train()
+    if world > 1:
+        ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        runner = nn.parallel.DistributedDataParallel(runner, **ddp_kwargs)
+    return runner
+
+
+def _backward(runner: nn.Module, x: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None,
+              cfg: FinetuneConfig, micro: int, scaler, use_amp: bool, amp_dtype) -> tuple[float, torch.Tensor]:
+    """The gradient of the batch's loss, in pieces of ``micro`` images whose losses (weighted by
+    their share of the batch) add up to it; returns the loss and the readout."""
+    pieces = list(zip(x.split(micro), y.split(micro),
+                      soft.split(micro) if soft is not None else [None] * -(-len(x) // micro)))
+    total, outs = 0.0, []
+    for i, (xp, yp, sp) in enumerate(pieces):
+        last = i == len(pieces) - 1
+        sync = contextlib.nullcontext() if last or not hasattr(runner, "no_sync") else runner.no_sync()
+        with sync:
+            with torch.autocast(xp.device.type, dtype=amp_dtype, enabled=use_amp):
+                if cfg.horizons:
+                    # anytime readout: cross-entropy of the running average after each horizon
+                    cum = runner(xp, per_step=True).float().cumsum(0)
+                    out = cum[-1] / cfg.T
+                    loss = sum(_readout_loss(cum[h - 1] / h, yp, sp, cfg)
+                               for h in cfg.horizons) / len(cfg.horizons)
+                else:
+                    out = runner(xp)
+                    loss = _readout_loss(out.float(), yp, sp, cfg)
+            if len(pieces) > 1:
+                loss = loss * (len(xp) / len(x))
+            scaler.scale(loss).backward()
+        total += loss.item()
+        outs.append(out.detach())
+    return total, outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _val_accuracy(model: SpikingNetwork, val: Iterable, cfg: FinetuneConfig, device) -> float:
     """Validation accuracy: the mean over the trained readouts (one run), else at ``model.T``."""
     if cfg.horizons:
@@ -473,13 +473,10 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     total = cfg.epochs * steps_per_epoch if steps_per_epoch else 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup_steps))
     # ``model`` owns the parameters (state dicts, checkpoints, evaluation); ``runner`` computes
-    # the training forward (a checkpointed view and/or a DDP wrapper sharing those parameters)
-    runner: nn.Module = model
-    if cfg.activation_checkpointing:
-        runner = checkpointed(model, cfg.activation_checkpointing)
-    if world > 1:
-        ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
-        runner = nn.parallel.DistributedDataParallel(runner, **ddp_kwargs)
+    # the training forward (a checkpointed view and/or a DDP wrapper sharing those parameters),
+    # made at the first step, whose images say what fits (:func:`plan_step`)
+    runner: nn.Module | None = None
+    plan: StepPlan | None = None
     use_amp = cfg.amp and device.type == "cuda"
     amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
@@ -539,7 +536,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         data.start_epoch(epoch, cfg.seed)
         skip = start_step if epoch == start_epoch else 0
         model.train()
-        runner.train()
+        if runner is not None:
+            runner.train()
         t0 = time.perf_counter()
         sums = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
         if skip and resume_partial is not None:
@@ -565,18 +563,11 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                                 "outputs alone")
             x = x.to(device)
             soft, y = teacher_targets(teacher, x, y, cfg.distill_temperature, device)
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                if cfg.horizons:
-                    # anytime readout: cross-entropy of the running average after each horizon
-                    cum = runner(x, per_step=True).float().cumsum(0)
-                    out = cum[-1] / cfg.T
-                    loss = sum(_readout_loss(cum[h - 1] / h, y, soft, cfg)
-                               for h in cfg.horizons) / len(cfg.horizons)
-                else:
-                    out = runner(x)
-                    loss = _readout_loss(out.float(), y, soft, cfg)
+            if runner is None:
+                plan = _step_plan(model, x, cfg, device, world)
+                runner = _runner(model, plan, device, world)
             opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            loss, out = _backward(runner, x, y, soft, cfg, plan.micro_batch, scaler, use_amp, amp_dtype)
             if cfg.grad_clip > 0:
                 scaler.unscale_(opt)
                 nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -588,7 +579,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
                     for m in neurons(model).values():
                         m.theta.clamp_(min=1e-3)
             with torch.no_grad():
-                sums += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
+                sums += torch.tensor([loss * len(y), (out.argmax(1) == y).sum().item(), len(y)],
                                      dtype=torch.float64)
             bar.update(1)
             bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{100 * sums[1] / sums[2]:.1f}")
@@ -628,6 +619,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     if cfg.wise:
         model = blend(snn, model, cfg.wise)
     model.eval()
+    if plan is not None:
+        model.meta["finetune_step"] = plan.to_dict()
     for m in neurons(model).values():
         m.theta.requires_grad_(False)
     model.T = original_T

@@ -23,7 +23,10 @@ __all__ = [
     "call_sites",
     "call_counts",
     "capture",
+    "capture_pieces",
     "run_lockstep",
+    "run_grouped",
+    "GroupStore",
     "NodeOutputs",
     "describe_node",
 ]
@@ -206,6 +209,28 @@ def capture(gm: fx.GraphModule, inputs: Iterable[Any], names: Iterable[str],
     with torch.no_grad():
         out = interp.run(*inputs)
     return (interp.values, out) if with_output else interp.values
+
+
+def capture_pieces(gm: fx.GraphModule, x: torch.Tensor, names: Iterable[str], *,
+                   reduce: Callable[[torch.Tensor], Any] | None = None) -> Iterator[tuple[int, int, dict]]:
+    """:func:`capture` over the images of ``x``, in pieces whose values fit the memory
+    (:func:`snnconv.memory.budget_bytes`; sized from one image: what it keeps and twice its
+    largest value): ``(first, end, values)`` per piece, all of ``x`` at once where it fits."""
+    from .memory import budget_bytes, refuse_one_image
+
+    names = list(names)
+    budget = budget_bytes(x.device)
+    if budget is not None and len(x) > 1:
+        one = capture(gm, (x[:1],), names, reduce=reduce)
+        per_image = 2 * largest_value(gm, x[:1]) + sum(
+            v.numel() * v.element_size() for v in one.values() if isinstance(v, torch.Tensor))
+        refuse_one_image(per_image, x.device, "a calibration forward", "lower the input size")
+        per = max(1, budget // max(1, per_image))
+        if per < len(x):
+            for lo in range(0, len(x), per):
+                yield lo, min(len(x), lo + per), capture(gm, (x[lo:lo + per],), names, reduce=reduce)
+            return
+    yield 0, len(x), capture(gm, (x,), names, reduce=reduce)
 
 
 class _Largest(fx.Interpreter):
@@ -398,3 +423,141 @@ def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
         else:
             firsts, segment = [(f,) for f in got], [node]
     raise UnsupportedModelError("the graph has no output node")
+
+
+class GroupStore:
+    """What each group of chunks holds between two hooks of :func:`run_grouped`: in memory up
+    to ``limit`` bytes (None: no limit), beyond that in files of a private temporary folder
+    (spikes as ``bool``), read back and deleted when the group runs on."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.held, self.spilled = limit, 0, 0
+        self.mem: dict[int, tuple[list[dict], int]] = {}
+        self.files: dict[int, str] = {}
+        self.folder: Any = None
+
+    def put(self, g: int, envs: list[dict]) -> None:
+        size = sum(_nbytes(v) for env in envs for v in env.values())
+        if self.limit is None or self.held + size <= self.limit:
+            self.mem[g] = (envs, size)
+            self.held += size
+            return
+        import tempfile
+
+        if self.folder is None:
+            self.folder = tempfile.TemporaryDirectory(prefix="snnconv-calibration-")
+        path = os.path.join(self.folder.name, f"group{g}.pt")
+        torch.save([{n.name: (("packed", v.bits) if isinstance(v, Packed) else v) for n, v in env.items()}
+                    for env in envs], path)
+        self.files[g] = path
+        self.spilled += 1
+
+    def take(self, g: int, nodes: dict[str, fx.Node]) -> list[dict]:
+        if g in self.mem:
+            envs, size = self.mem.pop(g)
+            self.held -= size
+            return envs
+        path = self.files.pop(g)
+        saved = torch.load(path, weights_only=True)
+        os.remove(path)
+        return [{nodes[k]: (_packed_bits(v[1]) if isinstance(v, tuple) and v[:1] == ("packed",) else v)
+                 for k, v in env.items()} for env in saved]
+
+    def close(self) -> None:
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder = None
+
+
+def _packed_bits(bits: torch.Tensor) -> Packed:
+    p = Packed.__new__(Packed)
+    p.bits, p.dtype = bits, torch.float32
+    return p
+
+
+def _nbytes(v: Any) -> int:
+    t = v.bits if isinstance(v, Packed) else v
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def run_grouped(gm: fx.GraphModule, chunks: list[torch.Tensor], groups: list[list[int]],
+                hooks: dict[str, Any], store: GroupStore) -> None:
+    """:func:`run_lockstep`'s calibration, a group of chunks at a time: memory for one group's
+    values and what every group holds between two hooks (``store``), not for every chunk at once.
+
+    ``hooks[node_name]`` has ``prepare(firsts)`` (that node's first argument for each chunk of
+    one group; it may change them in place, and returns what the other two read),
+    ``measure(prepared, members)`` (``members``: the chunks' indices), ``settle()`` once every
+    group was measured, and ``emit(prepared, members)``, which returns the node's outputs
+    (``hook.replaces``; kept :class:`Packed` where ``hook.spikes``) or the first arguments it
+    should run on; ``done()`` after the last group's emit. Between two
+    hooks each group runs the stretch twice, to measure and to emit (the last group measured
+    keeps its values and runs it once); a change a hook makes to a module applies from the
+    emit on. Nothing after the last hook runs.
+    """
+    order = _late_order(gm, set(hooks))
+    last_user = {a: n for n in order for a in n.all_input_nodes}
+    last: dict[fx.Node, list[fx.Node]] = {}
+    for value, user in last_user.items():
+        last.setdefault(user, []).append(value)
+    nodes = {n.name: n for n in order}
+    its = [_Lockstep(gm) for _ in chunks]
+
+    def advance(members: list[int], envs: list[dict], segment: list[fx.Node], node: fx.Node) -> list:
+        firsts = []
+        for i, env in zip(members, envs):
+            it = its[i]
+            it.env, it.args_iter = env, iter([chunks[i]])
+            for n in segment:
+                it.env[n] = it.run_node(n)
+                for dead in last.get(n, []):
+                    del it.env[dead]
+            firsts.append(it.fetch_args_kwargs_from_env(node)[0][0])
+        return hooks[node.name].prepare(firsts)
+
+    for g, members in enumerate(groups):
+        store.put(g, [{} for _ in members])
+    start = 0
+    try:
+        for q, node in enumerate(order):
+            hook = hooks.get(node.name)
+            if hook is None:
+                continue
+            segment, kept = order[start:q], None
+            for g, members in enumerate(groups):
+                envs = store.take(g, nodes)
+                if g == len(groups) - 1:
+                    kept = (envs, advance(members, envs, segment, node))
+                    continue
+                copies = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in env.items()}
+                          for env in envs]
+                hook.measure(advance(members, copies, segment, node), members)
+                store.put(g, envs)
+                del copies
+            hook.measure(kept[1], groups[-1])
+            hook.settle()
+            for g in [len(groups) - 1, *range(len(groups) - 1)]:
+                members = groups[g]
+                if kept is not None:
+                    (envs, firsts), kept = kept, None
+                else:
+                    envs = store.take(g, nodes)
+                    firsts = advance(members, envs, segment, node)
+                outs = hook.emit(firsts, members)
+                del firsts
+                for k, (i, env) in enumerate(zip(members, envs)):
+                    it = its[i]
+                    it.env = env
+                    if hook.replaces:
+                        env[node] = Packed(outs[k]) if hook.spikes else outs[k]
+                    else:
+                        args, kwargs = it.fetch_args_kwargs_from_env(node)
+                        env[node] = getattr(it, node.op)(node.target, (outs[k], *args[1:]), kwargs)
+                    outs[k] = None
+                    for dead in last.get(node, []):
+                        del env[dead]
+                store.put(g, envs)
+            hook.done()
+            start = q + 1
+    finally:
+        store.close()

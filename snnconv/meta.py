@@ -140,6 +140,9 @@ class ConversionMeta:
     seed: int | None = None
     environment: dict[str, str] = field(default_factory=environment)
     accuracy: dict[str, Any] = field(default_factory=dict)
+    #: Before training-style work: the stages, steps and estimated seconds on this device
+    #: (:class:`snnconv.plan.Plan`); empty where none ran.
+    plan: dict[str, Any] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageRecord:
         """The record of stage ``name`` (KeyError if it did not run)."""
@@ -163,7 +166,7 @@ class ConversionMeta:
         stages = [StageRecord(**s) for s in data.get("stages", [])]
         return cls(stages=stages, settings=dict(data.get("settings", {})), seed=data.get("seed"),
                    environment=dict(data.get("environment", {})),
-                   accuracy=dict(data.get("accuracy", {})))
+                   accuracy=dict(data.get("accuracy", {})), plan=dict(data.get("plan", {})))
 
     @classmethod
     def from_json(cls, text_or_path: str | os.PathLike) -> "ConversionMeta":

@@ -29,6 +29,7 @@ from .guards import assert_no_batchnorm
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
 from .network import SpikingNetwork
+from .plan import epoch_steps, log_plan, make_plan, planned_work, record_run
 from .qcfs import QCFSTrainConfig, calibrate_qcfs, check_activations, max_pools
 from .replace import to_spiking
 from .summary import images_in, say_beyond_ann
@@ -137,41 +138,6 @@ def _batches_below(loader: Any, n: int) -> bool:
             return sum(1 for _ in zip(range(n), loader)) < n
 
 
-def _epoch_steps(loader: Any, val_fraction: float, batch: int | None = None) -> int | None:
-    """Optimiser steps in one epoch of ``loader``'s training split (in batches of ``batch``,
-    else the loader's own); None for a loader without a length."""
-    try:
-        if batch is not None:
-            return max(1, int(len(loader.dataset) * (1.0 - val_fraction)) // batch)
-        return max(1, int(len(loader) * (1.0 - val_fraction)))
-    except (AttributeError, TypeError):
-        return None
-
-
-def _budget(loader: Any, qcfs_train: QCFSTrainConfig | None, finetune_config: Any) -> dict[str, Any]:
-    """The planned work of the training stages in optimiser steps (None: as long as the loader
-    runs), and one ANN training epoch over ``loader`` (its length) as the unit to compare with."""
-    try:
-        ann_epoch = len(loader)
-    except TypeError:
-        ann_epoch = None
-    out: dict[str, Any] = {"ann_epoch_steps": ann_epoch, "qcfs_steps": 0, "finetune_steps": 0}
-    if qcfs_train is not None and qcfs_train.epochs:
-        per = split_steps(loader, qcfs_train.val_fraction)
-        steps = None if per is None else qcfs_train.epochs * max(1, per)
-        if qcfs_train.max_steps is not None:
-            steps = qcfs_train.max_steps if steps is None else min(steps, qcfs_train.max_steps)
-        out["qcfs_steps"] = steps
-    if finetune_config is not None and finetune_config.epochs:
-        cfg = finetune_config
-        per = _epoch_steps(loader, cfg.val_fraction, cfg.batch_size if hasattr(loader, "dataset") else None)
-        if cfg.max_steps_per_epoch:
-            per = cfg.max_steps_per_epoch if per is None else min(per, cfg.max_steps_per_epoch)
-        out["finetune_steps"] = None if per is None else cfg.epochs * per
-        out["finetune_T"] = cfg.T
-    return out
-
-
 def seed_everything(seed: int) -> None:
     """Seed Python, numpy and torch."""
     random.seed(seed)
@@ -222,6 +188,32 @@ def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader:
     return None
 
 
+def _plan(meta: ConversionMeta, gm: nn.Module, calib: list, cfg: ConvertConfig, qcfs_train: Any,
+          finetune_config: Any, defaults: dict[str, bool], device: torch.device, loader: Any):
+    """Measure and log the plan of the training-style stages (:func:`snnconv.plan.make_plan`)
+    into ``meta.plan``; the settings of a default budget it cut are recorded as they will run."""
+    record = meta.settings
+    try:
+        val = int(len(loader.dataset) * finetune_config.val_fraction) if finetune_config is not None else None
+    except (AttributeError, TypeError):
+        val = None
+    plan, qcfs_train, finetune_config, steps = make_plan(
+        gm, calib, cfg, qcfs_train=qcfs_train, finetune_config=finetune_config, budget=record["budget"],
+        defaults=defaults, device=device, val_images=val)
+    meta.plan = plan.to_dict()
+    log_plan(plan, cfg.progress)
+    if any(s.cut_from is not None for s in plan.stages):
+        cfg = cfg.replace(reconstruction_steps=steps)
+        if qcfs_train is not None:
+            record["qcfs_train"] = vars(qcfs_train).copy()
+        if finetune_config is not None:
+            record["finetune"] = vars(finetune_config).copy()
+            record["finetune_epochs"] = finetune_config.epochs
+        record["reconstruction_steps"] = steps
+        record["budget"] = dict(planned_work(loader, qcfs_train, finetune_config), reconstruction_steps=steps)
+    return qcfs_train, finetune_config, cfg
+
+
 def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or (
         isinstance(exc, RuntimeError) and ("can't allocate memory" in str(exc) or "out of memory" in str(exc)))
@@ -238,9 +230,10 @@ def _stage(meta: ConversionMeta, name: str) -> Iterator[StageRecord]:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ResourceError(
-            f"stage '{name}' ran out of memory ({first[:200]}). Lower the loader's batch size, "
-            "calib_batches (calibration runs min(4, calib_batches) batches together for up to "
-            "2 * T steps) or T, or run on a device with more memory") from exc
+            f"stage '{name}' ran out of memory ({first[:200]}). The stages size their work from "
+            "the memory free when they start (snnconv.memory): where other processes took it since, "
+            "cap what they plan for with SNNCONV_MEMORY (for example SNNCONV_MEMORY=4G), lower T "
+            "or the input size, or run on a device with more memory") from exc
     record.seconds = time.perf_counter() - start
     meta.stages.append(record)
 
@@ -408,7 +401,7 @@ def default_finetune_epochs(loader: Any) -> int:
 
     vf = FinetuneConfig.val_fraction
     batch = _finetune_batch(loader, CONVERT_FINETUNE["batch_size"], vf)
-    per = _epoch_steps(loader, vf, batch if hasattr(loader, "dataset") else None)
+    per = epoch_steps(loader, vf, batch if hasattr(loader, "dataset") else None)
     if per is None:
         return 1
     return min(FINETUNE_MAX_EPOCHS, max(1, math.ceil(FINETUNE_MIN_STEPS / min(per, FINETUNE_MAX_STEPS))))
@@ -462,9 +455,8 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             at L.
         percentile: each QCFS threshold starts at this percentile of its site's activations.
         calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
-            use the first ``min(4, calib_batches)``, all at once for up to ``2 * T`` steps (a
-            forward of that many batches at ``2 * T``: lower it, or the batch size, where memory
-            is short).
+            use the first ``min(4, calib_batches)``, all at once for up to ``2 * T`` steps where
+            they fit the memory, in groups where not (:func:`snnconv.calibration.calibrate_bias`).
         maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
             layers up to the first max-pooling, such as a ResNet stem, run once in analog,
             exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
@@ -549,7 +541,10 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                             "at least one batch.")
         x0, y0 = calib[0]
         finetune_config = cfg.finetune_config
-        if cfg.finetune_epochs is None and finetune_config is None:
+        defaults = {"finetune": cfg.finetune_epochs is None and finetune_config is None,
+                    "qcfs": cfg.qcfs_epochs is None and cfg.qcfs_train is None,
+                    "reconstruction": cfg.reconstruction_steps is None}
+        if defaults["finetune"]:
             epochs, why = _finetune_default(cfg, y0 is not None, loader)
             cfg = cfg.replace(finetune_epochs=epochs)
             record.update(finetune_epochs=epochs, finetune_default=why)
@@ -588,7 +583,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
                 qcfs_train is not None and qcfs_train.epochs > 0)
             cfg = cfg.replace(reconstruction_steps=steps)
             record.update(reconstruction_steps=steps, reconstruction_default=why)
-        record["budget"] = _budget(loader, qcfs_train, finetune_config)
+        record["budget"] = planned_work(loader, qcfs_train, finetune_config)
         record["budget"]["reconstruction_steps"] = cfg.reconstruction_steps
         if qcfs_train is not None and qcfs_train.epochs and cfg.membrane_calibration:
             # trained at L levels: calibrate against that function, over L steps
@@ -603,6 +598,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             health.check(rec, gm, "fold", what="the (folded) ANN")
         if eval_loader is not None:
             meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
+        if cfg.reconstruction_steps or record["budget"]["qcfs_steps"] != 0 or health.finetune_follows:
+            qcfs_train, finetune_config, cfg = _plan(meta, gm, calib, cfg, qcfs_train, finetune_config,
+                                                     defaults, device, loader)
 
         with _stage(meta, "qcfs") as rec:
             # the full loader only where QCFS training reads it; calibration reads the drawn batches
@@ -663,22 +661,6 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             meta.accuracy["snn"] = {str(t): a for t, a in
                                     accuracy_by_T(snn, eval_loader, Ts, device).items()}
             record["eval_images"] = images_in(eval_loader)
-        _record_budget(meta)
+        record_run(meta)
         say_beyond_ann(meta, cfg.progress)
         return snn, meta
-
-
-def _record_budget(meta: ConversionMeta) -> None:
-    """What the training stages ran: optimiser steps and seconds, beside the plan."""
-    budget = meta.settings.get("budget", {})
-    for record in meta.stages:
-        if record.name == "qcfs" and record.changes.get("history"):
-            budget["qcfs_steps_run"] = sum(h.get("steps", 0) for h in record.changes["history"])
-            budget["qcfs_seconds"] = record.seconds
-        if record.name == "spiking" and "reconstruction" in record.changes:
-            budget["reconstruction_steps_run"] = record.changes["reconstruction"]["steps"]
-            budget["reconstruction_seconds"] = record.changes["reconstruction"]["seconds"]
-        if record.name == "finetune":
-            budget["finetune_steps_run"] = record.changes.get("steps", 0)
-            budget["finetune_seconds"] = record.seconds
-    budget["total_seconds"] = sum(r.seconds for r in meta.stages)

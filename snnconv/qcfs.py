@@ -25,7 +25,7 @@ from .activation import (QCFS, FloorSTE, check_activations, is_inplace, relu_inp
                          max_pools, qcfs_sites, relu_sites, replace_maxpool)
 from .data import SameShape, bounded, split_batch, split_loader
 from .errors import ConfigError, DataError
-from .graph import capture, describe_node, module_of, prepare
+from .graph import capture_pieces, describe_node, module_of, prepare
 from .progress import progress_bar
 from .guards import assert_no_batchnorm
 from .metrics import TeacherLabelled, distillation_loss, evaluate, teacher_targets
@@ -58,23 +58,27 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
             break
         x = same(split_batch(batch, where="calibration loader")[0], i)
         _check_finite(x, f"calibration batch {i}")
-        values = capture(gm, (x.to(device),), set(inputs.values()))
-        for site, src in inputs.items():
-            # samples stay on the calibration device (the quantiles run there: on a GPU, much
-            # faster than on one CPU thread); the subsampling indices come from a CPU generator
-            v = values[src].detach().float()
-            if ndims is not None:
-                ndims[site] = v.dim()
-            if per_channel:
-                v = v.transpose(0, 1).reshape(v.shape[1], -1)
-                if v.shape[1] > max_samples // max(1, v.shape[0]) * 4:
-                    keep = torch.randperm(v.shape[1], generator=gen)[: max(1, max_samples // v.shape[0]) * 4]
-                    v = v[:, keep.to(v.device)]
-            else:
-                v = v.reshape(-1)
-                if v.numel() > max_samples:
-                    v = v[torch.randperm(v.numel(), generator=gen)[:max_samples].to(v.device)]
-            samples[site].append(v)
+        x = x.to(device)
+        # in pieces of images where the batch's values do not fit, each sampled in proportion
+        for lo, hi, values in capture_pieces(gm, x, set(inputs.values())):
+            cap = max(1, max_samples * (hi - lo) // len(x))
+            for site, src in inputs.items():
+                # samples stay on the calibration device (the quantiles run there: on a GPU, much
+                # faster than on one CPU thread); the subsampling indices come from a CPU generator
+                v = values[src].detach().float()
+                if ndims is not None:
+                    ndims[site] = v.dim()
+                if per_channel:
+                    v = v.transpose(0, 1).reshape(v.shape[1], -1)
+                    if v.shape[1] > cap // max(1, v.shape[0]) * 4:
+                        keep = torch.randperm(v.shape[1], generator=gen)[: max(1, cap // v.shape[0]) * 4]
+                        v = v[:, keep.to(v.device)]
+                else:
+                    v = v.reshape(-1)
+                    if v.numel() > cap:
+                        v = v[torch.randperm(v.numel(), generator=gen)[:cap].to(v.device)]
+                samples[site].append(v)
+            del values
         seen += 1
         bar.update(1)
     bar.close()
@@ -212,7 +216,10 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             break
         gm.train()
         loss_sum = n = correct = 0
-        bar = progress_bar(bounded(train, where="the QCFS training loader"), total=_length(train),
+        length = _length(train)
+        if length is not None and cfg.max_steps is not None:
+            length = min(length, cfg.max_steps - total)  # the last epoch is cut
+        bar = progress_bar(bounded(train, where="the QCFS training loader"), total=length,
                            desc=f"QCFS epoch {epoch + 1}/{cfg.epochs}", disable=not progress, leave=False)
         steps_done = 0
         same = SameShape("the QCFS training loader")

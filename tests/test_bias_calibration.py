@@ -204,20 +204,24 @@ def test_convert_with_threshold_calibration_and_membrane_calibration(trained_dig
     assert meta.stage("spiking").changes["bias_calibration"]["membrane"] is True
 
 
-def test_bias_calibration_refuses_before_it_runs_out_of_memory(qcfs_and_snn, monkeypatch):
-    """The lockstep holds every calibration image at once: where that will not fit, the user
-    hears how much it needs and what to lower before anything runs (an out-of-memory kill says
-    nothing)."""
-    from snnconv.calibration import memory
+def test_bias_calibration_refuses_only_where_one_image_does_not_fit(qcfs_and_snn, monkeypatch):
+    """Where every calibration image at once does not fit, the images go through in groups;
+    only a single image that does not fit is refused, before anything runs, with how much it
+    needs and what to lower (an out-of-memory kill says nothing)."""
+    from snnconv import memory
+    from snnconv.calibration import bias
     from snnconv.errors import ResourceError
 
     qcfs, snn, train = qcfs_and_snn
     loader = torch.utils.data.DataLoader(train.dataset, batch_size=64)
+    monkeypatch.setattr(bias, "budget_bytes", lambda device: 1024)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1024)
-    with pytest.raises(ResourceError, match=r"GiB free on cpu.*calib_batches"):
+    with pytest.raises(ResourceError, match=r"for a single image, with 0.0 GiB free on cpu; lower"):
         calibrate_bias(snn, qcfs, loader, T=4)
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2**50)
-    calibrate_bias(snn, qcfs, loader, T=4)
+    out = calibrate_bias(snn, qcfs, loader, T=4)
+    assert out.meta["bias_calibration"]["method"] == "grouped"
+    assert out.meta["bias_calibration"]["groups"]["images"] == 1
 
 
 def test_firing_gives_the_spike_rates_from_charge_and_membrane():
@@ -484,3 +488,44 @@ def test_the_weight_fit_from_fewer_positions_than_features_is_the_same_ridge_sol
         fit.add(u, y, pos)
         assert fit.solve(RIDGE) > 0.01
         assert float((snn_layer.weight.detach().double() - exact).abs().max()) < tol
+
+
+def test_reference_passes_in_pieces_give_the_values_of_whole_batches(qcfs_and_snn, trained_digits_cnn,
+                                                                     monkeypatch):
+    """Where a batch's reference values do not fit the memory, the QCFS-ANN's passes (the
+    thresholds' percentiles, the reference means, the weight fit's sampled positions and
+    targets) run in pieces of images: the same values up to float rounding (the same positions
+    exactly)."""
+    from snnconv import graph, memory
+    from snnconv.calibration.reference import reference_means, reference_sites
+    from snnconv.calibration.weights import WeightCalibration
+
+    qcfs, snn, train = qcfs_and_snn
+    loader = torch.utils.data.DataLoader(train.dataset, batch_size=64)
+    batches = [x for x, _ in loader][:4]
+    folded = snnconv.fold_batchnorm(trained_digits_cnn)
+    ref = graph.prepare(qcfs, leaf_types=(QCFS,))
+    sites = reference_sites(ref)
+
+    def passes():
+        lam = snnconv.calibrate_qcfs(folded, loader, L=8, per_channel=True, num_batches=4, progress=False)
+        fit = WeightCalibration(copy.deepcopy(snn.net), ref, batches, 8, sites)
+        return lam.meta["qcfs"]["sites"], reference_means(ref, sites, batches, 8), fit
+
+    lam, means, fit = passes()
+    pieces, real = [], graph.capture
+    monkeypatch.setattr(graph, "capture", lambda gm, inputs, *a, **k: pieces.append(len(inputs[0])) or real(
+        gm, inputs, *a, **k))
+    monkeypatch.setattr(memory, "budget_bytes", lambda device: 1)  # one image at a time
+    lam_p, means_p, fit_p = passes()
+    assert pieces and max(pieces) == 1
+    for name in lam:
+        assert lam_p[name]["lambda_init"] == pytest.approx(lam[name]["lambda_init"], rel=1e-5), name
+    for target in means:
+        torch.testing.assert_close(means_p[target], means[target], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(fit_p.means[target], fit.means[target], rtol=1e-5, atol=1e-7)
+    assert fit.targets.keys() == fit_p.targets.keys() and fit.targets
+    for name in fit.targets:
+        for (pos, y), (pos_p, y_p) in zip(fit.targets[name], fit_p.targets[name]):
+            assert torch.equal(pos, pos_p)
+            torch.testing.assert_close(y_p, y, rtol=1e-5, atol=1e-5)

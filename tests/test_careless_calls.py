@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Subset
 
 import snnconv
 from snnconv import finetune
-from snnconv.calibration.memory import refuse_if_short_of_memory
+from snnconv.memory import refuse_one_image
 from snnconv.data import MAX_UNSIZED_BATCHES
 from snnconv.errors import (CheckpointError, ConfigError, DataError, ResourceError, UnsupportedModelError)
 from snnconv.metrics import evaluate
@@ -88,11 +88,14 @@ def test_endless_loaders_are_refused_after_a_bound_not_read_forever():
         evaluate(nn.Sequential(nn.Flatten(), nn.Linear(192, 4)), Endless(batch))
 
 
-def test_a_calibration_that_cannot_fit_is_refused_with_the_estimate():
-    batches = [torch.zeros(16, 3, 8, 8)] * 4
-    with pytest.raises(ResourceError, match="GiB.*calib_batches"):
-        refuse_if_short_of_memory(2**50, batches, T=8)
-    refuse_if_short_of_memory(1, batches, T=8)  # fits: nothing raised
+def test_a_stage_whose_single_image_cannot_fit_is_refused_with_the_estimate(monkeypatch):
+    monkeypatch.setenv("SNNCONV_MEMORY", "1G")
+    with pytest.raises(ResourceError, match=r"2.0 GiB for a single image.*SNNCONV_MEMORY=1.0 GiB.*lower T"):
+        refuse_one_image(2 * 2**30, "cpu", "calibration", "lower T")
+    refuse_one_image(2**20, "cpu", "calibration", "lower T")  # fits: nothing raised
+    monkeypatch.setenv("SNNCONV_MEMORY", "lots")
+    with pytest.raises(ConfigError, match="SNNCONV_MEMORY='lots' is not a size"):
+        refuse_one_image(1, "cpu", "calibration", "lower T")
 
 
 def test_an_allocation_failure_in_a_stage_is_a_resource_error_naming_it(monkeypatch):
@@ -102,7 +105,7 @@ def test_an_allocation_failure_in_a_stage_is_a_resource_error_naming_it(monkeypa
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
     monkeypatch.setattr(pipeline, "to_spiking", out_of_memory)
-    with pytest.raises(ResourceError, match="stage 'spiking' ran out of memory.*batch size"):
+    with pytest.raises(ResourceError, match="stage 'spiking' ran out of memory.*SNNCONV_MEMORY"):
         snnconv.convert(_model(), _data(), T=2, finetune_epochs=0, progress=False, on_collapse="warn")
 
 

@@ -323,7 +323,7 @@ def test_default_qcfs_training_is_a_number_of_steps_in_whole_epochs():
     length; the planned steps are QCFS_STEPS wherever the epochs hold them."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from snnconv.pipeline import _budget
+    from snnconv.plan import planned_work
     from snnconv.qcfs import QCFSTrainConfig
 
     def loader(n):
@@ -336,5 +336,5 @@ def test_default_qcfs_training_is_a_number_of_steps_in_whole_epochs():
     assert _qcfs_epochs(iter([])) == 16
     for n in (5000, 6000, 60000, 10**6):
         cfg = QCFSTrainConfig(epochs=_qcfs_epochs(loader(n)), max_steps=QCFS_STEPS)
-        assert _budget(loader(n), cfg, None)["qcfs_steps"] == QCFS_STEPS
-    assert _budget(loader(128), QCFSTrainConfig(epochs=64, max_steps=QCFS_STEPS), None)["qcfs_steps"] == 64
+        assert planned_work(loader(n), cfg, None)["qcfs_steps"] == QCFS_STEPS
+    assert planned_work(loader(128), QCFSTrainConfig(epochs=64, max_steps=QCFS_STEPS), None)["qcfs_steps"] == 64

@@ -91,3 +91,22 @@ def test_the_budget_counts_the_reconstruction_steps(small_digits_ann, digits_dat
     assert meta.stage("spiking").changes["reconstruction"]["steps"] == 5
     _, meta = snnconv.convert(small_digits_ann, loader, T=4, finetune_epochs=0, progress=False)
     assert "reconstruction_steps_run" not in meta.settings["budget"]
+
+
+def test_a_step_that_does_not_fit_runs_in_micro_batches_with_the_same_result(
+        trained_digits_cnn, digits_data, monkeypatch):
+    """Where a step's 32 images do not fit the memory the reconstruction may use, it runs them
+    in pieces whose gradients add up to the whole step's: the same network up to float rounding."""
+    import sys
+
+    module = sys.modules["snnconv.calibration.reconstruct"]
+
+    images = [digits_data[0].tensors[0][i:i + 64] for i in range(0, 256, 64)]
+    snn, qgm = _converted(trained_digits_cnn, images, T=4)
+    whole, a = reconstruct(snn, qgm, images, steps=5, levels=8)
+    monkeypatch.setattr(module, "step_budget", lambda device: 1)  # one image per piece
+    pieces, b = reconstruct(snn, qgm, images, steps=5, levels=8)
+    assert a["micro_batch"] == 32 and b["micro_batch"] == 1
+    assert b["loss_first"] == pytest.approx(a["loss_first"], rel=1e-5)
+    for k, v in whole.state_dict().items():
+        torch.testing.assert_close(pieces.state_dict()[k], v, rtol=1e-4, atol=1e-5, msg=k)

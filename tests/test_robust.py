@@ -138,6 +138,45 @@ def test_one_pass_bias_calibration_gives_the_shifts_of_the_rerun_algorithm(
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.parametrize("net, per_channel, horizons, reset, membrane, weights, spill", [
+    ("cnn", True, None, "subtract", True, True, False), ("resnet", True, None, "subtract", True, True, True),
+    ("resnet", True, (2, 6), "subtract", False, False, False), ("resnet", False, None, "zero", False, True, False)])
+def test_calibration_in_groups_gives_the_network_of_all_images_at_once(
+        net, per_channel, horizons, reset, membrane, weights, spill, small_digits_ann, digits_data, monkeypatch):
+    """Where the calibration images do not fit the memory at once they go through in groups
+    (here of 7 images, forced), each group run twice between corrections; spill: what the
+    groups hold between corrections goes to files. The network is the one of all images at
+    once, up to float rounding (the tolerances of the single pass against the re-run)."""
+    from snnconv.calibration import bias
+
+    model = small_digits_ann if net == "cnn" else _trained_tiny_resnet(digits_data)
+    loader = DataLoader(digits_data[0], batch_size=50)  # 4 batches of 50
+    qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(model), loader, L=4, per_channel=per_channel,
+                                  progress=False)
+    snn = snnconv.to_spiking(qcfs, T=4, reset=reset)
+    grouped_snn = copy.deepcopy(snn)
+    calls = _calls(grouped_snn)
+    Tc = 8 if weights else 6
+    whole = bias.calibrate_bias(snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane, weights=weights)
+    if spill:
+        monkeypatch.setattr(bias, "budget_bytes", lambda device: 0)
+    grouped = bias.calibrate_bias(grouped_snn, qcfs, loader, T=Tc, horizons=horizons, membrane=membrane,
+                                  weights=weights, group_size=7)
+    assert whole.meta["bias_calibration"]["method"] == "one-pass"
+    record = grouped.meta["bias_calibration"]
+    assert record["method"] == "grouped" and record["groups"]["count"] == 4 * -(-50 // 7)
+    assert (record["groups"]["spilled_to_disk"] > 0) == spill
+    assert max(calls.values()) <= 2 * 4 * -(-50 // 7), "each group runs a layer at most twice"
+    a, b = whole.meta["bias_calibration"]["mean_abs_shift"], record["mean_abs_shift"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (k, a[k], b[k])
+    sa, sb = whole.state_dict(), grouped.state_dict()
+    for k in sa:
+        atol = 2e-3 * max(1.0, float(sa[k].abs().max())) if weights else 1e-5
+        torch.testing.assert_close(sb[k], sa[k], rtol=1e-4, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
 class _LateUse(torch.nn.Module):
     def __init__(self, how="method"):
         super().__init__()

@@ -1,8 +1,8 @@
 """Training-free calibration of a converted network against the QCFS-ANN it was made from.
 
 - :func:`calibrate_bias` (:mod:`.bias`): bias or initial-membrane shifts per IF layer, with the
-  per-neuron arithmetic in :mod:`.membrane`, the weight refit of :mod:`.weights` and the memory
-  check of :mod:`.memory`;
+  per-neuron arithmetic in :mod:`.membrane` and the weight refit of :mod:`.weights`, all
+  calibration images at once where they fit the memory and in groups where not;
 - :func:`reconstruct` (:mod:`.reconstruct`): every IF layer's weights fitted by SGD through
   time to the QCFS-ANN's site (the spike-timing error the closed forms leave);
 - :func:`calibrate_thresholds` and :func:`shift_bias` (:mod:`.thresholds`): the fixes for

@@ -14,13 +14,14 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import ConfigError, StageOrderError
-from ..graph import NodeOutputs, call_counts, largest_value, module_of, prepare, run_lockstep
+from ..graph import (GroupStore, NodeOutputs, call_counts, largest_value, module_of, prepare, run_grouped,
+                     run_lockstep)
+from ..memory import budget_bytes, refuse_one_image
 from ..network import SpikingNetwork, check_T, images_per_chunk
 from ..neuron import IFNeuron, TimeExpand, channel_view, neurons
 from ..qcfs import QCFS
 from ..replace import LAYERS
 from .membrane import charge_counts, counted, fire, fit_shift
-from .memory import refuse_if_short_of_memory
 from .reference import calibration_batches, reference_means, reference_sites
 from .weights import RIDGE, WeightCalibration
 
@@ -186,7 +187,7 @@ def _finish(out: SpikingNetwork, snn: SpikingNetwork, T: int, batches: list, shi
 def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
                    T: int | None = None, num_batches: int = 4,
                    horizons: tuple[int, int] | None = None, membrane: bool = False,
-                   weights: bool = False) -> SpikingNetwork:
+                   weights: bool = False, group_size: int | None = None) -> SpikingNetwork:
     """Shift biases so each IF layer's mean output over ``T`` steps matches the QCFS-ANN's.
 
     Layer by layer in graph order (each correction sees the corrected layers before it), the
@@ -237,8 +238,7 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     layer in lockstep (:func:`snnconv.graph.run_lockstep`; on a CPU in chunks of at most
     ``snn.chunk_size`` time-folded samples and 16 MiB per value; memory is that of a forward
     at ``num_batches`` times the batch size, with each value made just before its first use
-    and spikes that a shortcut still needs kept as bool; a ``RuntimeWarning`` says so first
-    where that will not fit the free memory): at each neuron the input is divided by theta in
+    and spikes that a shortcut still needs kept as bool): at each neuron the input is divided by theta in
     place, the IF recursion on it gives the spike counts (from the membrane left at the
     horizons; the spike train is not stored) and so the shift, then the neuron fires on the
     same tensor with the shift folded into its threshold, and its spikes go on to the next
@@ -250,9 +250,19 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     shortcut is not exact and each layer is re-run from the input instead (quadratic in depth;
     ``meta["bias_calibration"]["method"] == "rerun"``).
 
+    Memory: where that forward of every calibration image at once would not fit
+    (:func:`snnconv.memory.budget_bytes`; about twice the largest value of the network per
+    image), or ``group_size`` asks for it, the images go through in groups of at most
+    ``group_size`` images (default: as many as fit half the budget): between two corrections
+    each group runs twice, once to count its spikes and once, after the shift is known, to
+    fire (about 2x the time of the single pass); between corrections a group keeps only its
+    live values, spikes as bool, in memory up to half the budget and in a temporary folder
+    beyond. The same network up to float rounding (``method == "grouped"``).
+
     Raises:
         StageOrderError: ``snn`` does not record which QCFS site each neuron came from.
         DataError: the loader is empty.
+        ResourceError: a single image does not fit the memory.
     """
     T, batches, target_mean, out, horizons, wfit = _bias_setup(snn, reference, loader, T, num_batches,
                                                                horizons, membrane, weights)
@@ -276,17 +286,22 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     out.T = T
     per = None
     per_image = largest_value(gm, batches[0][:1])  # all T steps of one image
-    refuse_if_short_of_memory(per_image, batches, T)
-    if snn.chunk_size and batches[0].device.type == "cpu":
+    device = batches[0].device
+    # the lockstep needs about twice its largest value over all images
+    need, budget = 2 * per_image * sum(len(x) for x in batches), budget_bytes(device)
+    grouped = group_size is not None or (budget is not None and need > budget)
+    if grouped:
+        refuse_one_image(2 * per_image, device, f"bias calibration at T={T}", "lower T or the input size")
+        if group_size is None:
+            group_size = max(1, budget // 2 // (2 * per_image))
+    if snn.chunk_size and device.type == "cpu":
         per = images_per_chunk(snn.chunk_size, T, per_image)
-    chunks, owner, spans = [], [], []
-    for k, x in enumerate(batches):
-        lo = 0
-        for c in (x.split(per) if per else [x]):
-            chunks.append(c)
-            owner.append(k)
-            spans.append((k, lo, lo + len(c)))
-            lo += len(c)
+    if grouped:
+        per = min(per or group_size, group_size)
+    chunks, owner, spans = _chunks(batches, per)
+    if grouped:
+        return _grouped(out, snn, T, batches, target_mean, horizons, membrane, wfit, plan, shifts,
+                        (chunks, owner, spans), group_size, budget)
 
     # the spike rates of the neurons whose spikes a fitted layer reads directly: from each
     # position's charge and last membrane as the neuron fires (no pass over the spikes), kept
@@ -351,9 +366,152 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
                    if node.name in wfit.plan}
     with torch.no_grad():
         run_lockstep(gm, chunks, before, observe)
-    shifts = {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
-                                     if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
-    return _finish(out, snn, T, batches, shifts, "one-pass", horizons, membrane, wfit)
+    return _finish(out, snn, T, batches, _in_order(gm, shifts), "one-pass", horizons, membrane, wfit)
+
+
+def _in_order(gm: fx.GraphModule, shifts: dict) -> dict:
+    """``shifts`` in the order of the neurons in ``gm``'s graph."""
+    return {n: shifts[n] for n in [str(node.target) for node in gm.graph.nodes
+                                   if isinstance(module_of(gm, node), IFNeuron)] if n in shifts}
+
+
+def _chunks(batches: list, per: int | None) -> tuple[list, list, list]:
+    """The batches cut into chunks of at most ``per`` images (None: whole), each chunk's batch
+    and its span (batch, first image, end)."""
+    chunks, owner, spans = [], [], []
+    for k, x in enumerate(batches):
+        lo = 0
+        for c in (x.split(per) if per else [x]):
+            chunks.append(c)
+            owner.append(k)
+            spans.append((k, lo, lo + len(c)))
+            lo += len(c)
+    return chunks, owner, spans
+
+
+class _Shift:
+    """The correction of one IF neuron as a :func:`snnconv.graph.run_grouped` hook: counts its
+    spikes group by group, fits the shift once all are counted, then fires with it (the
+    arithmetic of :func:`calibrate_bias`'s single pass, without the rates it hands on)."""
+
+    spikes = True
+
+    def __init__(self, mod, name, layer, target, ctx: dict):
+        self.mod, self.name, self.layer, self.target, self.ctx = mod, name, layer, target, ctx
+        self.parts: list = []
+        self.replaces = None  # known from the first input: dividing by theta or adding to it
+        self.added = None
+
+    def prepare(self, xs: list) -> list:
+        x0, T = xs[0], self.ctx["T"]
+        if self.replaces is None:
+            along_last = isinstance(self.layer, nn.Linear) and x0.dim() > 2  # bias on the last dim
+            self.replaces = self.mod.reset == "subtract" and not along_last
+        if not self.replaces:
+            return xs
+        theta = channel_view(self.mod.theta, x0.dim())
+        return [(x.div_(theta) if x.is_contiguous() else x / theta).reshape(T, len(x) // T, *x.shape[1:])
+                for x in xs]
+
+    def measure(self, values: list, members: list) -> None:
+        owner, steps, T = self.ctx["owner"], self.ctx["steps"], self.ctx["T"]
+        for v, i in zip(values, members):
+            self.parts.append((charge_counts(self.mod, v, steps), v[0].numel() // v.shape[2], owner[i])
+                              if self.replaces else counted(self.mod, v, T, owner[i], steps))
+
+    def settle(self) -> None:
+        c = self.ctx
+        delta = fit_shift(self.mod, self.parts, c["batches"], c["T"], self.target, c["horizons"], c["membrane"])
+        self.parts = []
+        # the groups that run again compute the layer with its bias as it was: the shift is
+        # folded into their firing, as into the first group's, and applied to the layer at the end
+        layer, old = self.layer, self.layer.bias
+        kept = None if old is None else old.detach().clone()
+        self.added = apply_shift(layer, delta)
+        self.bias = layer.bias.detach().clone()
+        with torch.no_grad():
+            if kept is None:
+                layer.bias = None
+            else:
+                layer.bias.copy_(kept)
+        c["shifts"][self.name] = float(delta.abs().mean())
+
+    def done(self) -> None:
+        with torch.no_grad():
+            if self.layer.bias is None:
+                self.layer.bias = nn.Parameter(self.bias)
+            else:
+                self.layer.bias.copy_(self.bias)
+
+    def emit(self, values: list, members: list) -> list:
+        if self.replaces:
+            dims = values[0].dim() - 1
+            shift = channel_view(self.added, dims) / channel_view(self.mod.theta, dims)
+            return [fire(self.mod, u, shift).reshape(-1, *u.shape[2:]) for u in values]
+        along_last = isinstance(self.layer, nn.Linear) and values[0].dim() > 2
+        view = self.added if along_last else channel_view(self.added, values[0].dim())
+        return [x.add_(view) if x.is_contiguous() else x + view for x in values]
+
+
+class _Fit:
+    """The weight fit of one layer as a :func:`snnconv.graph.run_grouped` hook (it reads the
+    layer's input and leaves it as it is)."""
+
+    replaces, spikes = False, False
+
+    def __init__(self, node: fx.Node, wfit: WeightCalibration, spans: list, source: Any = None):
+        self.node, self.wfit, self.spans, self.source = node, wfit, spans, source
+        self.acc = None
+
+    def prepare(self, xs: list) -> list:
+        return xs
+
+    def measure(self, values: list, members: list) -> None:
+        if self.acc is None:  # the spikes of a corrected neuron: counts over T, exact (as the single pass)
+            self.acc = self.wfit.start(self.node, counts=self.source is not None and bool(self.source.replaces))
+        self.wfit.add(self.node, self.acc, values, [self.spans[i] for i in members])
+
+    def settle(self) -> None:
+        self.wfit.solve(self.node, self.acc)
+        self.acc = None
+
+    def emit(self, values: list, members: list) -> list:
+        return values
+
+    def done(self) -> None:
+        pass
+
+
+def _grouped(out: SpikingNetwork, snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
+             horizons: tuple[int, int] | None, membrane: bool, wfit: WeightCalibration | None,
+             plan: list, shifts: dict, cut: tuple[list, list, list], group_size: int,
+             budget: int | None) -> SpikingNetwork:
+    """:func:`calibrate_bias`'s single pass, a group of at most ``group_size`` images at a time
+    (:func:`snnconv.graph.run_grouped`)."""
+    chunks, owner, spans = cut
+    gm = out.net
+    ctx = {"T": T, "steps": (T,) if horizons is None else horizons, "batches": len(batches),
+           "horizons": horizons, "membrane": membrane, "owner": owner, "shifts": shifts}
+    hooks: dict[str, Any] = {node_name: _Shift(mod, name, layer, _target(target_mean, source), ctx)
+                             for node_name, mod, name, source, layer in plan}
+    if wfit is not None:
+        shifts_at = dict(hooks)
+        hooks.update({node.name: _Fit(node, wfit, spans, shifts_at.get(getattr(node.args[0], "name", None)))
+                      for node in gm.graph.nodes if node.name in wfit.plan})
+    groups, size = [], 0
+    for i, c in enumerate(chunks):
+        if not groups or size + len(c) > group_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += len(c)
+    store = GroupStore(None if budget is None else budget // 2)
+    with torch.no_grad():
+        run_grouped(gm, chunks, groups, hooks, store)
+    result = _finish(out, snn, T, batches, _in_order(gm, shifts), "grouped", horizons, membrane, wfit)
+    result.meta["bias_calibration"]["groups"] = {"count": len(groups), "images": group_size,
+                                                 "spilled_to_disk": store.spilled}
+    return result
 
 
 def _target(target_mean: Any, source: Any) -> Any:
@@ -373,7 +531,7 @@ def _rerun(snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
     shifts: dict[str, Any] = {}
     for node in gm.graph.nodes:
         if wfit is not None and node.name in wfit.plan:
-            values = [_value_at(gm, x, node.args[0].name) for x in batches]
+            values = (_value_at(gm, x, node.args[0].name) for x in batches)  # one batch's at a time
             wfit.fit(node, values, [(k, 0, len(x)) for k, x in enumerate(batches)])
         neuron_mod = module_of(gm, node)
         if not isinstance(neuron_mod, IFNeuron):
@@ -383,9 +541,9 @@ def _rerun(snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
         if _target(target_mean, source) is None or layer is None:
             shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
             continue
-        values = [_value_at(gm, x, node.name) for x in batches]  # [T*b, ...] each
-        parts = [counted(None, v, T, k, (T,) if horizons is None else horizons)
-                 for k, v in enumerate(values)]  # the neuron's own spikes: counted, not re-run
+        # the neuron's own spikes ([T*b, ...]), one batch's at a time: counted, not re-run
+        parts = [counted(None, _value_at(gm, x, node.name), T, k, (T,) if horizons is None else horizons)
+                 for k, x in enumerate(batches)]
         delta = fit_shift(neuron_mod, parts, len(batches), T, _target(target_mean, source), horizons,
                           membrane)
         apply_shift(layer, delta)

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..errors import ConfigError, StageOrderError
 from ..graph import prepare
+from ..memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, saved_bytes, step_budget
 from ..network import SpikingNetwork, check_T
 from ..neuron import channel_view, neurons
 from ..progress import progress_bar
@@ -50,10 +51,13 @@ def _hooks(snn_net: nn.Module, ref: nn.Module, sources: dict[str, str], got: dic
     return handles
 
 
-def _loss(snn: SpikingNetwork, ref: nn.Module, x: torch.Tensor, sources: dict[str, str]) -> torch.Tensor:
+def _loss(snn: SpikingNetwork, ref: nn.Module, x: torch.Tensor, sources: dict[str, str],
+          part: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Sum over IF layers of the mean squared error of the spike rate against the QCFS site
     (both in units of the layer's threshold), plus the readout's squared error relative to the
-    power of the reference's logits."""
+    power of the reference's logits. ``part``: ``x`` is a micro-batch of a step of ``part[0]``
+    images whose reference logits have the power ``part[1]``; the losses of the micro-batches
+    sum to the step's."""
     got: dict = {}
     want: dict = {}
     handles = _hooks(snn.net, ref, sources, got, want)
@@ -66,13 +70,41 @@ def _loss(snn: SpikingNetwork, ref: nn.Module, x: torch.Tensor, sources: dict[st
             h.remove()
     T = snn.T
     units = neurons(snn.net)
-    loss = ((logits - target) ** 2).mean() / (target ** 2).mean().clamp_min(1e-12)
+    share = 1.0 if part is None else len(x) / part[0]
+    power = (target ** 2).mean().clamp_min(1e-12) if part is None else part[1]
+    loss = ((logits - target) ** 2).mean() / power
     for name, src in sources.items():
         spikes = got[name]
         rate = spikes.reshape(T, spikes.shape[0] // T, *spikes.shape[1:]).mean(0)
         theta = channel_view(units[name].theta.detach(), rate.dim())
         loss = loss + ((rate - want[src] / theta) ** 2).mean()
-    return loss
+    return loss if part is None else loss * share
+
+
+def _step(snn: SpikingNetwork, ref: nn.Module, x: torch.Tensor, sources: dict[str, str], per: int) -> float:
+    """The gradient of one step's loss on ``x`` (accumulated into the parameters' ``.grad``), in
+    micro-batches of ``per`` images where ``x`` holds more; returns the loss."""
+    if len(x) <= per:
+        loss = _loss(snn, ref, x, sources)
+        loss.backward()
+        return float(loss.detach())
+    with torch.no_grad():
+        power = (ref(x) ** 2).mean().clamp_min(1e-12)
+    total = 0.0
+    for piece in x.split(per):
+        loss = _loss(snn, ref, piece, sources, part=(len(x), power))
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def _images_per_piece(snn: SpikingNetwork, x: torch.Tensor, batch: int) -> int:
+    """Images of a step that fit one training pass (:func:`snnconv.memory.step_budget`), from
+    the bytes autograd keeps on one image."""
+    per_image = TRAINING_FACTOR * saved_bytes(lambda: snn(x[:1]), snn)
+    refuse_one_image(per_image, x.device, "a reconstruction step",
+                     "lower T (the reconstruction runs T steps)")
+    return images_that_fit(int(per_image), step_budget(x.device), batch)
 
 
 def reconstruct(snn: SpikingNetwork, reference: nn.Module, loader: Any, *, steps: int,
@@ -91,6 +123,10 @@ def reconstruct(snn: SpikingNetwork, reference: nn.Module, loader: Any, *, steps
         levels: the reference's QCFS levels while it is the target (``None``: as it is).
         alpha: the ATan surrogate's sharpness while fitting (the network's own afterwards).
 
+    A step whose images do not fit the memory (:func:`snnconv.memory.step_budget`, from the
+    bytes autograd keeps on one image) runs in micro-batches whose gradients add up to the
+    step's, up to float rounding; ``record["micro_batch"]`` says how many images each held.
+
     Returns:
         ``(network, record)``; ``record`` holds the steps run, the seconds, and the loss on the
         first and last steps.
@@ -98,6 +134,7 @@ def reconstruct(snn: SpikingNetwork, reference: nn.Module, loader: Any, *, steps
     Raises:
         StageOrderError: ``snn`` is not a converted network.
         ConfigError: ``steps`` or ``batch_size`` is not a positive count.
+        ResourceError: a single image's step does not fit the memory.
     """
     if not isinstance(snn, SpikingNetwork) or "neurons" not in getattr(snn, "meta", {}):
         raise StageOrderError("reconstruct needs a SpikingNetwork made by to_spiking (its meta maps "
@@ -131,17 +168,17 @@ def reconstruct(snn: SpikingNetwork, reference: nn.Module, loader: Any, *, steps
     losses = []
     t0 = time.perf_counter()
     out.train()
+    batch = min(batch_size, len(images))
+    per = _images_per_piece(out, images, batch)
     bar = progress_bar(total=steps, desc="reconstruction", disable=not progress, leave=False)
     try:
         with qcfs_levels(ref, levels):
             for _ in range(steps):
-                idx = torch.randint(len(images), (min(batch_size, len(images)),), generator=draw)
-                loss = _loss(out, ref, images[idx.to(images.device)], sources)
+                idx = torch.randint(len(images), (batch,), generator=draw)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                losses.append(_step(out, ref, images[idx.to(images.device)], sources, per))
                 opt.step()
                 sched.step()
-                losses.append(float(loss.detach()))
                 bar.update(1)
                 bar.set_postfix(loss=f"{losses[-1]:.4f}")
     finally:
@@ -149,7 +186,7 @@ def reconstruct(snn: SpikingNetwork, reference: nn.Module, loader: Any, *, steps
         out.eval()
         for m, a in zip(units, old_alpha):
             m.set_surrogate(alpha=a)
-    summary = {"steps": steps, "seconds": time.perf_counter() - t0, "images": len(images),
+    summary = {"steps": steps, "seconds": time.perf_counter() - t0, "images": len(images), "micro_batch": per,
                "layers": len(sources), "levels": levels, "loss_first": losses[0], "loss_last": losses[-1]}
     out.meta["reconstruction"] = summary
     return out, summary

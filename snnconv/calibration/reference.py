@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from ..data import SameShape, split_batch
 from ..errors import DataError
-from ..graph import capture, module_of
+from ..graph import capture_pieces, module_of
 from ..qcfs import QCFS
 
 __all__ = ["calibration_batches", "reference_sites", "qcfs_levels", "reference_means", "channel_sums",
@@ -76,7 +76,9 @@ def reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels:
     means: dict[str, torch.Tensor] = {}
     with qcfs_levels(ref, levels):
         for x in batches:
-            values = capture(ref, (x,), ref_nodes.values(), reduce=channel_mean)
-            for target, name in ref_nodes.items():
-                means[target] = means.get(target, 0) + values[name] / len(batches)
+            # in pieces of images where the batch's forward does not fit: their means weighted
+            for lo, hi, values in capture_pieces(ref, x, ref_nodes.values(), reduce=channel_mean):
+                for target, name in ref_nodes.items():
+                    mean = values[name] * ((hi - lo) / len(x))
+                    means[target] = means.get(target, 0) + mean / len(batches)
     return means

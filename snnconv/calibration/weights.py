@@ -12,7 +12,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..graph import call_counts, capture, module_of
+from ..graph import call_counts, capture_pieces, module_of
 from ..neuron import IFNeuron
 from .reference import channel_mean, qcfs_levels
 
@@ -279,34 +279,72 @@ class WeightCalibration:
         self.means: dict[str, torch.Tensor] | None = None if sites is None else {}
         with qcfs_levels(ref, T):
             for x in batches:
-                values = capture(ref, (x,), names)
-                for target, name in (sites or {}).items():  # as reference_means
-                    mean = channel_mean(values[name])
-                    self.means[target] = self.means.get(target, 0) + mean / len(batches)
-                for name, (layer, ref_name, ref_layer) in self.plan.items():
-                    a = values[ref_name]
-                    n = len(a) * math.prod(_output_size(ref_layer, a))
-                    features = ref_layer.weight[0].numel()  # per group
-                    budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * len(a) / images
-                    if budget < n:
-                        pos = torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values.to(a.device)
-                        self.targets[name].append((pos, layer_output(ref_layer, a, pos)))
-                    else:
-                        pos = torch.arange(n, device=a.device)
-                        self.targets[name].append((pos, layer_output(ref_layer, a)))
-                del values
+                picks: dict[str, tuple[torch.Tensor | None, int]] = {}
+                outputs: dict[str, list[torch.Tensor]] = {name: [] for name in self.plan}
+                # in pieces of images where the batch's values do not fit the memory
+                for lo, hi, values in capture_pieces(ref, x, names):
+                    for target, name in (sites or {}).items():  # as reference_means
+                        mean = channel_mean(values[name]) * ((hi - lo) / len(x))
+                        self.means[target] = self.means.get(target, 0) + mean / len(batches)
+                    for name, (layer, ref_name, ref_layer) in self.plan.items():
+                        a = values[ref_name]
+                        if name not in picks:  # the batch's sampled positions, drawn at its first piece
+                            picks[name] = self._positions(ref_layer, a, len(x), images, gen)
+                        pos, per_image = picks[name]
+                        if pos is None:
+                            outputs[name].append(layer_output(ref_layer, a))
+                        else:
+                            i, j = torch.searchsorted(pos, torch.tensor([lo * per_image, hi * per_image],
+                                                                        device=pos.device))
+                            outputs[name].append(layer_output(ref_layer, a, pos[i:j] - lo * per_image))
+                    del values
+                for name, (pos, per_image) in picks.items():
+                    y = outputs[name][0] if len(outputs[name]) == 1 else torch.cat(outputs[name])
+                    if pos is None:
+                        pos = torch.arange(len(x) * per_image, device=y.device)
+                    self.targets[name].append((pos, y))
         self.changes: dict[str, float] = {}
+
+    @staticmethod
+    def _positions(ref_layer: nn.Module, a: torch.Tensor, batch: int, images: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor | None, int]:
+        """The sampled output positions of ``ref_layer`` over a batch of ``batch`` images (sorted
+        flat indices; None: all of them) and its positions per image, from ``a`` (its input, any
+        number of images)."""
+        per_image = math.prod(_output_size(ref_layer, a))
+        n = batch * per_image
+        features = ref_layer.weight[0].numel()  # per group
+        budget = max(_MIN_SAMPLES, _SAMPLES_PER_FEATURE * features) * batch / images
+        if budget < n:
+            return torch.randperm(n, generator=gen)[:math.ceil(budget)].sort().values.to(a.device), per_image
+        return None, per_image
 
     def fit(self, node: fx.Node, values: Iterable, spans: list, rates: list | None = None) -> None:
         """Fit the layer of ``node`` on its input ``values`` (``[T*b, ...]`` each) of the images
         ``spans`` (batch, first, end) of the calibration: least squares over the sampled
         positions, the rates over ``T`` steps against the reference at ``L = T``. ``rates``:
         those means over the steps, where already known (``values`` is then not read)."""
-        layer, _, ref_layer = self.plan[node.name]
-        acc = WeightFit(layer, ref_layer, steps=self.T if rates is not None else None,
-                        positions=sum(len(pos) for pos, _ in self.targets[node.name]))
+        acc = self.start(node, counts=rates is not None)
+        self.add(node, acc, values, spans, rates)
+        self.solve(node, acc)
 
-        def add(group: list, k: int, lo: int, hi: int) -> None:
+    def start(self, node: fx.Node, counts: bool = False) -> WeightFit:
+        """The empty normal equations of ``node``'s layer (``counts``: its input rates will be
+        spike counts over ``T`` steps, divided by ``T``)."""
+        layer, _, ref_layer = self.plan[node.name]
+        return WeightFit(layer, ref_layer, steps=self.T if counts else None,
+                         positions=sum(len(pos) for pos, _ in self.targets[node.name]))
+
+    def solve(self, node: fx.Node, acc: WeightFit) -> None:
+        """Set ``node``'s layer to the solution of ``acc`` (every image added)."""
+        self.changes[str(node.target)] = acc.solve(RIDGE)
+        del self.targets[node.name]
+
+    def add(self, node: fx.Node, acc: WeightFit, values: Iterable, spans: list, rates: list | None = None) -> None:
+        """Add the images ``spans`` of ``node``'s input ``values`` (or their ``rates``) to ``acc``."""
+        layer = self.plan[node.name][0]
+
+        def gather(group: list, k: int, lo: int, hi: int) -> None:
             # the chunks of one batch together: a few gathers of many positions (the rates
             # are a T-th of the spikes' size)
             part = group[0] if len(group) == 1 else torch.cat(group)
@@ -319,11 +357,9 @@ class WeightCalibration:
         group, span = [], None
         for r, (k, lo, hi) in zip(means if rates is None else rates, spans):
             if group and (k != span[0] or lo != span[2]):
-                add(group, *span)
+                gather(group, *span)
                 group = []
             span = (k, span[1] if group else lo, hi)
             group.append(r)
         if group:
-            add(group, *span)
-        self.changes[str(node.target)] = acc.solve(RIDGE)
-        del self.targets[node.name]
+            gather(group, *span)
