@@ -13,6 +13,26 @@ from torch.utils.data import DataLoader
 logging.getLogger("spikingjelly").setLevel(logging.ERROR)
 torch.set_num_threads(1)  # two xdist workers on two cores
 
+#: Tests that train on real data for many minutes (the tutorials on Fashion-MNIST). The default
+#: run deselects them; ``pytest -m realdata`` (or any ``-m`` expression naming the marker) selects.
+REALDATA = "realdata"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{REALDATA}: runs on real data for many minutes; deselected unless selected "
+        f"with -m (pytest -m {REALDATA} tests/test_tutorials.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the ``realdata`` tests unless the ``-m`` expression names the marker."""
+    if REALDATA in (config.getoption("markexpr") or ""):
+        return
+    deselected = [item for item in items if item.get_closest_marker(REALDATA) is not None]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item.get_closest_marker(REALDATA) is None]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_default_reconstruction():

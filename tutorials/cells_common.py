@@ -2,6 +2,63 @@
 
 from __future__ import annotations
 
+#: How long each notebook's smoke run takes (``dataset="smoke"``, 2 CPU cores), as its first
+#: cell says; tests/test_tutorials.py runs them.
+SMOKE_SECONDS = {"01": 20, "02": 60, "03": 60, "04": 30, "05": 30}
+
+#: The real-data run on Fashion-MNIST (3x32x32, ResNet-8), as the first cells quote it:
+#: minutes on 2 CPU cores for all five notebooks, and the test accuracies it reached.
+FASHION_RUN = {"minutes": 25, "ann": "90", "snn": "88"}
+
+# the shell commands of the real-data runs, quoted by every first cell
+FASHION_COMMAND = '''\
+P="-p dataset fashion_mnist -p out_dir runs/fmnist -p train_limit 12000"
+papermill tutorials/01_train_resnet18_cifar10.ipynb runs/fmnist/01.ipynb $P -p model_name resnet8 -p epochs 3
+for nb in 02_convert 03_finetune_bptt 04_nir_and_backends 05_analysis; do
+  papermill tutorials/$nb.ipynb runs/fmnist/$nb.ipynb $P
+done'''
+
+CIFAR_COMMAND = '''\
+for nb in 01_train_resnet18_cifar10 02_convert 03_finetune_bptt 04_nir_and_backends 05_analysis; do
+  papermill tutorials/$nb.ipynb runs/cifar10/$nb.ipynb -p dataset cifar10 -p out_dir runs/cifar10
+done'''
+
+
+def intro(number: str, text: str) -> dict:
+    """The first cell of notebook ``number``: its own ``text``, then what the three data
+    settings show and how to run them."""
+    smoke = SMOKE_SECONDS[number]
+    run = FASHION_RUN
+    return md(text.strip("\n") + f'''
+
+**Three ways to run it** (`dataset` in the parameters cell below):
+
+- `"smoke"`, what CI runs (about {smoke} s for this notebook on 2 CPU cores): ResNet-8 on
+  made-up CIFAR-shaped images, a few batches, fewer time steps. It shows that the code runs and
+  hands its files to the next notebook; it does **not** show what conversion does (the made-up
+  classes are easy, so its accuracies say little).
+- `"fashion_mnist"`, real images offline: Debian's `dataset-fashion-mnist`
+  (`sudo apt-get install dataset-fashion-mnist`), padded to 3x32x32, ResNet-8 trained for 3
+  epochs on 12,000 images. All five notebooks take about {run["minutes"]} minutes on 2 CPU cores;
+  the ANN reached {run["ann"]}% and the SNN at T=4 {run["snn"]}% on the 10,000 test images.
+- `"cifar10"`, the real thing: torchvision downloads CIFAR-10 (170 MB) and notebook 01 trains
+  a ResNet-18 for 200 epochs, which is meant for a GPU (about an hour on a recent one).
+
+The notebooks hand files to each other through `out_dir`; run them in order, for example with
+papermill (`pip install papermill`):
+
+```sh
+{FASHION_COMMAND}
+```
+
+and for CIFAR-10 on a GPU:
+
+```sh
+{CIFAR_COMMAND}
+```
+''')
+
+
 # --- cells shared by every notebook -------------------------------------------------------------
 
 SETUP = '''\
@@ -32,15 +89,44 @@ def require(notebook, *names):
     for name in names:
         path = os.path.join(out_dir, name)
         if not os.path.exists(path):
-            raise MissingInput(f"run {notebook} first: {path} is missing")'''
+            raise MissingInput(f"run {notebook} first: {path} is missing")
+
+
+def print_table(header, rows):
+    """Rows as aligned columns: the first left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def si(value, unit):
+    """A quantity with an SI prefix and three significant digits: si(1.76e-4, "J") -> '176 µJ'."""
+    for factor, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1, ""), (1e-3, "m"),
+                           (1e-6, "µ"), (1e-9, "n"), (1e-12, "p")):
+        if abs(value) >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"'''
 
 DATA = '''\
-from torch.utils.data import DataLoader, Subset
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+
+def cifar_shaped(images, limit):
+    """Fashion-MNIST's 1x28x28 images as 3x32x32: padded with the background, grey in 3 channels."""
+    x, y = images.tensors[0][:limit], images.tensors[1][:limit]
+    x = F.pad(x, (2, 2, 2, 2), value=float(x.min()))  # the smallest value is the background
+    return TensorDataset(x.expand(-1, 3, -1, -1), y)  # a view: no copy per channel
+
 
 if dataset == "smoke":      # CIFAR-shaped images made here: 3x32x32, 10 classes, learnable
     train_set, test_set = sdata.synthetic(n_train=512, n_test=128, seed=seed)
 elif dataset == "fashion_mnist":
-    train_set, test_set = sdata.load("fashion_mnist")
+    train_set, test_set = (cifar_shaped(s, n) for s, n in zip(sdata.load("fashion_mnist"),
+                                                               (train_limit, test_limit)))
 elif dataset == "cifar10":
     train_set, test_set = sdata.load("cifar10", root=data_root, download=True, augment=AUGMENT)
 else:
@@ -78,9 +164,9 @@ dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
 out_dir = "runs/tutorial"
 data_root = "data/cifar10"
 {own.strip()}
-train_limit = None
+train_limit = None         # use only the first N training images
 test_limit = None
 num_workers = {num_workers}
-device = "auto"
+device = "auto"            # "auto": cuda when available
 seed = 0
 ''')

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from cells_common import DATA, SETUP, code, md, params, run_params
+from cells_common import DATA, SETUP, code, intro, md, params, run_params
 
+# the cell of 02 and 03 that loads notebook 01's ANN
+LOAD_ANN = '''
+require("01_train_resnet18_cifar10", "ann.json", "ann.pt")
+with open(os.path.join(out_dir, "ann.json")) as fh:
+    ann_info = json.load(fh)
+model = models.get(ann_info["model"], num_classes=10, in_channels=ann_info["in_channels"])
+model.load_state_dict(torch.load(os.path.join(out_dir, "ann.pt"), map_location="cpu", weights_only=True))
+model.eval()
+print(f"loaded {ann_info['model']} ({ann_info['test_accuracy']:.2f}% on {ann_info.get('test_images', '?')} test images)")
+'''
 
 # --- 01 -----------------------------------------------------------------------------------------
 
 NB01 = [
-    md('''
+    intro("01", '''
 # 01 Train a ResNet-18 on CIFAR-10
 
 The network we will convert into a spiking network: a CIFAR-style ResNet-18 (3x3 stem, no
@@ -17,21 +27,17 @@ convolution**, ReLU). snnconv does not need you to train it in any special way: 
 recipe, standard BatchNorm, plain ReLU.
 
 **The recipe** (the usual one for this network): SGD with Nesterov momentum 0.9, learning rate
-0.1, weight decay 5e-4, batch 128, a cosine schedule over 200 epochs, random crop (padding 4)
-and horizontal flip. On one GPU it reaches about **95% test accuracy** (94.5-95.5% across seeds
-in the literature for this architecture and schedule; we have not measured a full run in this
-repository's CI). With bfloat16 autocast expect roughly 10-20 s per epoch on a recent data-centre
-GPU, so about an hour in all. Fewer epochs trade accuracy for time: 30 epochs land near 93%.
-
-Parameters (papermill): `dataset="smoke"` runs the same code on CIFAR-shaped data made on the
-spot for one short epoch with ResNet-8 (what CI runs, seconds on a CPU); `"fashion_mnist"` uses
-real data available offline; `"cifar10"` is the real thing.
+0.1, weight decay 5e-4, batch 128, a one-cycle cosine schedule over 200 epochs, random crop
+(padding 4) and horizontal flip. On one GPU it reaches about **95% test accuracy** (94.5-95.5%
+across seeds in the literature for this architecture and schedule). With bfloat16 autocast
+expect roughly 10-20 s per epoch on a recent data-centre GPU. Fewer epochs trade accuracy for
+time: 30 epochs land near 93%.
 '''),
     params('''
 dataset = "cifar10"        # "smoke" | "fashion_mnist" | "cifar10"
 out_dir = "runs/tutorial"  # every notebook reads and writes its files here
 data_root = "data/cifar10"
-model_name = "resnet18"
+model_name = "resnet18"    # any name of snnconv.models.names()
 epochs = 200
 batch_size = 128
 lr = 0.1
@@ -43,12 +49,12 @@ device = "auto"            # "auto": cuda when available
 seed = 0
 '''),
     md('''
-The smoke setting shrinks everything so that the notebook runs in seconds; the code path is the
-same (ResNet-8 is the same `CifarResNet` class with one block per stage).
+The smoke setting shrinks everything; the code path is the same (ResNet-8 is the same
+`CifarResNet` class with one block per stage and 16 to 64 channels).
 '''),
     code('''
 if dataset == "smoke":
-    model_name, epochs, batch_size, num_workers = "resnet8", 4, 32, 0  # seconds; well above chance
+    model_name, epochs, batch_size, num_workers = "resnet8", 4, 32, 0
 AUGMENT = True   # random crop + flip for CIFAR-10's training split
 '''),
     code(SETUP),
@@ -57,7 +63,7 @@ AUGMENT = True   # random crop + flip for CIFAR-10's training split
 
 CIFAR-10 comes through torchvision (normalised with the usual channel means and deviations,
 augmented with crop and flip for training). Check the counts: 50000 / 10000 for CIFAR-10,
-60000 / 10000 for Fashion-MNIST.
+60000 / 10000 for Fashion-MNIST (fewer with `train_limit`).
 '''),
     code(DATA),
     md('''
@@ -75,27 +81,24 @@ print(f"{model_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M p
     md('''
 ## Training
 
-A plain loop so that you can see every choice: SGD + Nesterov, cosine decay of the learning
-rate per step, bfloat16 autocast on a GPU. The checkpoint (`ann.pt`, a state dict) is written
-atomically after every epoch, so an interrupted run leaves a usable file.
+A plain loop so that you can see every choice: SGD + Nesterov, the learning rate per step,
+bfloat16 autocast on a GPU. The checkpoint (`ann.pt`, a state dict) is written to a temporary
+file and renamed after every epoch, so an interrupted run leaves a usable file.
 '''),
     code('''
-import torch.nn.functional as F
-from snnconv.meta import atomic_write_bytes
 from snnconv.metrics import evaluate
-import io
 
 opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
 steps = epochs * len(train_loader)
 sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.15,
                                             anneal_strategy="cos")
 use_amp = device.startswith("cuda")
+test_every = max(1, epochs // 10)  # about ten test points over the run
 history = []
 
 def save_state(model, path):
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    atomic_write_bytes(path, buf.getvalue())
+    torch.save(model.state_dict(), path + ".tmp")
+    os.replace(path + ".tmp", path)  # the old file stays whole until the new one is
 
 for epoch in range(epochs):
     model.train()
@@ -112,7 +115,7 @@ for epoch in range(epochs):
         total += len(y)
         correct += (out.argmax(1) == y).sum().item()
         loss_sum += loss.item() * len(y)
-    test_acc = evaluate(model, test_loader, device) if (epoch + 1) % 5 == 0 or epoch + 1 == epochs else None
+    test_acc = evaluate(model, test_loader, device) if (epoch + 1) % test_every == 0 or epoch + 1 == epochs else None
     history.append({"epoch": epoch + 1, "loss": loss_sum / total, "train_acc": 100 * correct / total,
                     "test_acc": test_acc, "seconds": time.perf_counter() - t0})
     save_state(model, os.path.join(out_dir, "ann.pt"))
@@ -123,16 +126,16 @@ for epoch in range(epochs):
     md('''
 ## What to look at
 
-The training loss should fall steadily and the test accuracy (every 5 epochs) rise to about 95%
-at the end of the cosine schedule for CIFAR-10. A test accuracy far below the training accuracy
-means overfitting (check that augmentation is on); a loss that does not move means a wrong
-learning rate or unnormalised inputs.
+The training loss should fall steadily and the test accuracy rise to about 95% at the end of
+the schedule for CIFAR-10 (about 90% for Fashion-MNIST's short run). A test accuracy far below
+the training accuracy means overfitting (check that augmentation is on); a loss that does not
+move means a wrong learning rate or unnormalised inputs.
 '''),
     code('''
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot([h["epoch"] for h in history], [h["train_acc"] for h in history], label="train")
 pts = [(h["epoch"], h["test_acc"]) for h in history if h["test_acc"] is not None]
-ax.plot(*zip(*pts), marker="o", label="test")
+ax.plot(*zip(*pts), marker="o", label=f"test ({len(test_set)} images)")
 ax.set_xlabel("epoch"); ax.set_ylabel("accuracy (%)"); ax.grid(alpha=0.3); ax.legend()
 ax.set_title(f"{model_name} on {dataset}")
 plt.show()
@@ -140,34 +143,35 @@ plt.show()
 ann_accuracy = evaluate(model, test_loader, device)
 with open(os.path.join(out_dir, "ann.json"), "w") as fh:
     json.dump({"model": model_name, "dataset": dataset, "in_channels": in_channels,
-               "test_accuracy": ann_accuracy, "history": history}, fh, indent=2)
-print(f"ANN test accuracy {ann_accuracy:.2f}%; wrote {out_dir}/ann.pt and ann.json")
+               "test_accuracy": ann_accuracy, "test_images": len(test_set), "history": history}, fh, indent=2)
+print(f"ANN test accuracy {ann_accuracy:.2f}% on {len(test_set)} images; wrote {out_dir}/ann.pt and ann.json")
 '''),
 ]
 
 # --- 02 -----------------------------------------------------------------------------------------
 
 NB02 = [
-    md('''
+    intro("02", '''
 # 02 Convert the ANN into a spiking network
 
-`snnconv.convert` runs the whole strict pipeline on a copy of the trained network:
-**fold BatchNorm -> QCFS calibration -> IF neurons** (-> optional fine-tuning, notebook 03),
-with a no-BatchNorm guard between every two stages. This notebook runs the steps one at a time
-first, so that you can see what each guarantees, then the pipeline in one call.
+`snnconv.convert` runs the whole pipeline on a copy of the trained network:
+**fold BatchNorm -> QCFS thresholds -> IF neurons -> BPTT fine-tuning**, with a no-BatchNorm
+guard between every two stages. This notebook looks at the first steps one at a time, then
+calls `convert()` with its defaults but one: `finetune_epochs=0` stops it before the
+fine-tuning, so that you see what the conversion gives without training; notebook 03 runs
+`convert()` with all its defaults and shows what the fine-tuning adds. A second call shows what
+one setting changes: one threshold per layer instead of one per channel.
 '''),
     run_params('''
-L = 8                      # QCFS quantisation levels: the SNN is exact for T >= L in the limit
-T = 8                      # time steps of the converted network
-eval_T = [1, 2, 4, 8, 16, 32]
-qcfs_epochs = 0            # QCFS-aware ANN training epochs (1-2 help at small T)
-per_channel = False        # per-channel thresholds
+T = 4                      # time steps of the spiking network (convert()'s default: 8)
+eval_T = [1, 2, 4, 8, 16, 32]   # the T values at which the test accuracy is measured
+reconstruction_steps = None     # None: convert()'s default (300 here: T <= 8, no fine-tuning)
+compare_per_layer = True   # convert a second time with one threshold per layer, to compare
 batch_size = 128
 ''', num_workers=4),
     code('''
 if dataset == "smoke":
-    eval_T, batch_size, num_workers = [1, 2, 4], 32, 0
-    T = min(T, 4)
+    eval_T, reconstruction_steps, batch_size, num_workers = [1, 2, 4, 8], 10, 32, 0
 AUGMENT = False  # calibration sees the training images as they are
 '''),
     code(SETUP),
@@ -178,15 +182,7 @@ AUGMENT = False  # calibration sees the training images as they are
 `ann.pt` is a plain state dict, read with `torch.load(..., weights_only=True)`: loading it never
 runs code from the file.
 '''),
-    code('''
-require("01_train_resnet18_cifar10", "ann.json", "ann.pt")
-with open(os.path.join(out_dir, "ann.json")) as fh:
-    ann_info = json.load(fh)
-model = models.get(ann_info["model"], num_classes=10, in_channels=ann_info["in_channels"])
-model.load_state_dict(torch.load(os.path.join(out_dir, "ann.pt"), map_location="cpu", weights_only=True))
-model.eval()
-print(f"loaded {ann_info['model']} ({ann_info['test_accuracy']:.2f}% on the test set)")
-'''),
+    code(LOAD_ANN),
     md('''
 ## BatchNorm must go first
 
@@ -207,11 +203,9 @@ except snnconv.BatchNormRemainsError as err:
 
 `fold_batchnorm` merges each BatchNorm into the convolution before it (in float64) and records
 the largest output difference it measured per pair. Look at the numbers: they should be at float
-rounding level (around 1e-6 or below), and the folded network's accuracy identical to the ANN's.
+rounding level (around 1e-6 or below), and the folded network's accuracy (below) the ANN's.
 '''),
     code('''
-from snnconv.metrics import evaluate
-
 x_check = next(iter(test_loader))[0][:16]
 folded = snnconv.fold_batchnorm(model, x_check)
 snnconv.assert_no_batchnorm(folded)          # passes now
@@ -221,160 +215,239 @@ with torch.no_grad():
     print(f"whole-network max |ANN - folded| on a batch: {(model(x_check) - folded(x_check)).abs().max():.2e}")
 '''),
     md('''
-## The whole pipeline in one call
+## The pipeline in one call
 
-`convert` repeats fold (on its own copy), calibrates one QCFS threshold per ReLU call site from
-the training data, replaces each by an IF neuron with reset by subtraction, and evaluates on the
-test set at every T in `eval_T` (the test set is never used to choose anything). By default it
-also fine-tunes where T <= 8 (whole epochs, at least 512 steps); `finetune_epochs=0` here keeps
-this notebook to the stages without BPTT, and notebook 03 fine-tunes step by step. At T <= 8
-those include 300 SGD steps that fit each IF layer to the QCFS-ANN on the calibration images
-(no labels read; `reconstruction_steps=0` skips them).
+`convert` repeats the fold (on its own copy), calibrates one QCFS threshold per channel of every
+ReLU call site from the training images, replaces each ReLU by an IF neuron with reset by
+subtraction, calibrates biases and initial membranes, and evaluates on the test set at every T
+in `eval_T` (the test set is never used to choose anything).
+
+The one setting changed here is `finetune_epochs=0`. With it `convert()` does not fine-tune,
+and at T <= 8 fits each IF layer to the QCFS-ANN instead (300 SGD steps on the calibration
+images, no labels read). The settings it resolved from its defaults are printed first.
 '''),
     code('''
 t0 = time.perf_counter()
-snn, meta = snnconv.convert(model, train_loader, T=T, L=L, per_channel=per_channel,
-                            qcfs_epochs=qcfs_epochs, finetune_epochs=0, eval_loader=test_loader,
-                            eval_T=eval_T, seed=seed, device=device, progress=False)
-acc = meta.accuracy
+snn, meta = snnconv.convert(model, train_loader, T=T, finetune_epochs=0, reconstruction_steps=reconstruction_steps,
+                            eval_loader=test_loader, eval_T=eval_T, seed=seed, device=device)
+s = meta.settings
 print(f"converted in {time.perf_counter() - t0:.0f} s")
-print(f"ANN {acc['ann']:.2f}%, folded {acc['folded']:.2f}%, QCFS-ANN (L={L}) {acc['qcfs']:.2f}%")
-for t, a in acc["snn"].items():
-    print(f"SNN T={t:>3}: {a:.2f}%")
+print_table(["setting", "value", "why"], [
+    ["T", s["T"], "given"],
+    ["per_channel", s["per_channel"], "default for reset by subtraction"],
+    ["L (QCFS levels)", s["L"], "default: T"],
+    ["finetune_epochs", s["finetune_epochs"], "given: 0"],
+    ["reconstruction_steps", s["reconstruction_steps"], s.get("reconstruction_default", "given")]])
+print()
+print_table(["stage", "seconds"], [[r.name, f"{r.seconds:.1f}"] for r in meta.stages])
+'''),
+    md('''
+## Accuracy, stage by stage
+
+Folding keeps the ANN's accuracy; the QCFS-ANN (its ReLUs quantised to L levels) loses a
+little; the spiking network approaches the QCFS-ANN as T grows.
+'''),
+    code('''
+acc = meta.accuracy
+print(f"test accuracy on {len(test_set)} images")
+print_table(["network", "accuracy (%)"],
+            [["ANN", f"{acc['ann']:.2f}"], ["ANN, BatchNorm folded", f"{acc['folded']:.2f}"],
+             [f"QCFS-ANN (L={s['L']})", f"{acc['qcfs']:.2f}"]]
+            + [[f"SNN, T={t}", f"{a:.2f}"] for t, a in acc["snn"].items()])
 snnconv.assert_no_batchnorm(snn)
 '''),
     md('''
-## Thresholds per layer
+## Thresholds
 
-Each IF layer fires when its membrane reaches its threshold theta (the calibrated QCFS lambda).
-Thresholds usually vary by an order of magnitude between layers: this is why one global
-threshold (or none) converts badly.
+Each IF neuron fires when its membrane reaches its threshold theta (the calibrated QCFS lambda).
+`convert()` gives every channel its own (the default with reset by subtraction): each box below
+shows the thresholds of one layer's channels. They vary by an order of magnitude between layers
+and within a layer, which is why one global threshold (or none) converts badly.
 '''),
     code('''
 thetas = {name: th.flatten().tolist() for name, th in snn.thresholds().items()}
 fig, ax = plt.subplots(figsize=(8, 3.5))
 ax.boxplot(list(thetas.values()), whis=(0, 100))
 ax.set_xticks(range(1, len(thetas) + 1)); ax.set_xticklabels(list(thetas), rotation=70, fontsize=7)
-ax.set_ylabel("threshold theta"); ax.set_title("thresholds per IF layer"); ax.grid(alpha=0.3)
+ax.set_ylabel("threshold theta (activation units)"); ax.set_title("thresholds per channel, by IF layer")
+ax.grid(alpha=0.3)
 plt.show()
+'''),
+    md('''
+## One threshold per layer instead
+
+`per_channel=False` is the one setting that differs in this second call; everything else is as
+above. One threshold per layer is what consumers of plain NIR `IF` nodes expect (and the
+default for `reset="zero"`); the table shows what it costs at each T.
+'''),
+    code('''
+acc_pl = None
+if compare_per_layer:
+    _, meta_pl = snnconv.convert(model, train_loader, T=T, finetune_epochs=0, per_channel=False,
+                                 reconstruction_steps=reconstruction_steps, eval_loader=test_loader,
+                                 eval_T=eval_T, seed=seed, device=device)
+    acc_pl = meta_pl.accuracy
+    print(f"test accuracy (%) on {len(test_set)} images, T={T} conversion, no fine-tuning")
+    print_table(["", "per channel (default)", "per layer"],
+                [[f"QCFS-ANN (L={s['L']})", f"{acc['qcfs']:.2f}", f"{acc_pl['qcfs']:.2f}"]]
+                + [[f"SNN, T={t}", f"{acc['snn'][t]:.2f}", f"{acc_pl['snn'][t]:.2f}"] for t in acc["snn"]])
 '''),
     md('''
 ## Accuracy against time steps
 
-The spiking network's accuracy climbs with T towards the QCFS-ANN's. What to look at: the T at
-which the curve comes within a point of the dashed lines. Fewer steps mean less latency and
-fewer spikes; notebook 03 fine-tunes the network to do better at small T.
+What to look at: the T at which the curve comes within a point of the dashed lines. Fewer steps
+mean less latency and fewer spikes; notebook 03 fine-tunes the network to do better at small T.
 '''),
     code('''
 Ts = sorted(int(t) for t in acc["snn"])
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(Ts, [acc["snn"][str(t)] for t in Ts], marker="o", label="SNN")
+ax.plot(Ts, [acc["snn"][str(t)] for t in Ts], marker="o", label="SNN, per channel (default)")
+if acc_pl:
+    ax.plot(Ts, [acc_pl["snn"][str(t)] for t in Ts], marker="s", label="SNN, per layer")
 ax.axhline(acc["ann"], ls="--", color="C2", label="ANN")
-ax.axhline(acc["qcfs"], ls="--", color="C3", label=f"QCFS-ANN (L={L})")
+ax.axhline(acc["qcfs"], ls="--", color="C3", label=f"QCFS-ANN (L={s['L']})")
 ax.set_xscale("log", base=2); ax.set_xticks(Ts); ax.set_xticklabels(Ts); ax.minorticks_off()
-ax.set_xlabel("time steps T"); ax.set_ylabel("accuracy (%)"); ax.grid(alpha=0.3); ax.legend()
+ax.set_xlabel("time steps T"); ax.set_ylabel(f"test accuracy (%), {len(test_set)} images")
+ax.grid(alpha=0.3); ax.legend()
 plt.show()
 
 snn.to("cpu").save(os.path.join(out_dir, "snn.pt"))
 meta.to_json(os.path.join(out_dir, "meta.json"))
-print(f"wrote {out_dir}/snn.pt and meta.json")
+print(f"wrote {out_dir}/snn.pt and meta.json (the per-channel network)")
 '''),
 ]
 
 # --- 03 -----------------------------------------------------------------------------------------
 
 NB03 = [
-    md('''
+    intro("03", '''
 # 03 Fine-tune the spiking network with BPTT
 
 At a few time steps the converted network loses accuracy: a neuron has too few steps to express
-its analog value. Backpropagation through time (BPTT) trains the spiking network itself, through
-the T steps, with a smooth surrogate for the spike's derivative (spikingjelly's ATan).
-
-The recipe measured on Fashion-MNIST (README, benchmarks): AdamW, lr 2e-3, ATan alpha 4, loss on
-the T=4 readout, trainable thresholds, distillation from the ANN (0.5). Validation data is split
-from the training data; the test split only reports.
+its analog value. Backpropagation through time (BPTT) trains the spiking network itself,
+through its time steps, with a smooth surrogate for the spike's derivative (spikingjelly's
+ATan). `convert()` does this by default at T <= 8 when the loader has labels; notebook 02 turned
+it off. Here `convert()` runs with all its defaults, and its network is compared with notebook
+02's. The last section runs the same fine-tuning on its own with `snnconv.finetune`.
 '''),
     run_params('''
-T = 4                      # steps unrolled in training
+T = 4                      # time steps the network is converted and fine-tuned for
 eval_T = [1, 2, 4, 8, 16]
-epochs = 2
-lr = 2e-3
-alpha = 4.0
-distill = 0.5
-max_steps_per_epoch = None
-batch_size = 64
+finetune_epochs = None     # None: convert()'s default (whole epochs until at least 512 steps)
+extra_epochs = 0           # > 0: fine-tune that many epochs more with snnconv.finetune (last section)
+batch_size = 128
 ''', num_workers=4),
     code('''
 if dataset == "smoke":
-    T, eval_T, epochs, max_steps_per_epoch, batch_size, num_workers = 2, [1, 2, 4], 1, 3, 32, 0
-AUGMENT = True
+    eval_T, finetune_epochs, extra_epochs, batch_size, num_workers = [1, 2, 4, 8], 1, 1, 32, 0
+AUGMENT = True   # crop and flip for CIFAR-10 (the calibration sees them too)
 '''),
     code(SETUP),
     code(DATA),
     md('''
-## Start from notebook 02's network
+## The ANN of notebook 01, the SNN of notebook 02
 
-`SpikingNetwork.load` rebuilds the graph from plain data (no pickled code). The ANN is loaded too,
-as the teacher for distillation.
+The ANN is converted again here, and it is the teacher of the fine-tuning (distillation).
+Notebook 02's accuracies are the "before" of this notebook.
 '''),
-    code('''
-from snnconv.metrics import accuracy_by_T
-
-require("01_train_resnet18_cifar10", "ann.json", "ann.pt")
-require("02_convert", "snn.pt")
-snn = snnconv.SpikingNetwork.load(os.path.join(out_dir, "snn.pt"))
-with open(os.path.join(out_dir, "ann.json")) as fh:
-    ann_info = json.load(fh)
-ann = models.get(ann_info["model"], num_classes=10, in_channels=ann_info["in_channels"])
-ann.load_state_dict(torch.load(os.path.join(out_dir, "ann.pt"), map_location="cpu", weights_only=True))
-before = accuracy_by_T(snn.to(device), test_loader, eval_T, device)
-print("before fine-tuning:", {t: round(a, 2) for t, a in before.items()})
+    code(LOAD_ANN + '''
+require("02_convert", "meta.json")
+with open(os.path.join(out_dir, "meta.json")) as fh:
+    before = {int(t): a for t, a in json.load(fh)["accuracy"]["snn"].items()}
 '''),
     md('''
-## BPTT
+## convert() with its defaults
 
-`snnconv.finetune` works on a copy and returns the best epoch on the validation split. The
-checkpoint folder makes the run resumable (`resume=True` after an interruption continues
-bit-identically on CPU).
+The same call as in notebook 02 without `finetune_epochs=0`. The recipe it fine-tunes with
+(`snnconv.pipeline.finetune_recipe`) unrolls **2T** steps and trains the readouts at T/2, T and
+2T, so that the network answers well from half its steps to twice them; it distils from the ANN
+(half the loss), trains the thresholds too, and keeps the converted network where no epoch beats
+it on the validation split (10% of the training images; the test split only reports).
 '''),
     code('''
 t0 = time.perf_counter()
-tuned, history = snnconv.finetune(
-    snn, train_loader, T=T, epochs=epochs, lr=lr, alpha=alpha, train_thresholds=True,
-    distill=distill, teacher=ann, max_steps_per_epoch=max_steps_per_epoch,
-    checkpoint_dir=os.path.join(out_dir, "finetune"), seed=seed, device=device, progress=False)
-print(f"fine-tuned in {time.perf_counter() - t0:.0f} s")
-for h in history:
-    print(h)
+tuned, meta = snnconv.convert(model, train_loader, T=T, finetune_epochs=finetune_epochs,
+                              eval_loader=test_loader, eval_T=eval_T, seed=seed, device=device)
+print(f"converted and fine-tuned in {time.perf_counter() - t0:.0f} s")
+s, ft, budget = meta.settings, meta.settings["finetune"], meta.settings["budget"]
+print(f"fine-tuning: {s.get('finetune_default', 'finetune_epochs given')}")
+print_table(["convert()'s fine-tuning", ""], [
+    ["time steps unrolled", ft["T"]],
+    ["readouts trained at T =", ", ".join(map(str, ft["horizons"]))],
+    ["epochs", ft["epochs"]],
+    ["batch size", ft["batch_size"]],
+    ["optimiser steps planned", budget.get("finetune_steps")],
+    ["optimiser", f"{ft['optimizer']}, lr {ft['lr']:g}, ATan alpha {ft['alpha']:g}"],
+    ["distillation from the ANN", f"{ft['distill']:.0%} of the loss"],
+    ["thresholds trained", ft["train_thresholds"]],
+    ["optimiser steps run", budget.get("finetune_steps_run")],
+    ["seconds", f"{budget.get('finetune_seconds', 0.0):.0f}"]])
 '''),
     md('''
 ## What to look at
 
-The training loss should fall and the validation accuracy rise. Then compare the accuracy by T
-before and after: the gain is largest at and below the T used in training; at long T the
-fine-tuned network should stay close to the converted one (the recipe above was chosen so that
-it does).
+The training loss should fall and the validation accuracy (the mean over the trained readouts)
+rise. Then compare the accuracy by T before and after: the gain is largest at and below the T
+the network was converted for; at long T the fine-tuned network should stay close to the
+converted one.
 '''),
     code('''
-after = accuracy_by_T(tuned.to(device), test_loader, eval_T, device)
+history = next(r.changes["history"] for r in meta.stages if r.name == "finetune")
+print_table(["epoch", "steps", "loss", "train accuracy (%)", "validation accuracy (%)", "seconds"],
+            [[h["epoch"], h["steps"], f"{h['loss']:.3f}", f"{h['train_acc']:.2f}",
+              f"{h['val_acc']:.2f}" if "val_acc" in h else "-", f"{h['seconds']:.0f}"] for h in history])
+if history[-1].get("kept_start"):
+    print("no epoch beat the converted network on the validation split: convert() kept it")
+'''),
+    md('''
+## The same fine-tuning on its own
+
+`snnconv.finetune` is the stage `convert()` ran, and `finetune_recipe(T, loader, ...)` its
+settings: call them yourself to fine-tune longer, to resume an interrupted run
+(`checkpoint_dir=...`, then `resume=True`), or on several GPUs under `torchrun`
+(`snnconv finetune RUN_DIR` from the command line). The check below rebuilds the recipe and
+compares it with the one `convert()` recorded; with `extra_epochs > 0` it then trains that many
+epochs more, with a checkpoint in `out_dir/finetune`.
+'''),
+    code('''
+from snnconv.metrics import accuracy_by_T
+from snnconv.pipeline import finetune_recipe
+
+recipe = finetune_recipe(T, train_loader, epochs=ft["epochs"], seed=seed)
+print("finetune_recipe(T, train_loader) is the recipe convert() used:", vars(recipe) == ft)
+after = {int(t): a for t, a in meta.accuracy["snn"].items()}
+if extra_epochs:
+    recipe = finetune_recipe(T, train_loader, epochs=extra_epochs, seed=seed,
+                             checkpoint_dir=os.path.join(out_dir, "finetune"))
+    tuned, more = snnconv.finetune(tuned, train_loader, config=recipe, teacher=model, device=device)
+    history = history + [dict(h, epoch=len(history) + h["epoch"]) for h in more]
+    after = accuracy_by_T(tuned.to(device), test_loader, eval_T, device)
+    print(f"{extra_epochs} epoch(s) more: validation accuracy {more[-1].get('val_acc', float('nan')):.2f}%")
+'''),
+    code('''
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
 a1.plot([h["epoch"] for h in history], [h["loss"] for h in history], marker="o")
 a1.set_xlabel("epoch"); a1.set_ylabel("training loss"); a1.grid(alpha=0.3)
-a2.plot(eval_T, [before[t] for t in eval_T], marker="o", label="converted")
-a2.plot(eval_T, [after[t] for t in eval_T], marker="s", label=f"fine-tuned at T={T}")
-a2.set_xscale("log", base=2); a2.set_xticks(eval_T); a2.set_xticklabels(eval_T); a2.minorticks_off()
-a2.set_xlabel("time steps T"); a2.set_ylabel("test accuracy (%)"); a2.grid(alpha=0.3); a2.legend()
+Ts = sorted(after)
+a2.plot([t for t in Ts if t in before], [before[t] for t in Ts if t in before], marker="o",
+        label="converted (notebook 02)")
+a2.plot(Ts, [after[t] for t in Ts], marker="s", label=f"fine-tuned for T={T}")
+a2.axhline(meta.accuracy["ann"], ls="--", color="C2", label="ANN")
+a2.set_xscale("log", base=2); a2.set_xticks(Ts); a2.set_xticklabels(Ts); a2.minorticks_off()
+a2.set_xlabel("time steps T"); a2.set_ylabel(f"test accuracy (%), {len(test_set)} images")
+a2.grid(alpha=0.3); a2.legend()
 plt.show()
-for t in eval_T:
-    print(f"T={t:>3}: {before[t]:6.2f}% -> {after[t]:6.2f}%")
+print(f"test accuracy (%) on {len(test_set)} images; ANN {meta.accuracy['ann']:.2f}")
+print_table(["T", "converted (02)", "fine-tuned", "change"],
+            [[t, f"{before[t]:.2f}" if t in before else "-", f"{after[t]:.2f}",
+              f"{after[t] - before[t]:+.2f}" if t in before else "-"] for t in Ts])
 
 tuned.to("cpu").save(os.path.join(out_dir, "snn_finetuned.pt"))
 with open(os.path.join(out_dir, "finetune.json"), "w") as fh:
-    json.dump({"T": T, "epochs": epochs, "lr": lr, "alpha": alpha, "distill": distill,
-               "history": history, "accuracy": {"snn": {str(t): a for t, a in after.items()},
-                                                "before": {str(t): a for t, a in before.items()}}},
-              fh, indent=2)
+    json.dump({"T": T, "epochs": len(history), "config": {k: v for k, v in ft.items() if k != "checkpoint_dir"},
+               "budget": budget, "history": history,
+               "accuracy": {"snn": {str(t): a for t, a in after.items()},
+                            "before": {str(t): a for t, a in before.items()}}}, fh, indent=2)
 print(f"wrote {out_dir}/snn_finetuned.pt and finetune.json")
 '''),
 ]
