@@ -1,11 +1,12 @@
 # Two commands, each doing its own set-up:  make demo   |   make test
+# CI adds two environments at the ends of pyproject.toml's ranges:  make test-floor  |  make test-newest
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.snnconv-installed
 FMNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test setup data browser clean-venv lava-env
+.PHONY: demo test test-floor test-newest setup data browser clean-venv lava-env
 
 demo: $(STAMP)
 	$(BIN)/snnconv demo --out runs/demo
@@ -54,14 +55,24 @@ LAVA_STAMP := $(LAVA_VENV)/.lava-nc-0.10.0
 lava-env: $(LAVA_STAMP)
 
 $(LAVA_STAMP):
-	@py=""; for c in "$$(command -v python3.10 2>/dev/null)" \
-	    $$(command -v pyenv >/dev/null 2>&1 && ls -d "$$(pyenv root)"/versions/3.10*/bin/python3.10 2>/dev/null) \
-	    $$(ls -d $$HOME/.pyenv/versions/3.10*/bin/python3.10 2>/dev/null); do \
-	  if [ -n "$$c" ] && "$$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' 2>/dev/null; then py="$$c"; break; fi; \
-	done; \
-	if [ -z "$$py" ]; then echo "lava-env: no working Python 3.10 interpreter (python3.10 on PATH or under pyenv); the lava backend stays unavailable"; exit 1; fi; \
+	@py=$$(.ci/find-python 3.10) || { echo "lava-env: the lava backend stays unavailable"; exit 1; }; \
 	echo "lava-env: building $(LAVA_VENV) with $$py"; \
 	test -x $(LAVA_VENV)/bin/python || "$$py" -m venv $(LAVA_VENV); \
 	$(LAVA_VENV)/bin/pip install --quiet --disable-pip-version-check lava-nc==0.10.0 && \
 	$(LAVA_VENV)/bin/python -c "import lava.magma, lava.proc.lif.models, lava.proc.dense.models; print('lava-env: lava-nc 0.10.0 ready')" && \
 	touch $(LAVA_STAMP)
+
+# The tests marked `portable` at the floor of every dependency range (.ci/floor.txt, Python 3.11)
+# and at the newest releases within them (.ci/newest.txt, Python 3.13), each in its own
+# environment (.venv-floor, .venv-newest) built by .ci/portable-env from the lock's wheels, kept
+# in ~/.cache/snnconv/wheels. Needs those interpreters (python3.X on PATH or under pyenv).
+PORTABLE_PY_floor  := 3.11
+PORTABLE_PY_newest := 3.13
+
+test-floor test-newest: test-%: .venv-%/.snnconv-installed data
+	.venv-$*/bin/python -m pytest -n 2 -q -m portable
+
+.PRECIOUS: .venv-%/.snnconv-installed
+.venv-%/.snnconv-installed: pyproject.toml .ci/%.txt .ci/portable-env
+	.ci/portable-env .venv-$* $(PORTABLE_PY_$*) .ci/$*.txt
+	touch $@

@@ -9,6 +9,8 @@ import snnconv
 from snnconv.cli import main
 from snnconv.nir_io import export_nir, save_nir
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 
 @pytest.fixture
 def digits_nir(small_digits_snn, tmp_path):

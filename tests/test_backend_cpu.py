@@ -20,6 +20,8 @@ from snnconv_backends import get
 from snnconv_backends.cpu import compile_parsed
 from snnconv_backends.nirgraph import parse
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 SHAPE = (3, 16, 16)
 
 

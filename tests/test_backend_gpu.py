@@ -96,6 +96,7 @@ def test_bad_options_are_refused():
         gpu.compile(_graph(), device="cpu", neuron="cupy")
 
 
+@pytest.mark.cuda
 @cuda
 def test_on_cuda_float32_deterministic_spikes_equal_the_cpu_backend_up_to_ties():
     x = torch.randn(256, 3)
@@ -107,6 +108,7 @@ def test_on_cuda_float32_deterministic_spikes_equal_the_cpu_backend_up_to_ties()
     assert torch.equal(again.outputs, r.outputs)  # deterministic: repeatable
 
 
+@pytest.mark.cuda
 @cuda
 def test_on_cuda_compiled_neuron_equals_the_loop():
     x = torch.randn(64, 3)

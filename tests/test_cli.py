@@ -12,6 +12,8 @@ import torch
 from snnconv import models
 from snnconv.cli import main
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 
 @pytest.fixture
 def resnet8_state(tmp_path):

@@ -20,6 +20,8 @@ from snnconv.pipeline import QCFS_STEPS, _qcfs_epochs
 from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
 from snnconv.network import SpikingNetwork
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 # --------------------------------------------------------------------------------------------
 # helpers
 

@@ -16,7 +16,7 @@ from snnconv.neuron import neurons
 
 from _interrupting import Interrupt, InterruptingDataset
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
               pytest.mark.usefixtures("no_tf32")]  # float32 on the GPU as on CPU
 
 

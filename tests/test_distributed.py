@@ -27,6 +27,8 @@ from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
 
 from _interrupting import Interrupt, InterruptingDataset
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
 # Not a speed bound: a deadlocked process group would otherwise hang the suite for ever.
 HANG_GUARD_S = 900

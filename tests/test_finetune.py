@@ -26,6 +26,8 @@ from snnconv.metrics import accuracy_by_T
 from snnconv.neuron import IFNeuron, neurons
 from _probes import assert_bit_identical, state_copy
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 QUICK = dict(epochs=1, max_steps_per_epoch=3, progress=False)
 
 

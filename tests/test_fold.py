@@ -18,6 +18,8 @@ from snnconv.errors import FoldError
 from snnconv.fold import fold_weights
 from _probes import FunctionalBN
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 # --------------------------------------------------------------------------------------------
 # helpers
 

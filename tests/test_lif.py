@@ -103,7 +103,8 @@ EXECUTORS = {"cpu": _cpu, "gpu": _gpu_on("cuda"), "gpu-code-on-cpu": _gpu_on("cp
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
-@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+@pytest.mark.parametrize("executor", [pytest.param(e, marks=pytest.mark.cuda) if e == "gpu" else e
+                                      for e in sorted(EXECUTORS)])
 def test_golden_trajectory(kind, executor):
     """Each executor reproduces the hand-computed spikes (LI: membranes) exactly, the tie
     included."""

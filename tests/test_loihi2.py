@@ -72,6 +72,7 @@ def _dense(c, shapes):
     return m
 
 
+@pytest.mark.portable
 @pytest.mark.parametrize("reset", ["zero", "subtract"])
 def test_sim_follows_the_fixed_point_equations(reset):
     """Recompute each population step by step with numpy int64 from the integer matrices:
@@ -117,6 +118,7 @@ def test_sim_follows_the_fixed_point_equations(reset):
             assert np.array_equal(v, v_tr[p.name][t].reshape(3, -1)), (p.name, t)
 
 
+@pytest.mark.portable
 def test_quantisation_stays_within_the_bit_budget():
     q = quantize(small_graph("subtract", seed=3))
     assert q.depth == 4  # n1 0, n2 1, n3 2 (shortcut from n1 delayed by one step), n4 3, readout 4
@@ -140,6 +142,7 @@ def test_quantisation_stays_within_the_bit_budget():
     assert "mixed" in modes and "split" not in modes
 
 
+@pytest.mark.portable
 def test_two_weight_groups_refine_the_weights_within_the_budget():
     """weight_groups=2: each connection gains a residual group "<name>.lo" (8-bit mantissas, a
     lower exponent) that makes the summed weights finer; synapses are counted for both."""
@@ -164,6 +167,7 @@ def test_two_weight_groups_refine_the_weights_within_the_budget():
         len(one.population("n3").conns) + 1
 
 
+@pytest.mark.portable
 def test_reports_and_latency():
     g = small_graph("zero", seed=4)
     res = _sim(g, torch.rand(2, 1, 8, 8), T=3)
@@ -181,6 +185,7 @@ def test_reports_and_latency():
     assert set(res.spikes) == {"n1", "n2", "n3", "n4"}
 
 
+@pytest.mark.portable
 def test_bad_input_and_options_are_refused():
     g = small_graph("zero")
     with pytest.raises(BackendError, match="unknown option"):

@@ -10,6 +10,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from snnconv import models
 from snnconv.graph import call_sites, prepare
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 _SIZE = {"small_cnn": 8}  # the others take 32x32
 
 

@@ -21,6 +21,8 @@ from snnconv.network import SpikingNetwork
 from snnconv.neuron import IFNeuron, Scale, TimeExpand, neurons
 from snnconv_backends.nirgraph import KINDS, ParsedGraph, parse
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 
 
 

@@ -9,6 +9,8 @@ from snnconv.cli import main
 from snnconv.neuron import neurons
 from snnconv.nir_io import from_nir, load_nir
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 
 @pytest.fixture
 def saved_network(small_digits_snn, tmp_path):

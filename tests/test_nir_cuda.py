@@ -11,7 +11,7 @@ from test_nir import _assert_same_run, _convert, _through_file
 
 from snnconv.neuron import IFNeuron
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
               pytest.mark.usefixtures("no_tf32")]  # float32 on the GPU as on CPU
 
 

@@ -20,6 +20,8 @@ from snnconv_backends.nirgraph import parse
 from _probes import run_with_spikes, spikingjelly_run
 from test_nir import _convert
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 
 def _if_chain(theta=1.0, *, r=1.0, weight=1.0, metadata=None, names=("input", "fc", "n", "out", "output")):
     """input(1) -> fc (weight) -> IF(r, theta) -> readout (1) -> output: the readout is the spike."""

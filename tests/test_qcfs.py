@@ -14,6 +14,8 @@ from snnconv.errors import BatchNormRemainsError, ConfigError, DataError, Unsupp
 from snnconv.fold import fold_batchnorm
 from snnconv.qcfs import QCFS, QCFSTrainConfig, make_optimizer, qcfs_sites, relu_sites
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 # --------------------------------------------------------------------------------------------
 # helpers
 

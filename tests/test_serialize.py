@@ -20,6 +20,8 @@ from snnconv.config import MAX_T
 from snnconv.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
 from snnconv.neuron import neurons
 
+pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
+
 # --------------------------------------------------------------------------------------------
 # helpers
 

@@ -25,7 +25,7 @@ import sys
 import threading
 
 from . import check, convert, evaluate, nir
-from .common import Parser, UsageError, one_line, parents
+from .common import Parser, UsageError, check_device, one_line, parents
 
 __all__ = ["main", "build_parser"]
 
@@ -58,27 +58,6 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-def _check_device(device: str | None) -> None:
-    """``--device`` names a device this machine has (UsageError, exit 2, before any work)."""
-    if device is None or device == "cpu":
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: no CUDA GPU is visible here (torch.cuda.is_available() "
-                             "is False: no NVIDIA driver or GPU, or a CPU-only torch build); use --device cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
-                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    elif dev.type != "cpu":
-        raise UsageError(f"--device {device}: snnconv runs on cpu or cuda devices")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code (0 ok, 1 a check failed, 2 usage or input error,
     3 unexpected error, 130 interrupted, 143 terminated)."""
@@ -95,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        _check_device(getattr(args, "device", None))
+        check_device(getattr(args, "device", None))
         return args.func(args)
     except (UsageError, SnnconvError, OSError, ValueError) as exc:
         print(f"{where}: error: {one_line(exc)}", file=sys.stderr)

@@ -16,8 +16,9 @@ from typing import Any, Callable
 from ..data import DATASETS, TEST_EVERY
 from ..progress import duration
 
-__all__ = ["UsageError", "Parser", "FLAGS", "PARENTS", "parents", "add_command", "say", "out_dir",
-           "write_json", "datasets", "loaders", "num_classes", "model_builder", "data_source", "DOWNLOAD_HINT", "time_steps", "snn_path", "nir_path", "load_model",
+__all__ = ["UsageError", "check_device", "Parser", "FLAGS", "PARENTS", "parents", "add_command", "say", "out_dir",
+           "write_json", "datasets", "loaders", "num_classes", "model_builder", "data_source", "DOWNLOAD_HINT",
+           "time_steps", "snn_path", "nir_path", "load_model",
            "RUN_FILES", "new_run_dir", "load_snn",
            "evaluation", "print_accuracy", "one_line", "positive_int", "positive_float", "count", "duration",
            "Heartbeat"]
@@ -34,6 +35,28 @@ def one_line(exc: BaseException | str) -> str:
     """An error message as one line of plain text: terminal escape codes removed, whitespace
     (newlines, tabs) collapsed."""
     return " ".join(_ANSI.sub("", str(exc)).split())
+
+
+def check_device(device: str | None) -> None:
+    """``--device`` names a device this machine has (UsageError, exit 2, before any work); the
+    scripts that take ``--device`` (scripts/gpu_run.py) share it."""
+    if device is None or device == "cpu":
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device}: no CUDA GPU is visible here (torch.cuda.is_available() "
+                             "is False: no NVIDIA driver or GPU, or a CPU-only torch build); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type != "cpu":
+        raise UsageError(f"--device {device}: snnconv runs on cpu or cuda devices")
 
 
 def positive_int(text: str) -> int:

@@ -18,7 +18,7 @@ _WEIGHTS_OR_TRAIN = ("give --weights FILE (a trained state dict of --model) or -
 def _cmd_demo(args) -> int:
     from ..demo import run_demo
 
-    run_demo(args.out or "runs/demo", seed=args.seed, progress=not args.quiet)
+    run_demo(args.out or "runs/demo", seed=args.seed, progress=not args.quiet, device=args.device)
     return 0
 
 
@@ -52,7 +52,8 @@ def _cmd_convert(args) -> int:
     if not args.weights:
         say(args, f"[1/3] training {args.model} on {args.data} for {args.train_epochs} epoch(s) ...")
         torch.manual_seed(args.seed)
-        model = train_ann(model, train, epochs=args.train_epochs, lr=args.lr, progress=not args.quiet)
+        model = train_ann(model, train, epochs=args.train_epochs, lr=args.lr, progress=not args.quiet,
+                          device=args.device)
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)
         atomic_write_bytes(os.path.join(out, "ann.pt"), buf.getvalue())
