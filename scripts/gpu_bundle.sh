@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, where PyPI is reachable, what a CUDA machine with its own torch and no registry needs to
 # run snnconv: snnconv's wheel and every wheel it needs beside that torch, for that Python, with
-# this checkout's tests, benchmarks and scripts.
+# this checkout's tests, benchmarks and scripts (and what the tests need: snnconv's [test] extra).
 #
 #   scripts/gpu_bundle.sh [DIR]                       (default build/gpu-bundle)
 #   TORCH=2.11.0 TORCHVISION=0.26.0 PYTHON_VERSION=3.12 scripts/gpu_bundle.sh   (the defaults)
@@ -28,7 +28,7 @@ mkdir -p "$dir/wheels" "$dir/src"
 # Resolved beside the target's torch and torchvision; what those two require themselves is on the
 # target already and is left out (numpy excepted: snnconv needs numpy 2, and h5py's wheel too).
 "${pip[@]}" install --dry-run --ignore-installed --only-binary=:all: --report "$work/report.json" \
-  "torch==$torch" "torchvision==$torchvision" "$dir"/wheels/snnconv-*.whl "pytest>=8"
+  "torch==$torch" "torchvision==$torchvision" "snnconv[test] @ file://$(ls "$dir"/wheels/snnconv-*.whl)"
 "$work/venv/bin/python" - "$work/report.json" "$dir/bundle.json" "$torch" "$torchvision" > "$work/wheels.txt" <<'EOF'
 import json
 import sys
@@ -40,23 +40,26 @@ report_path, manifest_path, torch, torchvision = sys.argv[1:]
 report = json.load(open(report_path))
 items = {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in report["install"]}
 markers = {**report["environment"], "extra": ""}
-left_out, todo = set(), ["torch", "torchvision"]
-while todo:
-    name = canonicalize_name(todo.pop())
-    if name in left_out or name not in items:
+left_out, todo = set(), [("torch", set()), ("torchvision", set())]
+while todo:  # the requirements of torch and torchvision, their extras' (cuda-toolkit[...]) included
+    name, extras = todo.pop()
+    name = canonicalize_name(name)
+    if name not in items:
         continue
     left_out.add(name)
     for text in items[name].get("requires_dist", []):
         req = Requirement(text)
-        if req.marker is None or req.marker.evaluate(markers):
-            todo.append(req.name)
+        if req.marker is None or any(req.marker.evaluate({**markers, "extra": e}) for e in {"", *extras}):
+            if canonicalize_name(req.name) not in left_out or req.extras:
+                todo.append((req.name, set(req.extras)))
 left_out.discard("numpy")
 bundled = sorted(f"{m['name']}=={m['version']}" for n, m in items.items()
                  if n not in left_out and n != "snnconv")
 print("\n".join(bundled))
 json.dump({"target": {"python": report["environment"]["python_version"], "torch": torch,
                       "torchvision": torchvision},
-           "bundled": bundled, "left_out (the target's torch and what it requires)": sorted(left_out)},
+           "bundled": bundled, "left_out": sorted(left_out),
+           "note": "left_out: the target's torch and torchvision and what they require"},
           open(manifest_path, "w"), indent=1)
 EOF
 "${pip[@]}" download --no-deps --only-binary=:all: --dest "$dir/wheels" -r "$work/wheels.txt"

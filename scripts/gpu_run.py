@@ -16,7 +16,7 @@ in its own process with its share of ``--budget`` seconds, and writes into ``--o
 - ``convert.json`` (``convert.log``): ``snnconv.convert(model, loader, device=...)`` with its
   defaults (T=8, calibration, BPTT fine-tuning) on the zoo's CIFAR ResNet-18 and made data
   (random images with random labels: the cost, not the accuracy, is the point): each stage's
-  seconds, the whole wall time and the peak memory. ``--small``: ResNet-8, 64 images, T=2,
+  seconds, the whole wall time and the peak memory. ``--small``: ResNet-8, 32 images, T=2,
   one epoch of fine-tuning (and gpu_check without its compiled neuron);
 - ``summary.json``: each step's exit code, seconds and closing line.
 
@@ -129,7 +129,7 @@ def convert_step(device: str, small: bool, path: str) -> None:
     import snnconv
     from snnconv import models
 
-    name, n, batch, T = ("resnet8", 64, 16, 2) if small else ("resnet18", 4096, 64, 8)
+    name, n, batch, T = ("resnet8", 32, 16, 2) if small else ("resnet18", 4096, 64, 8)
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(n, 3, 32, 32, generator=gen) * 2 - 1
     y = torch.randint(0, 10, (n,), generator=gen)

@@ -47,12 +47,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(args: list[str], log_path) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], log_path, script: str = WORKER) -> subprocess.CompletedProcess:
+    """``script args`` on two processes (gloo, CPU); its output in ``log_path``."""
     for _attempt in range(2):  # a port taken between _free_port() and torchrun: try another
         with open(log_path, "wb") as log:
             proc = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), WORKER, *args],
+                 "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script, *args],
                 stdout=log, stderr=subprocess.STDOUT, timeout=HANG_GUARD_S)
         text = open(log_path, errors="replace").read()
         if proc.returncode == 0 or "address already in use" not in text.lower():

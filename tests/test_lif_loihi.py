@@ -58,8 +58,8 @@ def _run(executor, kind, g, x, **opts):
 
 
 @pytest.mark.parametrize("kind", sorted(CHIP))
-@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=pytest.mark.cuda), "from_nir", "loihi2-sim",
-                                      "lava"])
+@pytest.mark.parametrize("executor", ["cpu", pytest.param("gpu", marks=pytest.mark.cuda), "from_nir",
+                                      "loihi2-sim", "lava"])
 def test_golden_trajectory_on_every_backend(kind, executor):
     """The hand-computed spikes exactly (every tie stays below threshold); the LI readout
     exactly in float, within 2**-7 of its largest value in fixed point (8-bit weights)."""
