@@ -365,46 +365,6 @@ def test_block_checkpointing_on_a_resnet_matches_plain_training(digits_data):
         torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e-5, msg=k)
 
 
-@pytest.mark.parametrize("horizons", [None, (1, 2)])
-def test_micro_batches_give_the_training_of_the_whole_batch(small_digits_snn, digits_loaders, horizons):
-    """A batch run in pieces (as where it does not fit the memory) adds up the pieces' weighted
-    gradients: the same training up to float rounding."""
-    train, _ = digits_loaders
-    common = dict(T=2, epochs=1, max_steps_per_epoch=3, optimizer="sgd", lr=5e-2, horizons=horizons,
-                  progress=False)
-    whole, hw = finetune(small_digits_snn, train, **common)
-    pieces, hp = finetune(small_digits_snn, train, micro_batch=5, **common)
-    assert whole.meta["finetune_step"]["micro_batch"] == train.batch_size
-    assert pieces.meta["finetune_step"] == {"activation_checkpointing": None, "micro_batch": 5,
-                                            "bytes_per_image": whole.meta["finetune_step"]["bytes_per_image"]}
-    a, b = state_copy(whole), state_copy(pieces)
-    assert _weights_changed(state_copy(small_digits_snn), b)
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5, msg=k)
-    assert hp[0]["loss"] == pytest.approx(hw[0]["loss"], rel=1e-5)
-    assert hp[0]["train_acc"] == hw[0]["train_acc"]
-
-
-def test_a_batch_that_does_not_fit_is_cut_to_what_does(small_digits_snn, digits_data, monkeypatch):
-    """From the bytes autograd keeps on one image: as many images per piece as fit the step's
-    budget, block checkpointing one at a time where one image does not fit otherwise, and a
-    ResourceError only where even that does not fit what is free."""
-    from snnconv import memory, recompute
-    from snnconv.errors import ResourceError
-
-    x = digits_data[0].tensors[0][:32]
-    snn = small_digits_snn
-    per = recompute.step_bytes(snn, x[:1], None)
-    monkeypatch.setattr(recompute, "step_budget", lambda device: 3 * per)
-    assert recompute.plan_step(snn, x, 32) == recompute.StepPlan(None, 3, per)
-    monkeypatch.setattr(recompute, "step_budget", lambda device: per - 1)
-    plan = recompute.plan_step(snn, x, 32)
-    assert plan.mode == "block" and plan.micro_batch == 1
-    monkeypatch.setattr(memory, "available_bytes", lambda device: 16)
-    with pytest.raises(ResourceError, match="single image"):
-        recompute.plan_step(snn, x, 32)
-
-
 @pytest.mark.parametrize("mode", ["neuron", "block"])
 def test_checkpointed_view_shares_parameters_computes_the_same_and_recomputes(small_digits_snn,
                                                                               digits_data, mode):
