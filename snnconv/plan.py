@@ -190,23 +190,26 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def _step_time(step: Callable[[torch.Tensor], Any], x: torch.Tensor, batch: int,
-               first: float | None = None) -> float:
+               first: float | None = None, fit: int | None = None) -> float:
     """Seconds of ``step`` on ``batch`` images. Timed on one image and on two (after one call
     to warm up): where the second image adds little (a fixed cost per step dominates: small
-    images) or the step is cheap, the batch itself (as much of it as ``x`` holds) is timed
-    and scaled; else the line through the two is extended (a cost per image dominates: large
+    images) and that is cheap, or where the step is cheap, the batch itself (as much of it as
+    ``x`` holds) is timed and scaled; else the line through the two is extended (a cost per image dominates: large
     images, where one image already takes long). ``first``: the seconds of a call on one image
-    made already (the warm-up; where it took a second or more, its own time is taken)."""
+    made already (the warm-up; where it took a second or more, its own time is taken).
+    ``fit``: the most images one call may take (the memory)."""
     if first is None:
         first = _timed(lambda: step(x[:1]))
     one = first if first >= 1.0 else _timed(lambda: step(x[:1]))
-    n = min(batch, len(x))
+    n = min(batch, len(x), fit or batch)
     if n < 2:
         return one * batch
-    two = one * batch if one * batch <= _CHEAP else _timed(lambda: step(x[:2]))
-    if one * batch <= _CHEAP or two < 1.5 * one:
+    if one * batch <= _CHEAP:
         return _timed(lambda: step(x[:n])) * batch / n
-    return one + (two - one) * (batch - 1)
+    two = _timed(lambda: step(x[:2]))
+    if two < 1.5 * one and two * n / 2 <= 5 * _CHEAP:
+        return _timed(lambda: step(x[:n])) * batch / n
+    return one + max(0.0, two - one) * (batch - 1)
 
 
 def _train_step(model: nn.Module) -> Callable[[torch.Tensor], None]:
@@ -333,7 +336,8 @@ def _snn_step(snn: nn.Module, x: torch.Tensor, T: int, batch: int) -> tuple[floa
         # the warm-up step measures what autograd keeps for one image
         first = _timed(lambda: kept.append(saved_bytes(lambda: step(x[:1]), snn)))
         per_image = int(TRAINING_FACTOR * kept[0])
-        return _step_time(step, x, batch, first), images_that_fit(per_image, step_budget(x.device), batch)
+        fit = images_that_fit(per_image, step_budget(x.device), batch)
+        return _step_time(step, x, batch, first, fit), fit
     finally:
         snn.eval()
         snn.T = old
