@@ -511,6 +511,13 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             chance while the ANN is not, raises :class:`ConversionError` naming the layers.
             Silent SNN layers alone warn: fine-tuning can bring them back.
 
+    Before QCFS training, the reconstruction or fine-tuning, one step of each is timed and the
+    plan (stages, steps, the estimated time on this device, what would make it cheaper) is
+    logged and printed with ``progress`` (``meta.plan``; :mod:`snnconv.plan`). A default budget
+    (``None`` above) whose estimate passes its time budget (:data:`snnconv.plan.TIME_BUDGETS`)
+    is cut to fit, and the plan says so; a value given is kept. Every stage sizes its work
+    from the free memory (:mod:`snnconv.memory`; ``SNNCONV_MEMORY`` caps it).
+
     The measurements behind each default are in benchmarks/README.md ("Defaults").
 
     Returns:

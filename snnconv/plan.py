@@ -190,23 +190,26 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def _step_time(step: Callable[[torch.Tensor], Any], x: torch.Tensor, batch: int,
-               first: float | None = None) -> float:
+               first: float | None = None, fit: int | None = None) -> float:
     """Seconds of ``step`` on ``batch`` images. Timed on one image and on two (after one call
     to warm up): where the second image adds little (a fixed cost per step dominates: small
-    images) or the step is cheap, the batch itself (as much of it as ``x`` holds) is timed
-    and scaled; else the line through the two is extended (a cost per image dominates: large
+    images) and that is cheap, or where the step is cheap, the batch itself (as much of it as
+    ``x`` holds) is timed and scaled; else the line through the two is extended (a cost per image dominates: large
     images, where one image already takes long). ``first``: the seconds of a call on one image
-    made already (the warm-up; where it took a second or more, its own time is taken)."""
+    made already (the warm-up; where it took a second or more, its own time is taken).
+    ``fit``: the most images one call may take (the memory)."""
     if first is None:
         first = _timed(lambda: step(x[:1]))
     one = first if first >= 1.0 else _timed(lambda: step(x[:1]))
-    n = min(batch, len(x))
+    n = min(batch, len(x), fit or batch)
     if n < 2:
         return one * batch
-    two = one * batch if one * batch <= _CHEAP else _timed(lambda: step(x[:2]))
-    if one * batch <= _CHEAP or two < 1.5 * one:
+    if one * batch <= _CHEAP:
         return _timed(lambda: step(x[:n])) * batch / n
-    return one + (two - one) * (batch - 1)
+    two = _timed(lambda: step(x[:2]))
+    if two < 1.5 * one and two * n / 2 <= 5 * _CHEAP:
+        return _timed(lambda: step(x[:n])) * batch / n
+    return one + max(0.0, two - one) * (batch - 1)
 
 
 def _train_step(model: nn.Module) -> Callable[[torch.Tensor], None]:
@@ -292,28 +295,27 @@ def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune
             batch = finetune_config.batch_size or len(x)
             per, micro = _snn_step(snn, x, finetune_config.T, batch)
             stage = _stage("finetune", budget.get("finetune_steps"), batch, finetune_config.T, per, micro)
+            val = 0.0
             if val_images and stage.seconds is not None:
-                passes = finetune_config.epochs + int(finetune_config.keep_start)
-                val = passes * _forward_time(snn, x, finetune_config.T, val_images)
-                stage.seconds += val
-                stage.note = f"with {passes} validation pass(es) over {val_images} images"
+                val = _forward_time(snn, x, finetune_config.T, val_images)
+                stage.seconds += val * _val_passes(finetune_config)
+                stage.note = f"with {_val_passes(finetune_config)} validation pass(es) over {val_images} images"
             plan.stages.append(stage)
     before_cuts = plan.seconds
     for stage in plan.stages:
-        if stage.name in TIME_BUDGETS and defaults.get(stage.name):
-            fit = _cut(stage, TIME_BUDGETS[stage.name])
-            if fit is not None:
-                stage.cut_from, stage.steps = stage.steps, fit
-                stage.seconds = stage.seconds - stage.seconds_per_step * (stage.cut_from - fit)
-    for stage in plan.stages:
-        if stage.cut_from is None:
+        fit = _cut(stage, TIME_BUDGETS[stage.name]) if stage.name in TIME_BUDGETS and defaults.get(stage.name) else None
+        if fit is None:
             continue
+        stage.cut_from = stage.steps
         if stage.name == "qcfs":
-            qcfs_train = replace(qcfs_train, max_steps=stage.steps)
+            qcfs_train = replace(qcfs_train, max_steps=fit)
         elif stage.name == "reconstruction":
-            steps_r = stage.steps
-        elif stage.name == "finetune":
-            finetune_config = _cut_finetune(finetune_config, stage.steps, stage.cut_from)
+            steps_r = fit
+        else:  # fine-tuning: whole epochs where they hold
+            finetune_config, fit = _cut_finetune(finetune_config, fit, stage.cut_from)
+        stage.steps = fit
+        stage.seconds = stage.seconds_per_step * fit + (
+            val * _val_passes(finetune_config) if stage.name == "finetune" else 0.0)
     _advice(plan, cfg, before_cuts, device)
     plan.measure_seconds = time.perf_counter() - start
     return plan, qcfs_train, finetune_config, steps_r
@@ -333,7 +335,8 @@ def _snn_step(snn: nn.Module, x: torch.Tensor, T: int, batch: int) -> tuple[floa
         # the warm-up step measures what autograd keeps for one image
         first = _timed(lambda: kept.append(saved_bytes(lambda: step(x[:1]), snn)))
         per_image = int(TRAINING_FACTOR * kept[0])
-        return _step_time(step, x, batch, first), images_that_fit(per_image, step_budget(x.device), batch)
+        fit = images_that_fit(per_image, step_budget(x.device), batch)
+        return _step_time(step, x, batch, first, fit), fit
     finally:
         snn.eval()
         snn.T = old
@@ -349,13 +352,18 @@ def _forward_time(snn: nn.Module, x: torch.Tensor, T: int, images: int) -> float
         snn.T = old
 
 
-def _cut_finetune(config: Any, steps: int, default: int) -> Any:
-    """``config`` with ``steps`` optimiser steps in all: whole epochs where they hold, else one
-    shorter epoch."""
+def _cut_finetune(config: Any, steps: int, default: int) -> tuple[Any, int]:
+    """``config`` cut to at most ``steps`` optimiser steps of its ``default`` (whole epochs
+    where they hold, else one shorter epoch), and the steps it then runs."""
     per = math.ceil(default / max(1, config.epochs))
     if steps >= per:
-        return replace(config, epochs=steps // per)
-    return replace(config, epochs=1, max_steps_per_epoch=steps)
+        return replace(config, epochs=steps // per), steps // per * per
+    return replace(config, epochs=1, max_steps_per_epoch=steps), steps
+
+
+def _val_passes(config: Any) -> int:
+    """Validation passes of a fine-tuning: one an epoch, and the start's with ``keep_start``."""
+    return config.epochs + int(config.keep_start)
 
 
 def _advice(plan: Plan, cfg: Any, before_cuts: float | None, device: torch.device) -> None:

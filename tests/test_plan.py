@@ -92,7 +92,8 @@ def test_the_plan_leaves_the_conversion_as_it_was(small_digits_ann, digits_loade
 
 def test_step_time_extrapolates_along_a_fixed_cost_and_a_cost_per_image(monkeypatch):
     """One image and two give the line where the second image costs as much as a step's fixed
-    part or more; otherwise (or where the step is cheap) the batch is timed itself."""
+    part or more; otherwise (or where the step is cheap) the batch is timed itself, where that
+    is cheap."""
     x = torch.zeros(8, 1)
 
     def clock(*costs):
@@ -101,7 +102,9 @@ def test_step_time_extrapolates_along_a_fixed_cost_and_a_cost_per_image(monkeypa
 
     clock(10.0, 16.0)  # one image (its own warm-up, being slow), then two: 4 s a step and 6 s an image
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(10.0 + 6.0 * 31)
-    clock(10.0, 11.0, 12.0)  # the second image adds 10%: the 8 images of x are timed
-    assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(12.0 * 32 / 8)
+    clock(1.0, 1.1, 1.2)  # the second image adds 10%: the 8 images of x are timed
+    assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(1.2 * 32 / 8)
+    clock(10.0, 11.0)  # the same, but timing 8 images would take long: the line
+    assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(10.0 + 1.0 * 31)
     clock(0.01, 0.01, 0.2)  # cheap (a warm-up, then one image): the batch timed at once
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(0.2 * 32 / 8)
