@@ -4,13 +4,13 @@ Smoke mode (the default suite): CIFAR-shaped data made by the notebook, ResNet-8
 The five notebooks run in order in one kernel each (papermill), handing files on through
 ``out_dir``. It shows that the code runs, not what conversion does.
 
-Real-data mode (deselected by default; about 25 minutes on 2 CPU cores)::
+Real-data mode (deselected by default; 35 minutes on 2 shared CPU cores)::
 
     pytest -m realdata tests/test_tutorials.py
 
-Fashion-MNIST at 3x32x32 from Debian's dataset-fashion-mnist, ResNet-8 trained for 3 epochs on
-12,000 images, converted at T=4 with convert()'s defaults: the ANN reaches at least 80% on the
-10,000 test images and the fine-tuned SNN at T=4 comes within 5 points of it.
+Fashion-MNIST at 3x32x32 from Debian's dataset-fashion-mnist, ResNet-8 trained for 5 epochs on
+10,000 images, converted at T=4 with convert()'s defaults: the ANN reaches at least 80% on the
+first 2,000 test images and the fine-tuned SNN at T=4 comes within 5 points of it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -38,8 +39,8 @@ papermill = pytest.importorskip("papermill", reason="papermill is in the test ex
 
 
 #: The parameters of the real-data run (the command the notebooks' first cells quote).
-FASHION = {"dataset": "fashion_mnist", "train_limit": 12000}
-FASHION_01 = {"model_name": "resnet8", "epochs": 3}
+FASHION = {"dataset": "fashion_mnist", "train_limit": 10000, "test_limit": 2000}
+FASHION_01 = {"model_name": "resnet8", "epochs": 5, "batch_size": 64, "lr": 0.05}
 
 
 def _execute(name: str, out_dir: str, executed_dir: str, **params) -> dict:
@@ -110,7 +111,9 @@ def _run_all(out: str, executed: str, **params) -> dict[str, dict]:
                 _execute(name, out, executed, **params)
             continue
         own = FASHION_01 if name.startswith("01") and params.get("dataset") == "fashion_mnist" else {}
+        start = time.perf_counter()
         runs[name] = _execute(name, out, executed, **params, **own)
+        print(f"{name} ({params.get('dataset', 'smoke')}): {time.perf_counter() - start:.0f} s")
     return runs
 
 

@@ -82,8 +82,9 @@ print(f"exported {snn_file} (T={T}) -> {nir_path} ({os.path.getsize(nir_path) / 
 ## Inspect
 
 What the file holds, read back with `snnconv.load_nir`: the metadata says what the graph means
-(reset, initial membrane, readout, T); each IF layer is an integrator `I`, a `Threshold` (at
-theta minus the initial membrane) and a recurrent `Scale` that subtracts theta after a spike.
+(reset, readout, T); each IF layer is an integrator `I`, a `Threshold` (at theta minus the
+initial membrane) and a recurrent `Scale` that subtracts theta after a spike. The table lists
+the first nodes in the order the input reaches them.
 `snnconv inspect FILE.nir` prints the same from the command line.
 '''),
     code('''
@@ -95,8 +96,14 @@ print()
 kinds = Counter(type(node).__name__ for node in graph.nodes.values())
 print(f"{len(graph.nodes)} nodes, {len(graph.edges)} edges: "
       + ", ".join(f"{n} {kind}" for kind, n in kinds.most_common()))
+order, following = ["input"], {}   # the nodes in the order the input reaches them
+for src, dst in graph.edges:
+    following.setdefault(src, []).append(dst)
+for name in order:                 # breadth first: the list grows as the loop reads it
+    order += [n for n in following.get(name, []) if n not in order]
 rows = []
-for name, node in list(graph.nodes.items())[:14]:
+for name in order[:14]:
+    node = graph.nodes[name]
     shape = next(iter(node.output_type.values()))
     theta = getattr(node, "threshold", None)
     rows.append([name, type(node).__name__, "x".join(str(int(d)) for d in shape),

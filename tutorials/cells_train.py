@@ -44,7 +44,7 @@ lr = 0.1
 weight_decay = 5e-4
 train_limit = None         # use only the first N training images
 test_limit = None
-num_workers = 4
+num_workers = 4            # loader processes for CIFAR-10 (the others are in memory)
 device = "auto"            # "auto": cuda when available
 seed = 0
 '''),
@@ -55,7 +55,7 @@ The smoke setting shrinks everything; the code path is the same (ResNet-8 is the
     code('''
 if dataset == "smoke":
     model_name, epochs, batch_size, num_workers = "resnet8", 4, 32, 0
-AUGMENT = True   # random crop + flip for CIFAR-10's training split
+AUGMENT = True   # random crop + flip for the training split of CIFAR-10
 '''),
     code(SETUP),
     md('''
@@ -163,9 +163,9 @@ fine-tuning, so that you see what the conversion gives without training; noteboo
 one setting changes: one threshold per layer instead of one per channel.
 '''),
     run_params('''
-T = 4                      # time steps of the spiking network (convert()'s default: 8)
+T = 4                      # time steps of the spiking network (the default of convert(): 8)
 eval_T = [1, 2, 4, 8, 16, 32]   # the T values at which the test accuracy is measured
-reconstruction_steps = None     # None: convert()'s default (300 here: T <= 8, no fine-tuning)
+reconstruction_steps = None     # None: the default of convert() (300 here: T <= 8, no fine-tuning)
 compare_per_layer = True   # convert a second time with one threshold per layer, to compare
 batch_size = 128
 ''', num_workers=4),
@@ -203,7 +203,8 @@ except snnconv.BatchNormRemainsError as err:
 
 `fold_batchnorm` merges each BatchNorm into the convolution before it (in float64) and records
 the largest output difference it measured per pair. Look at the numbers: they should be at float
-rounding level (around 1e-6 or below), and the folded network's accuracy (below) the ANN's.
+rounding level (around 1e-6 or below), and the folded network's accuracy (in the table below)
+the ANN's.
 '''),
     code('''
 x_check = next(iter(test_loader))[0][:16]
@@ -224,7 +225,9 @@ in `eval_T` (the test set is never used to choose anything).
 
 The one setting changed here is `finetune_epochs=0`. With it `convert()` does not fine-tune,
 and at T <= 8 fits each IF layer to the QCFS-ANN instead (300 SGD steps on the calibration
-images, no labels read). The settings it resolved from its defaults are printed first.
+images, no labels read; the smoke setting shortens this to 10 steps with
+`reconstruction_steps`, which is otherwise left at its default, `None`). The settings
+`convert()` resolved from its defaults are printed first.
 '''),
     code('''
 t0 = time.perf_counter()
@@ -244,8 +247,11 @@ print_table(["stage", "seconds"], [[r.name, f"{r.seconds:.1f}"] for r in meta.st
     md('''
 ## Accuracy, stage by stage
 
-Folding keeps the ANN's accuracy; the QCFS-ANN (its ReLUs quantised to L levels) loses a
-little; the spiking network approaches the QCFS-ANN as T grows.
+Folding keeps the ANN's accuracy exactly. The QCFS-ANN is the folded ANN with each ReLU
+quantised to L = T levels; without QCFS training `convert()` calibrates the spiking network
+against the QCFS-ANN at 2T levels instead, so the SNN at T or 2T steps can beat this row. The
+network is calibrated for T steps (and up to 2T): far beyond them its errors add up again and
+the accuracy can fall.
 '''),
     code('''
 acc = meta.accuracy
@@ -295,8 +301,9 @@ if compare_per_layer:
     md('''
 ## Accuracy against time steps
 
-What to look at: the T at which the curve comes within a point of the dashed lines. Fewer steps
-mean less latency and fewer spikes; notebook 03 fine-tunes the network to do better at small T.
+What to look at: how far the curves stay below the ANN's dashed line at the T the network was
+converted for, and what one threshold per layer costs. Fewer steps mean less latency and fewer
+spikes; notebook 03 fine-tunes the network to do better at small T.
 '''),
     code('''
 Ts = sorted(int(t) for t in acc["snn"])
@@ -333,7 +340,7 @@ it off. Here `convert()` runs with all its defaults, and its network is compared
     run_params('''
 T = 4                      # time steps the network is converted and fine-tuned for
 eval_T = [1, 2, 4, 8, 16]
-finetune_epochs = None     # None: convert()'s default (whole epochs until at least 512 steps)
+finetune_epochs = None     # None: the default of convert() (whole epochs until at least 512 steps)
 extra_epochs = 0           # > 0: fine-tune that many epochs more with snnconv.finetune (last section)
 batch_size = 128
 ''', num_workers=4),
@@ -358,7 +365,8 @@ with open(os.path.join(out_dir, "meta.json")) as fh:
     md('''
 ## convert() with its defaults
 
-The same call as in notebook 02 without `finetune_epochs=0`. The recipe it fine-tunes with
+The same call as in notebook 02 without `finetune_epochs=0` (`finetune_epochs=None` is the
+default; the smoke setting shortens it to one epoch). The recipe it fine-tunes with
 (`snnconv.pipeline.finetune_recipe`) unrolls **2T** steps and trains the readouts at T/2, T and
 2T, so that the network answers well from half its steps to twice them; it distils from the ANN
 (half the loss), trains the thresholds too, and keeps the converted network where no epoch beats
