@@ -33,7 +33,8 @@ def _env() -> dict[str, str]:
 def _cli_block() -> list[list[str]]:
     """The first ``sh`` block whose every command is ``snnconv ...``, one argv per line."""
     for block in _blocks("sh"):
-        commands = [shlex.split(line, comments=True) for line in block.splitlines()]
+        lines = block.replace("\\\n", " ").splitlines()  # a trailing backslash continues a line
+        commands = [shlex.split(line, comments=True) for line in lines]
         commands = [c for c in commands if c]
         if commands and all(c[0] == "snnconv" for c in commands):
             return commands
