@@ -349,8 +349,13 @@ def _model_name(meta: Mapping[str, Any]) -> str:
     return str(settings.get("model") or prepared.get("model") or "A network")
 
 
+def _horizons(cfg: Mapping[str, Any], default: Any = None) -> str:
+    """The horizons fine-tuning unrolled over: ``"2, 4, 8"``, or its one ``T``."""
+    return ", ".join(str(t) for t in cfg.get("horizons") or [cfg.get("T", default)] if t)
+
+
 def _cost(meta: Mapping[str, Any]) -> str:
-    """``"3 min 05 s on cpu; 33,706 parameters; training steps: BPTT fine-tuning 525 (T=8)"``."""
+    """``"3 min 05 s on cpu; 33,706 parameters; training steps: BPTT fine-tuning 525 (unrolled over T=2, 4, 8)"``."""
     settings = meta.get("settings") or {}
     budget = settings.get("budget") or {}
     prepared = next((s.get("changes") or {} for s in meta.get("stages", []) if s.get("name") == "prepare"), {})
@@ -359,8 +364,9 @@ def _cost(meta: Mapping[str, Any]) -> str:
         parts.append(f"{duration(budget['total_seconds'])} on {settings.get('device', 'cpu')}")
     if prepared.get("parameters"):
         parts.append(f"{prepared['parameters']:,} parameters")
-    steps = [f"{label} {budget[key]:,}" + (f" (T={budget['finetune_T']})" if key == "finetune_steps_run"
-                                            and budget.get("finetune_T") else "")
+    unrolled = _horizons(settings.get("finetune") or {}, budget.get("finetune_T"))
+    steps = [f"{label} {budget[key]:,}" + (f" (unrolled over T={unrolled})" if key == "finetune_steps_run"
+                                            and unrolled else "")
              for key, label in (("qcfs_steps_run", "QCFS training"),
                                 ("reconstruction_steps_run", "reconstruction"),
                                 ("finetune_steps_run", "BPTT fine-tuning")) if budget.get(key)]
@@ -496,7 +502,7 @@ def _finetune_section(meta: Mapping[str, Any] | None, ft: Mapping[str, Any] | No
     if recorded:
         cfg = ((meta or {}).get("settings") or {}).get("finetune") or {}
         steps = sum(h.get("steps", 0) for h in recorded)
-        _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over T={cfg.get('T', '?')} "
+        _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over T={_horizons(cfg) or '?'} "
                                   f"steps, {len(recorded)} epoch(s), {duration(stage.get('seconds', 0.0))}")
     history = [h for h in (ft or {}).get("history") or [] if "epoch" in h]
     if history:
