@@ -270,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="images per backend run")
     ap.add_argument("--reconstruction-steps", type=int, default=None,
                     help="convert()'s layer-wise reconstruction steps (default: convert's, 300 here)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
     ap.add_argument("--train-only", action="store_true", help="only train (and cache) the ANNs")
     ap.add_argument("--render", action="store_true", help="only write the table again from the JSON")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/loihi2_coverage"))
     ap.add_argument("--out", default=os.path.join(RESULTS, "loihi2_coverage.json"))
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(max(1, args.threads))
     names = [s.name for s in RELU_FAMILY] + [ZOO]
     if args.models:
         names = [n for n in args.models.split(",") if n]
