@@ -149,10 +149,19 @@ def run_backend(name: str, graph, x: torch.Tensor, batch: int, **options) -> tup
     return torch.cat(preds), results
 
 
+def label_of(finetune: bool, args) -> str:
+    """The conversion a row ran: convert()'s default, training-free, or either with the
+    reconstruction's steps set."""
+    label = "default fine-tuning" if finetune else "training-free (finetune_epochs=0)"
+    if args.reconstruction_steps is not None:
+        label += f", reconstruction_steps={args.reconstruction_steps}"
+    return label
+
+
 def row_for(name: str, size: int, finetune: bool, args) -> dict:
     train, test = fmnist(size, args.train_images, args.images)
-    row: dict = {"model": name, "input": [3, size, size], "conversion": "default fine-tuning" if finetune
-                 else "training-free (finetune_epochs=0)", "T": T, "images": len(test)}
+    row: dict = {"model": name, "input": [3, size, size], "conversion": label_of(finetune, args),
+                 "T": T, "images": len(test)}
     t0 = time.perf_counter()
     try:
         model = trained(name, size, train, args.epochs, args.cache)
@@ -166,6 +175,7 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
                                         reconstruction_steps=args.reconstruction_steps,
                                         **({} if finetune else {"finetune_epochs": 0}))
         row["convert_seconds"] = round(time.perf_counter() - t0, 1)
+        row["reconstruction_steps_run"] = (meta.settings.get("budget") or {}).get("reconstruction_steps_run", 0)
         graph = snnconv.export_nir(snn)
         stem = analog_prefix(snn)
         with torch.no_grad():
@@ -298,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             for ft in ([False, True] if name in tuned else [False]):
                 plan.append((name, px, ft))
     for i, (name, px, ft) in enumerate(plan):
-        label = "default fine-tuning" if ft else "training-free (finetune_epochs=0)"
+        label = label_of(ft, args)
         if (name, px, label) in done:
             continue
         if args.train_only:

@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             done[key] = row
             cells = sorted(done.values(), key=lambda r: (r["size"], r["model"]))
             _write(args.out, json.dumps({"machine": machine, "settings": settings, "cells": cells}, indent=1) + "\n")
-            _write(os.path.splitext(args.out)[0] + ".md", markdown(cells, machine))
+            _write(os.path.splitext(args.out)[0] + ".md",
+                   markdown(cells, f"{machine}, {args.threads} torch thread(s)"))
             print(f"{key}: {row.get('error') or str(row['wall_seconds']) + ' s'}", flush=True)
     return 0
 
