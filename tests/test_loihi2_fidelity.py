@@ -327,3 +327,18 @@ def test_auto_weight_groups_refine_only_the_connections_that_need_it():
     needs = {n for n, c in one.items() if c.report["rel_error"] > SECOND_GROUP_ERROR}
     assert "conv3" in needs and needs != set(one)
     assert {n[:-3] for n in auto if n.endswith(".lo")} == needs
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_weights_below_the_finest_step_round_to_zero_there(split):
+    """A connection (or the rounding residual that a second synapse group would carry) whose
+    weights all lie below the finest step of the exponent range quantises at that step: its
+    weights flushed and counted, not a failure (torchvision's squeezenet1_0 at 35 px had such
+    a residual under ``weight_groups="auto"``)."""
+    from snnconv_backends.loihi2.chip import LOIHI
+    from snnconv_backends.loihi2.quantisation import _quantize_weights
+
+    for w in (np.full((3, 4), 1e-6), np.array([[1e-6, -3e-6, 0.0]])):
+        m, e, rep = _quantize_weights(w, bias=False, split=split)
+        assert e == LOIHI["weight_exp_min"] and not m.any()
+        assert rep["zero_rounded"] == np.count_nonzero(w) and rep["rel_error"] == 1.0

@@ -53,12 +53,14 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8, split: bool
         split = False
     halve = mixed and not split  # Lava's mixed sign mode: even mantissas
     lim = 2**bits - 2 if halve else 2**bits - 1
-    e0 = _weight_exp(amax, halve, bias, bits)
+    lowest = max(LOIHI["weight_exp_min"] - max(0, bits - 8), 0 if bias or (split and mixed) else -(2**31))
+    # weights below the finest step of the range round at that step (to zero, mostly: flushed)
+    e0 = max(_weight_exp(amax, halve, bias, bits), lowest)
     best = None
     # the exponent that fits the largest weight, or one or two below it where clipping the
     # few largest weights costs less squared error than the coarser step saves (outliers)
     for e in range(e0, e0 - (3 if mse_exp else 1), -1):
-        if e < LOIHI["weight_exp_min"] - max(0, bits - 8) or (e < 0 and (bias or split)):
+        if e < lowest:
             break
         x = scaled / 2.0**e
         m = 2.0 * np.round(x / 2.0) if halve else np.round(x)
@@ -410,7 +412,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                     resid = sc - m.astype(np.float64) * 2.0**e
                     if np.any(resid != 0):
                         m2, e2, rep2 = _quantize_weights(resid, bias=False, bits=bits, split=split_signs)
-                        if e2 < e:
+                        if e2 < e and np.any(m2 != 0):
                             deq = m.astype(np.float64) * 2.0**e + m2.astype(np.float64) * 2.0**e2
                             rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
                                                               / max((sc**2).sum(), 1e-300)))
