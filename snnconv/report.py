@@ -502,8 +502,8 @@ def _finetune_section(meta: Mapping[str, Any] | None, ft: Mapping[str, Any] | No
     if recorded:
         cfg = ((meta or {}).get("settings") or {}).get("finetune") or {}
         steps = sum(h.get("steps", 0) for h in recorded)
-        _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over T={_horizons(cfg) or '?'} "
-                                  f"steps, {len(recorded)} epoch(s), {duration(stage.get('seconds', 0.0))}")
+        _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over T={_horizons(cfg) or '?'}; "
+                                  f"{len(recorded)} epoch(s), {duration(stage.get('seconds', 0.0))}")
     history = [h for h in (ft or {}).get("history") or [] if "epoch" in h]
     if history:
         _history(parts, history, f"BPTT in snnconv finetune: trained for T={ft.get('T')}, "

@@ -38,13 +38,13 @@ def _check_the_page_text(run_dir: str, text: str) -> None:
             f"SNN {acc['snn']['4']:.2f}% on 449 test images.") in text
     steps = meta["settings"]["budget"]["finetune_steps_run"]
     assert re.search(rf"Conversion cost: [\d.]+ (s|min \d\d s) on cpu; [\d,]+ parameters; training steps: "
-                     rf"QCFS training \d+, BPTT fine-tuning {steps:,} \(T=8\)\.", text), text[:600]
+                     rf"QCFS training \d+, BPTT fine-tuning {steps:,} \(unrolled over T=2, 4, 8\)\.", text), text[:600]
     assert (f"After snnconv finetune (trained for T=4, 1 epoch(s)): SNN {ft['accuracy']['snn']['4']:.2f}% at "
             f"T=4 on 449 test images.") in text
     for t in ("1", "2", "4"):
         assert f"SNN (converted) {t} 449 {acc['snn'][t]:.2f}" in text
     # both fine-tuning histories: convert's (meta.json) and snnconv finetune's
-    assert f"BPTT in snnconv convert: {steps:,} steps unrolled over T=8 steps" in text
+    assert f"BPTT in snnconv convert: {steps:,} steps unrolled over T=2, 4, 8;" in text
     assert "BPTT in snnconv finetune: trained for T=4, 1 epoch(s)" in text
     assert "Firing rate per layer (snn_finetuned.pt, T=4, the first 64 test images)" in text
     if HAS_NIR_AND_BACKENDS:

@@ -86,7 +86,7 @@ def test_the_headline_states_network_T_accuracies_with_images_and_the_cost(tmp_p
     assert "Conversion cost: 6 min 15 s on cpu; 272,474 parameters; training steps: BPTT fine-tuning 560 (unrolled over T=8)." in text
     # every accuracy with its image count; the history convert recorded, although finetune.json is absent
     assert "SNN (converted) 4 1,000 88.00" in text and "ANN analog 1,000 91.00" in text
-    assert "BPTT in snnconv convert: 560 steps unrolled over T=8 steps, 2 epoch(s), 5 min 00 s" in text
+    assert "BPTT in snnconv convert: 560 steps unrolled over T=8; 2 epoch(s), 5 min 00 s" in text
     assert "No fine-tuning" not in text
 
 

@@ -358,7 +358,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             vth = int(min(cap, math.floor(float(lim.min()) / 64.0)))
             lim_c = np.minimum(cap, np.floor(_channel_min(lim, shape) / 64.0))
             if (per_neuron_vth and leaky is None and lim_c.size > 1
-                    and (vth < 1 or (vth < _VTH_PER_CHANNEL and float(np.median(lim_c)) >= 2 * max(vth, 1)))):
+                    and vth < _VTH_PER_CHANNEL):
                 # one threshold per channel (a custom neuron program): each channel's integer
                 # weights fill the input budget its own worst case leaves (see the module doc).
                 # A channel whose worst case exceeds a_max thresholds even at vth = 1 (a channel
