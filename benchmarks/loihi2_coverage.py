@@ -11,8 +11,8 @@ exported to NIR, then run on ``--images`` test images by the cpu backend (the ex
 and by loihi2-sim. A row: whether loihi2-sim runs it or refuses (the reason), the decision
 agreement with cpu (argmax of the readout averaged over T; also with every connection on two
 synapse groups, ~15-bit weights, and the cores that takes), cpu's agreement with itself on the
-input times (1 + 1e-4 noise) (the float network's own decision stability, which bounds what any
-finite-precision executor can reach) and the agreement on the images whose decision that noise
+input times (1 + 1e-4 noise) and with every weight times (1 + 1e-3 noise) (the float network's
+own decision stability, which bounds what any finite-precision executor can reach) and the agreement on the images whose decision that noise
 leaves unchanged, both accuracies, the lowest
 per-layer firing-rate ratio chip / float, the largest fraction of a connection's weights that
 rounds to zero, whether the fidelity check warned, neuro cores and Loihi 2 chips (128 cores a
