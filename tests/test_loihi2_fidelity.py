@@ -367,3 +367,39 @@ def test_a_threshold_below_the_per_channel_bound_gets_one_per_channel(factor):
         return max(c["fraction"] for c in res.extra["fidelity"]["connections"].values())
     assert worst(per) < 0.05 < worst(one)
     assert per.extra["fidelity"]["lowest_rate_ratio"] > 0.98
+
+
+def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
+    """DenseNet's pre-activation layer: convolutions concatenated, then a BatchNorm (which no
+    convolution before it can absorb) and a ReLU. Each branch's convolution, its channel
+    placement and the BatchNorm's per-channel scale are one convolution on the chip (a dense
+    matrix of DenseNet-121 at 32 px was 10240 x 8192, too large to build), following the float
+    network."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Dense(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.grow = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+            self.norm, self.fc = nn.BatchNorm2d(8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            a = F.relu(self.stem(x))
+            x = F.relu(self.norm(torch.cat([a, F.relu(self.grow(a))], 1)))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    torch.manual_seed(0)
+    x = torch.rand(64, 1, 8, 8)
+    model = Dense()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 2.0)
+        model.train()(x)
+    snn, _ = snnconv.convert(model.eval(), [(x, torch.zeros(64, dtype=torch.long))], T=T,
+                             finetune_epochs=0, reconstruction_steps=0, progress=False, on_collapse="warn")
+    program = Loihi2SimBackend().compile(snnconv.export_nir(snn))
+    kinds = {c.name: c.kind for p in program.q.populations for c in p.conns if c.kind != "bias"}
+    assert kinds and set(kinds.values()) <= {"conv", "matrix"} and "conv" in kinds.values(), kinds
+    assert all(k == "conv" for n, k in kinds.items() if n != "fc"), kinds
+    fid = program.run(x, T).extra["fidelity"]
+    assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.9

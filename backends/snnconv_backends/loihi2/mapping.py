@@ -14,7 +14,8 @@ from ..nirgraph import ParsedGraph
 from ..nirleaky import SPIKING
 from .ops import LINEAR_KINDS, apply_op, conv_params
 
-__all__ = ["Mapper", "chain_kind", "pool_then_conv", "conv_then_conv", "pair_as_conv", "compose", "fanout"]
+__all__ = ["Mapper", "chain_kind", "pool_then_conv", "conv_then_conv", "pair_as_conv", "chain_as_conv", "compose",
+           "fanout"]
 
 
 class Mapper:
@@ -68,7 +69,7 @@ def chain_kind(chain: list[Any], src_shape: tuple[int, ...], tgt_shape: tuple[in
     core = [op for op in chain if op.kind != "sum"]
     if len(core) == 1 and core[0].kind in ("conv1d", "conv2d"):
         return "conv", core[0]
-    if len(core) == 2 and core[1].kind == "conv2d" and pair_as_conv(core[0], core[1]) is not None:
+    if len(core) >= 2 and chain_as_conv(core) is not None:
         return "conv", core
     scales = [op for op in core if op.kind != "flatten"]
     if int(np.prod(src_shape)) == int(np.prod(tgt_shape)) and (
@@ -116,6 +117,54 @@ def conv_then_conv(first: Any, second: Any) -> tuple[np.ndarray, dict[str, Any]]
 def pair_as_conv(first: Any, second: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
     """Two linear ops as one convolution (:func:`pool_then_conv`, :func:`conv_then_conv`), or None."""
     return pool_then_conv(first, second) or conv_then_conv(first, second)
+
+
+def _channel_scale(op: Any) -> np.ndarray | None:
+    """A ``scale`` op's factor per channel ``[C]``, or None where it varies within a channel."""
+    s = np.broadcast_to(np.asarray(op.params["scale"], np.float64), op.in_shape)
+    per = s.reshape(s.shape[0], -1)
+    return per[:, 0].copy() if np.all(per == per[:, :1]) else None
+
+
+def chain_as_conv(core: list[Any]) -> tuple[np.ndarray, dict[str, Any]] | None:
+    """A chain of linear ops as one convolution, or None: a pair of :func:`pair_as_conv`, or
+    per-channel scales of the input (a source's output scale), a convolution, then 1x1 stride-1
+    convolutions of one group (a concatenation's channel placement, a BatchNorm that reads a
+    concatenation: DenseNet's) and per-channel scales, each a linear map of the input or output
+    channels: ``K[o, i] = sum_m A[o, m] K[m, i] s[i]``, exact."""
+    if len(core) == 2 and core[1].kind == "conv2d":
+        pair = pair_as_conv(core[0], core[1])
+        if pair is not None:
+            return pair
+    first = next((i for i, op in enumerate(core) if op.kind != "scale"), len(core))
+    if first == len(core) or core[first].kind != "conv2d":
+        return None
+    w, params = np.asarray(core[first].params["weight"], np.float64), dict(conv_params(core[first]))
+    for op in core[:first]:  # per-channel scales of the input (a source's output scale)
+        s = _channel_scale(op)
+        if s is None or params["groups"] != 1 or s.shape[0] != w.shape[1]:
+            return None
+        w = w * s.reshape(1, -1, 1, 1)
+    for op in core[first + 1:]:
+        if op.kind == "scale":
+            s = _channel_scale(op)
+            if s is None or s.shape[0] != w.shape[0]:
+                return None
+            w = w * s.reshape(-1, 1, 1, 1)
+            continue
+        if op.kind != "conv2d" or params["groups"] != 1:
+            return None
+        c = conv_params(op)
+        m = np.asarray(op.params["weight"], np.float64)
+        if m.shape[2:] != (1, 1) or c["stride"] != (1, 1) or any(c["padding"]):
+            return None
+        if c["groups"] == m.shape[0] == w.shape[0] and m.shape[1] == 1:  # 1x1 depthwise: a scale
+            w = w * m.reshape(-1, 1, 1, 1)
+        elif c["groups"] == 1:
+            w = np.einsum("om,mihw->oihw", m[:, :, 0, 0], w)
+        else:
+            return None
+    return w, params
 
 
 def compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndarray:

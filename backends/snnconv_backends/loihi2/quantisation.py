@@ -15,7 +15,7 @@ from ..nirleaky import SPIKING
 from ..registry import parse_graph
 from .chip import CLOCK, FIRST_VTH, LOIHI
 from .leaky import leaky_spec
-from .mapping import Mapper, chain_kind, compose, fanout, pair_as_conv
+from .mapping import Mapper, chain_as_conv, chain_kind, compose, fanout
 from .network import Connection, Population, QuantizedNetwork, per_neuron_values
 from .ops import conv_params
 
@@ -316,7 +316,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             src_shape = tuple(mp.ops[s].out_shape)
             kind, core = chain_kind(chain, src_shape, shape)
             if kind == "conv" and isinstance(core, list):
-                w, cparams = pair_as_conv(*core)
+                w, cparams = chain_as_conv(core)
             elif kind == "conv":
                 w, cparams = np.asarray(core.params["weight"], np.float64), conv_params(core)
             elif kind == "diag":
