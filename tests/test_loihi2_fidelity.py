@@ -383,10 +383,13 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
             super().__init__()
             self.stem, self.grow = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
             self.norm, self.fc = nn.BatchNorm2d(8), nn.Linear(8, 3)
+            self.trans, self.grow2, self.norm2 = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(8)
 
         def forward(self, x):
             a = F.relu(self.stem(x))
             x = F.relu(self.norm(torch.cat([a, F.relu(self.grow(a))], 1)))
+            y = F.avg_pool2d(self.trans(x), 2)  # a transition: 1x1 convolution, pooling, no ReLU
+            x = F.relu(self.norm2(torch.cat([y, F.relu(self.grow2(F.relu(y)))], 1)))
             return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
     torch.manual_seed(0)
@@ -394,6 +397,7 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
     model = Dense()
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 2.0)
+        model.norm2.weight.uniform_(0.5, 2.0)
         model.train()(x)
     snn, _ = snnconv.convert(model.eval(), [(x, torch.zeros(64, dtype=torch.long))], T=T,
                              finetune_epochs=0, reconstruction_steps=0, progress=False, on_collapse="warn")
@@ -401,5 +405,6 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
     kinds = {c.name: c.kind for p in program.q.populations for c in p.conns if c.kind != "bias"}
     assert kinds and set(kinds.values()) <= {"conv", "matrix"} and "conv" in kinds.values(), kinds
     assert all(k == "conv" for n, k in kinds.items() if n != "fc"), kinds
+    assert kinds.get("norm2") == "conv" and ("trans" in kinds or "norm2" in kinds), kinds
     fid = program.run(x, T).extra["fidelity"]
     assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.9

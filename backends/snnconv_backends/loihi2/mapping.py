@@ -131,7 +131,8 @@ def chain_as_conv(core: list[Any]) -> tuple[np.ndarray, dict[str, Any]] | None:
     per-channel scales of the input (a source's output scale), a convolution, then 1x1 stride-1
     convolutions of one group (a concatenation's channel placement, a BatchNorm that reads a
     concatenation: DenseNet's) and per-channel scales, each a linear map of the input or output
-    channels: ``K[o, i] = sum_m A[o, m] K[m, i] s[i]``, exact."""
+    channels: ``K[o, i] = sum_m A[o, m] K[m, i] s[i]``, and after a 1x1 convolution an average
+    pooling of kernel = stride (DenseNet's transition: a k x k convolution of stride k), exact."""
     if len(core) == 2 and core[1].kind == "conv2d":
         pair = pair_as_conv(core[0], core[1])
         if pair is not None:
@@ -146,6 +147,16 @@ def chain_as_conv(core: list[Any]) -> tuple[np.ndarray, dict[str, Any]] | None:
             return None
         w = w * s.reshape(1, -1, 1, 1)
     for op in core[first + 1:]:
+        if op.kind == "avgpool2d":  # after a 1x1 convolution: a k x k convolution of stride k
+            k = tuple(int(v) for v in op.params["kernel_size"])
+            if (op.params.get("adaptive", False) or tuple(int(v) for v in op.params["stride"]) != k
+                    or any(int(v) for v in op.params["padding"]) or w.shape[2:] != (1, 1)
+                    or params["stride"] != (1, 1) or any(params["padding"]) or params["dilation"] != (1, 1)
+                    or any(n % kk for n, kk in zip(op.in_shape[-2:], k))):
+                return None
+            w = np.repeat(np.repeat(w, k[0], axis=2), k[1], axis=3) / (k[0] * k[1])
+            params = dict(params, stride=k)
+            continue
         if op.kind == "scale":
             s = _channel_scale(op)
             if s is None or s.shape[0] != w.shape[0]:
