@@ -132,7 +132,7 @@ def _train(model: nn.Module, name: str, train: TensorDataset, epochs: int, lr: f
             opt.step()
             sched.step()
             if time.perf_counter() - last > 30:
-                log(f"  {name}: epoch {epoch + 1} batch {i + 1}/{len(loader)} loss {float(loss):.3f}")
+                log(f"  {name}: epoch {epoch + 1} batch {i + 1}/{len(loader)} loss {float(loss.detach()):.3f}")
                 last = time.perf_counter()
     return True
 
