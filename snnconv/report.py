@@ -355,7 +355,8 @@ def _horizons(cfg: Mapping[str, Any], default: Any = None) -> str:
 
 
 def _cost(meta: Mapping[str, Any]) -> str:
-    """``"3 min 05 s on cpu; 33,706 parameters; training steps: BPTT fine-tuning 525 (unrolled over T=2, 4, 8)"``."""
+    """``"3 min 05 s on cpu; 33,706 parameters; training steps: BPTT fine-tuning 525 (unrolled over
+    T=2, 4, 8)"``."""
     settings = meta.get("settings") or {}
     budget = settings.get("budget") or {}
     prepared = next((s.get("changes") or {} for s in meta.get("stages", []) if s.get("name") == "prepare"), {})
@@ -502,8 +503,9 @@ def _finetune_section(meta: Mapping[str, Any] | None, ft: Mapping[str, Any] | No
     if recorded:
         cfg = ((meta or {}).get("settings") or {}).get("finetune") or {}
         steps = sum(h.get("steps", 0) for h in recorded)
-        _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over T={_horizons(cfg) or '?'}; "
-                                  f"{len(recorded)} epoch(s), {duration(stage.get('seconds', 0.0))}")
+        _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over "
+                                  f"T={_horizons(cfg) or '?'}; {len(recorded)} epoch(s), "
+                                  f"{duration(stage.get('seconds', 0.0))}")
     history = [h for h in (ft or {}).get("history") or [] if "epoch" in h]
     if history:
         _history(parts, history, f"BPTT in snnconv finetune: trained for T={ft.get('T')}, "

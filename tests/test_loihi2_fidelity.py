@@ -383,7 +383,8 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
             super().__init__()
             self.stem, self.grow = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
             self.norm, self.fc = nn.BatchNorm2d(8), nn.Linear(8, 3)
-            self.trans, self.grow2, self.norm2 = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(8)
+            self.trans, self.grow2 = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 4, 3, padding=1)
+            self.norm2 = nn.BatchNorm2d(8)
 
         def forward(self, x):
             a = F.relu(self.stem(x))

@@ -14,8 +14,8 @@ from ..nirgraph import ParsedGraph
 from ..nirleaky import SPIKING
 from .ops import LINEAR_KINDS, apply_op, conv_params
 
-__all__ = ["Mapper", "chain_kind", "pool_then_conv", "conv_then_conv", "pair_as_conv", "chain_as_conv", "compose",
-           "fanout"]
+__all__ = ["Mapper", "chain_kind", "pool_then_conv", "conv_then_conv", "pair_as_conv", "chain_as_conv",
+           "compose", "fanout"]
 
 
 class Mapper:

@@ -53,7 +53,9 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8, split: bool
         split = False
     halve = mixed and not split  # Lava's mixed sign mode: even mantissas
     lim = 2**bits - 2 if halve else 2**bits - 1
-    lowest = max(LOIHI["weight_exp_min"] - max(0, bits - 8), 0 if bias or (split and mixed) else -(2**31))
+    lowest = LOIHI["weight_exp_min"] - max(0, bits - 8)
+    if bias or (split and mixed):  # no negative exponent (see above)
+        lowest = max(lowest, 0)
     # weights below the finest step of the range round at that step (to zero, mostly: flushed)
     e0 = max(_weight_exp(amax, halve, bias, bits), lowest)
     best = None
