@@ -159,6 +159,31 @@ def label_of(finetune: bool, args) -> str:
     return label
 
 
+def converted(model: nn.Module, name: str, size: int, finetune: bool, train: TensorDataset,
+              args) -> tuple[snnconv.SpikingNetwork, dict]:
+    """``model`` converted as the row asks, and the conversion's own figures; cached under
+    ``--cache`` (network and figures), so that a change of the mapping is measured again
+    without converting again."""
+    key = f"{name}_{size}px_{len(train)}x{args.epochs}_{label_of(finetune, args)}"
+    key = "snn_" + "".join(c if c.isalnum() else "_" for c in key)
+    path = os.path.join(args.cache, key + ".pt")
+    if os.path.exists(path) and os.path.exists(path + ".json"):
+        return snnconv.SpikingNetwork.load(path), json.load(open(path + ".json"))
+    t0 = time.perf_counter()
+    calib = DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        snn, meta = snnconv.convert(model, calib, T=T, progress=False,
+                                    reconstruction_steps=args.reconstruction_steps,
+                                    **({} if finetune else {"finetune_epochs": 0}))
+    done = {"convert_seconds": round(time.perf_counter() - t0, 1),
+            "reconstruction_steps_run": (meta.settings.get("budget") or {}).get("reconstruction_steps_run", 0)}
+    os.makedirs(args.cache, exist_ok=True)
+    snn.save(path)
+    atomic_write_text(path + ".json", json.dumps(done))
+    return snn, done
+
+
 def row_for(name: str, size: int, finetune: bool, args) -> dict:
     train, test = fmnist(size, args.train_images, args.images)
     row: dict = {"model": name, "input": [3, size, size], "conversion": label_of(finetune, args),
@@ -169,14 +194,8 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
         x, y = test.tensors
         with torch.no_grad():
             row["ann_accuracy"] = round(100 * float((model(x).argmax(1) == y).float().mean()), 2)
-        calib = DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            snn, meta = snnconv.convert(model, calib, T=T, progress=False,
-                                        reconstruction_steps=args.reconstruction_steps,
-                                        **({} if finetune else {"finetune_epochs": 0}))
-        row["convert_seconds"] = round(time.perf_counter() - t0, 1)
-        row["reconstruction_steps_run"] = (meta.settings.get("budget") or {}).get("reconstruction_steps_run", 0)
+        snn, done = converted(model, name, size, finetune, train, args)
+        row.update(done)
         graph = snnconv.export_nir(snn)
         stem = analog_prefix(snn)
         with torch.no_grad():
@@ -298,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (default: every core)")
     ap.add_argument("--train-only", action="store_true", help="only train (and cache) the ANNs")
     ap.add_argument("--render", action="store_true", help="only write the table again from the JSON")
+    ap.add_argument("--redo", action="store_true",
+                    help="measure the rows asked for again (from the cached networks), replacing them")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/loihi2_coverage"))
     ap.add_argument("--out", default=os.path.join(RESULTS, "loihi2_coverage.json"))
     args = ap.parse_args(argv)
@@ -324,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append((name, px, ft))
     for i, (name, px, ft) in enumerate(plan):
         label = label_of(ft, args)
-        if (name, px, label) in done:
+        if (name, px, label) in done and not args.redo:
             continue
         if args.train_only:
             if not ft:
@@ -334,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"[{i + 1}/{len(plan)}] {name} at {px} px, {label} ...")
         row = row_for(name, px, ft, args)
         log(f"  -> agreement {row.get('agreement')}, {row.get('refusal', '')[:120]} ({row.get('seconds')} s)")
+        rows = [r for r in rows if (r["model"], r["input"][1], r["conversion"]) != (name, px, label)]
         rows.append(row)
         atomic_write_text(args.out, json.dumps({"T": T, "train_images": args.train_images,
                                                 "epochs": args.epochs, "rows": rows}, indent=1) + "\n")

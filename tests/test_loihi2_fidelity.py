@@ -369,12 +369,10 @@ def test_a_threshold_below_the_per_channel_bound_gets_one_per_channel(factor):
     assert per.extra["fidelity"]["lowest_rate_ratio"] > 0.98
 
 
-def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
-    """DenseNet's pre-activation layer: convolutions concatenated, then a BatchNorm (which no
-    convolution before it can absorb) and a ReLU. Each branch's convolution, its channel
-    placement and the BatchNorm's per-channel scale are one convolution on the chip (a dense
-    matrix of DenseNet-121 at 32 px was 10240 x 8192, too large to build), following the float
-    network."""
+def _densenet_shaped():
+    """DenseNet's pre-activation layers, converted: convolutions concatenated, then a BatchNorm
+    (which no convolution before it can absorb) and a ReLU; a transition (1x1 convolution, then
+    average pooling, no ReLU) between two such blocks. Returns (snn, x)."""
     import torch.nn as nn
     import torch.nn.functional as F
 
@@ -389,7 +387,7 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
         def forward(self, x):
             a = F.relu(self.stem(x))
             x = F.relu(self.norm(torch.cat([a, F.relu(self.grow(a))], 1)))
-            y = F.avg_pool2d(self.trans(x), 2)  # a transition: 1x1 convolution, pooling, no ReLU
+            y = F.avg_pool2d(self.trans(x), 2)
             x = F.relu(self.norm2(torch.cat([y, F.relu(self.grow2(F.relu(y)))], 1)))
             return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
@@ -402,6 +400,14 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
         model.train()(x)
     snn, _ = snnconv.convert(model.eval(), [(x, torch.zeros(64, dtype=torch.long))], T=T,
                              finetune_epochs=0, reconstruction_steps=0, progress=False, on_collapse="warn")
+    return snn, x
+
+
+def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
+    """Each branch's convolution, its channel placement and the BatchNorm's per-channel scale
+    are one convolution on the chip (a dense matrix of DenseNet-121 at 32 px was 10240 x 8192,
+    too large to build), and so is a transition; the chip follows the float network."""
+    snn, x = _densenet_shaped()
     program = Loihi2SimBackend().compile(snnconv.export_nir(snn))
     kinds = {c.name: c.kind for p in program.q.populations for c in p.conns if c.kind != "bias"}
     assert kinds and set(kinds.values()) <= {"conv", "matrix"} and "conv" in kinds.values(), kinds
@@ -409,3 +415,16 @@ def test_a_batchnorm_that_reads_a_concatenation_runs_as_one_convolution():
     assert kinds.get("norm2") == "conv" and ("trans" in kinds or "norm2" in kinds), kinds
     fid = program.run(x, T).extra["fidelity"]
     assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.9
+
+
+def test_lava_and_sim_agree_on_the_densenet_shaped_net_bit_for_bit():
+    """The composed convolutions (placements, per-channel scales, a transition's pooling) run
+    in Lava as in the simulator: every membrane, every spike."""
+    _lava_or_skip()
+    snn, x = _densenet_shaped()
+    graph = snnconv.export_nir(snn)
+    sim = Loihi2SimBackend().compile(graph, record=True).run(x[:2], T)
+    lava = LavaBackend().compile(graph).run(x[:2], T)
+    for name, v in sim.extra["trace"]["v"].items():
+        assert torch.equal(v.reshape(lava.extra["trace"]["v"][name].shape), lava.extra["trace"]["v"][name]), name
+    assert torch.equal(sim.outputs, lava.outputs)
