@@ -9,8 +9,8 @@ cached under ``--cache``; its BatchNorm statistics recomputed over the training 
 whose steps ``--reconstruction-steps`` sets),
 exported to NIR, then run on ``--images`` test images by the cpu backend (the exact reference)
 and by loihi2-sim. A row: whether loihi2-sim runs it or refuses (the reason), the decision
-agreement with cpu (argmax of the readout averaged over T; also with every connection on two
-synapse groups, ~15-bit weights, and the cores that takes), cpu's agreement with itself on the
+agreement with cpu (argmax of the readout averaged over T; also with every connection on one
+synapse group, 8-bit weights, and the cores that takes), cpu's agreement with itself on the
 input times (1 + 1e-4 noise) and with every weight times (1 + 1e-3 noise) (the float network's
 own decision stability, which bounds what any finite-precision executor can reach) and the agreement on the images whose decision that noise
 leaves unchanged, both accuracies, the lowest
@@ -254,12 +254,12 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
     _judge_decisions(row)
     res = results[0].extra.get("resources", {})
     row["cores"], row["chips"] = res.get("cores"), res.get("chips")
-    # every connection on two synapse groups (~15-bit weights, twice the synapses): the agreement
-    # that finer weights buy, against the float network's own stability
-    fine, fine_results = run_backend("loihi2-sim", graph, xin, args.batch, weight_groups=2)
-    row["agreement_two_groups"] = round(100 * float((fine.argmax(1) == cpu.argmax(1)).float().mean()), 2)
-    row["decisions"]["loihi2_two_groups"] = fine.argmax(1).tolist()
-    row["cores_two_groups"] = fine_results[0].extra.get("resources", {}).get("cores")
+    # every connection on one synapse group (8-bit weights, the fewest synapses): what the
+    # second groups of the default weight_groups="auto" buy, and what they cost in cores
+    coarse, coarse_results = run_backend("loihi2-sim", graph, xin, args.batch, weight_groups=1)
+    row["agreement_one_group"] = round(100 * float((coarse.argmax(1) == cpu.argmax(1)).float().mean()), 2)
+    row["decisions"]["loihi2_one_group"] = coarse.argmax(1).tolist()
+    row["cores_one_group"] = coarse_results[0].extra.get("resources", {}).get("cores")
     depth = max((layer.get("depth", 0) for layer in res.get("layers", {}).values()), default=0)
     row["latency_steps"] = T + depth
     row["seconds"] = round(time.perf_counter() - t0, 1)
@@ -284,7 +284,7 @@ def _pair(a, b) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | on stable images | "
-            "two groups everywhere: agreement, cores | "
+            "one synapse group everywhere: agreement, cores | "
             "cpu vs itself: input x (1 + 1e-4 N), weights x (1 + 1e-3 N) | lowest rate ratio | most flushed | warned | cores | chips | latency (steps) | refusal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -294,7 +294,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['model']} | {'x'.join(map(str, r['input']))} | {r['conversion']} | {r.get('ann_accuracy', '')} | "
             f"{r.get('cpu_accuracy', '')} | {r.get('loihi2_accuracy', '')} | {r.get('agreement', '')} | "
             f"{r.get('agreement_on_stable', '')} | "
-            f"{_pair(r.get('agreement_two_groups'), r.get('cores_two_groups'))} | "
+            f"{_pair(r.get('agreement_one_group'), r.get('cores_one_group'))} | "
             f"{_pair(r.get('cpu_self_agreement_1e-4'), r.get('cpu_weight_noise_agreement_1e-3'))} | "
             f"{r.get('lowest_rate_ratio', '')} | {flush} | "
             f"{'yes' if r.get('warned') else ('no' if 'warned' in r else '')} | {r.get('cores', '')} | "

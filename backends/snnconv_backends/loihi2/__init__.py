@@ -88,11 +88,11 @@ Finer weights on 8-bit synapses (``weight_groups``): a connection's rounding res
 second synapse group ``"<name>.lo"`` from the same source with an exponent about 8 lower
 (negative exponents floor each group's sum, as Lava's Dense does), so the pair carries ~15-bit
 weights at twice that connection's synapses and synaptic operations. By default (``"auto"``) a
-connection gets it where its 8-bit weights' relative RMS rounding error exceeds 2%: one exponent
-per connection leaves the rows of a wide layer whose weights are small against its largest a few
-bits (the zoo's CIFAR ResNet-18 on Fashion-MNIST: 0.8-1.3% in ``layer1``, 3.5-5.1% in ``layer2``
-to ``layer4``; decision agreement with cpu 94.1% with one group, 96.1% with two everywhere, the
-float network's own stability 96.9%). ``1`` or ``2`` (or a mapping ``{connection: groups}``)
+connection gets it where its 8-bit weights' relative RMS rounding error exceeds 0.5%: one
+exponent per connection leaves the rows of a wide layer whose weights are small against its
+largest a few bits (the zoo's CIFAR ResNet-18 on Fashion-MNIST: 0.8-1.3% in ``layer1``, 3.5-5.1%
+in ``layer2`` to ``layer4``); the threshold's measurements: benchmarks/README.md, "Defaults",
+row "Loihi 2 second synapse group". ``1`` or ``2`` (or a mapping ``{connection: groups}``)
 force one choice.
 
 IF neurons' biases beyond what can change a spike (above the threshold plus the most negative

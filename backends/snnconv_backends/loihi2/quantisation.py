@@ -124,8 +124,9 @@ def _bits(weight_bits: int | Mapping[str, int], name: str, what: str = "weight_b
 
 
 #: ``weight_groups="auto"``: a connection whose 8-bit weights' relative RMS rounding error
-#: exceeds this gets the second synapse group (see :func:`quantize`).
-SECOND_GROUP_ERROR = 0.02
+#: exceeds this gets the second synapse group (see :func:`quantize`); benchmarks/README.md,
+#: "Defaults", row "Loihi 2 second synapse group".
+SECOND_GROUP_ERROR = 0.005
 
 
 def _groups(weight_groups: int | str | Mapping[str, int | str], name: str, rel_error: float) -> int:
