@@ -47,6 +47,7 @@ from snnconv.errors import SnnconvError
 from snnconv.meta import atomic_write_text
 from snnconv.models.tv import RELU_FAMILY, TVModel, build
 from snnconv.prefix import analog_prefix
+from snnconv_backends.loihi2.quantisation import SECOND_GROUP_ERROR
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 T = 8
@@ -233,6 +234,7 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
         row["refusal"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         return row
     row["loihi2_runs"] = True
+    row["second_group_above"] = SECOND_GROUP_ERROR
     row["loihi2_seconds"] = round(time.perf_counter() - t1, 1)
     row["loihi2_accuracy"] = round(100 * float((chip.argmax(1) == y).float().mean()), 2)
     row["agreement"] = round(100 * float((chip.argmax(1) == cpu.argmax(1)).float().mean()), 2)
@@ -282,9 +284,15 @@ def _pair(a, b) -> str:
     return "" if a is None else (f"{a}, {b}" if b is not None else f"{a}")
 
 
+def _group_rule(row: dict) -> str:
+    """The weight_groups="auto" threshold a row ran with (relative RMS rounding error)."""
+    t = row.get("second_group_above")
+    return "" if t is None else f"{100 * t:g}%"
+
+
 def markdown(rows: list[dict]) -> str:
     head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | on stable images | "
-            "one synapse group everywhere: agreement, cores | "
+            "second group above | one synapse group everywhere: agreement, cores | "
             "cpu vs itself: input x (1 + 1e-4 N), weights x (1 + 1e-3 N) | lowest rate ratio | most flushed | warned | cores | chips | latency (steps) | refusal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -294,7 +302,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['model']} | {'x'.join(map(str, r['input']))} | {r['conversion']} | {r.get('ann_accuracy', '')} | "
             f"{r.get('cpu_accuracy', '')} | {r.get('loihi2_accuracy', '')} | {r.get('agreement', '')} | "
             f"{r.get('agreement_on_stable', '')} | "
-            f"{_pair(r.get('agreement_one_group'), r.get('cores_one_group'))} | "
+            f"{_group_rule(r)} | {_pair(r.get('agreement_one_group'), r.get('cores_one_group'))} | "
             f"{_pair(r.get('cpu_self_agreement_1e-4'), r.get('cpu_weight_noise_agreement_1e-3'))} | "
             f"{r.get('lowest_rate_ratio', '')} | {flush} | "
             f"{'yes' if r.get('warned') else ('no' if 'warned' in r else '')} | {r.get('cores', '')} | "
