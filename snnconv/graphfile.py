@@ -10,7 +10,7 @@ field by field against allow-lists, and only what passes is rebuilt:
 - node names and the placeholder's target: Python identifiers (no keyword, no ``__`` prefix),
   each node name once;
 - ``call_module`` targets: a module the file itself declares, named by dotted parts that are
-  letters, digits and underscores (``layer1.0.conv1``), none shadowing an ``nn.Module`` attribute;
+  letters, digits, underscores and hyphens (``layer1.0.conv1``), none shadowing an ``nn.Module`` attribute;
 - ``call_function`` targets: names in :data:`FUNCTIONS`; ``call_method`` targets: names in
   :data:`METHODS`; ``getattr`` only of :data:`ATTRIBUTES`;
 - arguments: references to earlier nodes, or constants of the types ``None``, bool, int, float,
@@ -84,7 +84,9 @@ MAX_DEPTH = 16
 _OPS = ("placeholder", "call_module", "call_function", "call_method", "output")
 _NODE_KEYS = {"op", "name", "target", "args", "kwargs"}
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_PART = re.compile(r"[A-Za-z0-9_]+\Z")  # torch.fx quotes a part that is no identifier: getattr(m, "2_x")
+#: A part of a module path: torch.fx quotes one that is no identifier (getattr(m, "block1-0"),
+#: torchvision's RegNets); no quote, backslash or dot can reach that string.
+_PART = re.compile(r"[A-Za-z0-9_-]+\Z")
 _MAX_STR = 1024
 
 #: a module holding a graph of its own (the analog prefix), saved as a nested graph
@@ -170,7 +172,7 @@ def _module_path(value: Any, what: str) -> str:
     for part in value.split("."):
         if not _PART.match(part) or keyword.iskeyword(part) or part.startswith("__") \
                 or hasattr(nn.Module, part):
-            raise _Refusal(f"{what} {value!r:.80}: its part {part!r:.40} is not made of letters, digits and underscores "
+            raise _Refusal(f"{what} {value!r:.80}: its part {part!r:.40} is not made of letters, digits, underscores and hyphens "
                            "(or names an attribute every module has)")
     return value
 

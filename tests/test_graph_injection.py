@@ -205,3 +205,27 @@ def test_an_untouched_file_passes_the_schema_and_loads_exactly(network):
     check_graph(payload["graph"])
     with torch.no_grad():
         assert torch.equal(SpikingNetwork.load("snn.pt")(x), snn(x))
+
+
+def test_a_module_named_as_torchvision_names_regnet_blocks_saves_and_loads(tmp_path):
+    """torchvision's RegNets name their blocks "block1-0": a module path part with a hyphen
+    is data (fx quotes it), so such a network saves and loads exactly."""
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Sequential()
+            self.trunk.add_module("block1-0", nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU()))
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.trunk(x), 1), 1))
+
+    torch.manual_seed(0)
+    x = torch.rand(16, 1, 8, 8)
+    snn, _ = snnconv.convert(Named().eval(), [(x, torch.zeros(16, dtype=torch.long))], T=2,
+                             finetune_epochs=0, reconstruction_steps=0, progress=False,
+                             on_collapse="warn")
+    assert any("block1-0" in str(n.target) for n in snn.net.graph.nodes if n.op == "call_module")
+    snn.save("snn.pt")
+    with torch.no_grad():
+        assert torch.equal(SpikingNetwork.load("snn.pt")(x), snn(x))
