@@ -164,7 +164,8 @@ def converted(model: nn.Module, name: str, size: int, finetune: bool, train: Ten
               args) -> tuple[snnconv.SpikingNetwork, dict]:
     """``model`` converted as the row asks, and the conversion's own figures; cached under
     ``--cache`` (network and figures), so that a change of the mapping is measured again
-    without converting again."""
+    without converting again. The key is the row, not convert()'s code: after a change of
+    convert(), remove the cached ``snn_*`` files (the ANNs stay valid)."""
     key = f"{name}_{size}px_{len(train)}x{args.epochs}_{label_of(finetune, args)}"
     key = "snn_" + "".join(c if c.isalnum() else "_" for c in key)
     path = os.path.join(args.cache, key + ".pt")
