@@ -23,13 +23,12 @@ import statistics
 import time
 
 import torch
-
 from common import RESULTS, loaders, trained_ann, write_json
 
 import snnconv
+from snnconv.calibration import calibrate_bias
 from snnconv.metrics import accuracy_by_T, evaluate
 from snnconv.plots import plot_accuracy_vs_T
-from snnconv.calibration import calibrate_bias
 
 TS = (1, 2, 4, 8, 16, 32)
 
@@ -37,6 +36,7 @@ TS = (1, 2, 4, 8, 16, 32)
 def sj_accuracy_by_T(net, loader, Ts, progress=True):
     """spikingjelly's own evaluation loop: single-step, reset_net per batch, cumulative readout."""
     from spikingjelly.activation_based import functional
+
     from snnconv.progress import progress_bar
 
     T_max = max(Ts)

@@ -36,12 +36,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
+
 import snnconv  # noqa: E402
 from snnconv import models  # noqa: E402
 from snnconv.fold import fold_batchnorm  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 from snnconv.nir_io import export_nir  # noqa: E402
-from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPE = (3, 32, 32)
@@ -164,8 +165,8 @@ def crossover(batch: int, repeats: int, T: int = 8) -> dict:
     with torch.no_grad():
         for density in (0.001, 0.003, 0.01, 0.03, 0.1, 0.2):
             s = (torch.rand(n, cin, hw, hw) < density).float()
-            dense = best_time(lambda: F.conv2d(s, w, None, 1, 1), repeats)
-            event = best_time(lambda: event_conv(s), repeats)
+            dense = best_time(lambda s=s: F.conv2d(s, w, None, 1, 1), repeats)
+            event = best_time(lambda s=s: event_conv(s), repeats)
             err = float((event_conv(s) - F.conv2d(s, w, None, 1, 1)).abs().max())
             out.append({"density": density, "dense_s": dense, "event_s": event,
                         "event_over_dense": event / dense, "max_abs_diff": err})

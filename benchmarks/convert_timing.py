@@ -9,7 +9,8 @@ QCFS training (10 calibration batches of 128, T=8, bias calibration on its defau
 with its per-stage times; then the references: 10 ANN forwards of the calibration batches, and
 one T-step SNN pass over the bias calibration batches (the cost floor of bias calibration),
 bias calibration alone at T, membrane calibration at 2T without and with the weight fit
-(convert()'s default for subtractive reset) against a 2T-step pass, and bias calibration by re-running the network up to each layer
+(convert()'s default for subtractive reset) against a 2T-step pass, and bias calibration by re-running the
+network up to each layer
 (the slow reference algorithm; ``--skip-rerun`` leaves it out: it grows with the square of the depth). Best of
 ``--repeat``; ``--T`` another T. Also convert()'s peak memory (CUDA's allocator peak, or the
 process's maximum resident set on a CPU). Writes ``results/convert_timing.json`` (or ``--out``).

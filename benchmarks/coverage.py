@@ -5,7 +5,8 @@ at each input size of ``--sizes`` (default 32 and 64 px; a model too small for a
 that names the refusal), as a user brings it (``num_classes=10``, BatchNorm statistics from
 three random batches), then
 ``convert(model, loader, T=4, finetune_epochs=0, reconstruction_steps=0)`` on two unlabelled
-random batches (the calibration path: no training, no layer-wise reconstruction), ``export_nir`` and the cpu backend on the exported graph against ``snn.run``
+random batches (the calibration path: no training, no layer-wise reconstruction), ``export_nir`` and the cpu
+backend on the exported graph against ``snn.run``
 (outputs and per-layer spike counts, ``torch.equal``). Writes
 ``benchmarks/results/coverage.json`` and ``coverage.md``.
 

@@ -25,7 +25,6 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from common import RESULTS, loaders, trained_ann, write_json
 
 import snnconv

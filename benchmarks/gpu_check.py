@@ -32,12 +32,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
+
 import snnconv  # noqa: E402
 from snnconv import models  # noqa: E402
 from snnconv.fold import fold_batchnorm  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 from snnconv.nir_io import export_nir  # noqa: E402
-from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
 from snnconv_backends.gpu import GPUBackend  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

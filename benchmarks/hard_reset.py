@@ -49,8 +49,8 @@ from snnconv.qcfs import calibrate_qcfs  # noqa: E402
 from snnconv.replace import to_spiking  # noqa: E402
 
 TS = (4, 8, 16, 32)
-METHODS = ("subtract+bias", "zero", "zero+bias", "zero+shift", "zero+shift+bias", "zero+thrk", "zero+thrk+bias", "zero+thr",
-           "zero+thr+bias", "zero+thrc+bias", "zero+thr+bias+ft")
+METHODS = ("subtract+bias", "zero", "zero+bias", "zero+shift", "zero+shift+bias", "zero+thrk", "zero+thrk+bias",
+           "zero+thr", "zero+thr+bias", "zero+thrc+bias", "zero+thr+bias+ft")
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "results", "cache")
 

@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import matrix_anns as R  # noqa: E402
+
 import snnconv  # noqa: E402
 from snnconv.calibration.bias import bias_path  # noqa: E402
 from snnconv.graph import module_of  # noqa: E402

@@ -11,7 +11,8 @@ the first N test images only. Digits: the demo SmallCNN trained for 15 epochs on
 digits (seconds on a CPU); digits-resnet8: ResNet-8 (residual) on digits upsampled to 16x16,
 15 epochs, cached under results/cache. ``--two-groups [DEPTH ...]`` also runs loihi2-sim
 with ``weight_groups=2`` (~15-bit weights from two 8-bit synapse groups) on every connection,
-or on those into the first DEPTH layers, and reports the synapse cost. Also measures, per connection, what its 8-bit budget costs: the
+or on those into the first DEPTH layers, and reports the synapse cost. Also measures, per connection, what its
+8-bit budget costs: the
 accuracy with that one connection at 8 bits and every other at 16 (``--per-layer``).
 Writes results/loihi2_accuracy_<dataset>.json.
 """
@@ -149,15 +150,16 @@ def main() -> None:
         t0 = time.perf_counter()
         ref_backend = "cpu" if args.device == "cpu" else "gpu"
         ref_prog = snnconv.backends.get(ref_backend).compile(graph)
-        p_ref, acc_ref = evaluate(lambda x: ref_prog.run(x, args.T).outputs, test, args.batch)
+        p_ref, acc_ref = evaluate(lambda x, prog=ref_prog: prog.run(x, args.T).outputs, test, args.batch)
         t_ref = time.perf_counter() - t0
         q = quantize(graph)
         prog = Loihi2Program(q, dict(OPTIONS, device=args.device))
         t0 = time.perf_counter()
-        p_sim, acc_sim = evaluate(lambda x: prog.run(x, args.T).outputs, test, args.batch)
+        p_sim, acc_sim = evaluate(lambda x, prog=prog: prog.run(x, args.T).outputs, test, args.batch)
         t_sim = time.perf_counter() - t0
         rec = {"convert_settings": {k: meta.settings[k] for k in ("per_channel", "bias_calibration_T", "L")},
-               "reference_backend": ref_backend, "float_snn": acc_ref, "loihi2_sim": acc_sim, "difference": acc_sim - acc_ref,
+               "reference_backend": ref_backend, "float_snn": acc_ref, "loihi2_sim": acc_sim,
+               "difference": acc_sim - acc_ref,
                "agreement": float((p_ref == p_sim).float().mean()) * 100,
                "seconds_float": t_ref, "seconds_sim": t_sim}
         if args.two_groups is not None:  # connections as two synapse groups (~15-bit weights)
@@ -170,7 +172,7 @@ def main() -> None:
                 q2 = quantize(graph, weight_groups=groups)
                 prog2 = Loihi2Program(q2, dict(OPTIONS, device=args.device))
                 t0 = time.perf_counter()
-                p2, acc2 = evaluate(lambda x: prog2.run(x, args.T).outputs, test, args.batch)
+                p2, acc2 = evaluate(lambda x, prog=prog2: prog.run(x, args.T).outputs, test, args.batch)
                 key = "all" if dmax >= q.depth else f"depth<={dmax}"
                 rec["two_groups"][key] = {
                     "connections": len(groups), "loihi2_sim": acc2, "difference": acc2 - acc_ref,
@@ -179,13 +181,13 @@ def main() -> None:
                     "seconds_sim": time.perf_counter() - t0}
         if args.per_layer:
             names = [c.name for p in q.populations for c in p.conns]
-            rec["all_16_bits"] = evaluate(lambda x: Loihi2Program(quantize(graph, weight_bits=16), dict(
+            rec["all_16_bits"] = evaluate(lambda x, graph=graph: Loihi2Program(quantize(graph, weight_bits=16), dict(
                 OPTIONS, device=args.device)).run(x, args.T).outputs, test, args.batch)[1]
             rec["one_at_8_bits"] = {}
             for n in names:
                 prog_n = Loihi2Program(quantize(graph, weight_bits={"*": 16, n: 8}),
                                        dict(OPTIONS, device=args.device))
-                rec["one_at_8_bits"][n] = evaluate(lambda x: prog_n.run(x, args.T).outputs, test,
+                rec["one_at_8_bits"][n] = evaluate(lambda x, prog=prog_n: prog.run(x, args.T).outputs, test,
                                                    args.batch)[1]
         out[reset] = rec
         print(reset, json.dumps(rec, indent=1), flush=True)

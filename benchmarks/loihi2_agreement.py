@@ -147,7 +147,8 @@ def measure(graph, xin: torch.Tensor, y: torch.Tensor, T: int, **options) -> dic
             if c["kind"] == "bias" or cname.endswith(".lo"):
                 continue
             f = fid["connections"].get(cname, {})
-            conns[cname] = {"population": pname, "exp": c["exp"], "groups": 2 if f"{cname}.lo" in pr["connections"] else 1,
+            conns[cname] = {"population": pname, "exp": c["exp"],
+                            "groups": 2 if f"{cname}.lo" in pr["connections"] else 1,
                             "flushed": f.get("fraction"),
                             "rel_error": pr["connections"].get(f"{cname}.lo", c)["rel_error"]}
     layers = {k: {kk: v.get(kk) for kk in ("rate", "float_rate", "ratio")} for k, v in fid["layers"].items()}
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                    **measure(ex["graph"], ex["x"], ex["y"], args.T)}
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
-            print(f"{name} finetune={ft}: agreement {100 * row['agreement']:.1f}% (cpu {100 * row['cpu_accuracy']:.1f}%, "
+            print(f"{name} finetune={ft}: agreement {100 * row['agreement']:.1f}% "
+                  f"(cpu {100 * row['cpu_accuracy']:.1f}%, "
                   f"loihi2-sim {100 * row['loihi2_accuracy']:.1f}%, ANN {100 * ann_acc:.1f}%), cpu self-agreement "
                   f"at 1e-4 input noise {100 * row['cpu_self_agreement_perturbed']['0.0001']:.1f}%, rate ratios "
                   f"{row['lowest_rate_ratio']:.3f}-{row['highest_rate_ratio']:.3f}, max flushed "

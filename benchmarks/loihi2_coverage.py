@@ -4,7 +4,8 @@ run on loihi2-sim against the cpu backend.
 For every model of :data:`snnconv.models.tv.RELU_FAMILY` at each input size asked for (its
 coverage size, and 64 px): trained briefly on Fashion-MNIST (resized, grey replicated to three
 channels; ``--train-images`` images, ``--epochs`` epochs, SGD Nesterov with OneCycle; the ANN is
-cached under ``--cache``; its BatchNorm statistics recomputed over the training images), converted with ``convert(model, loader, T=8, finetune_epochs=0)``
+cached under ``--cache``; its BatchNorm statistics recomputed over the training images), converted with
+``convert(model, loader, T=8, finetune_epochs=0)``
 (training-free: BN folding, calibration and the layer-wise reconstruction of convert's default,
 whose steps ``--reconstruction-steps`` sets),
 exported to NIR, then run on ``--images`` test images by the cpu backend (the exact reference)
@@ -12,7 +13,8 @@ and by loihi2-sim. A row: whether loihi2-sim runs it or refuses (the reason), th
 agreement with cpu (argmax of the readout averaged over T; also with every connection on one
 synapse group, 8-bit weights, and the cores that takes), cpu's agreement with itself on the
 input times (1 + 1e-4 noise) and with every weight times (1 + 1e-3 noise) (the float network's
-own decision stability, which bounds what any finite-precision executor can reach) and the agreement on the images whose decision that noise
+own decision stability, which bounds what any finite-precision executor can reach) and the agreement on the
+images whose decision that noise
 leaves unchanged, both accuracies, the lowest
 per-layer firing-rate ratio chip / float, the largest fraction of a connection's weights that
 rounds to zero, whether the fidelity check warned, neuro cores and Loihi 2 chips (128 cores a
@@ -222,7 +224,8 @@ def row_for(name: str, size: int, finetune: bool, args) -> dict:
             stem2 = analog_prefix(shaken)
             xin2 = stem2(x) if stem2 is not None else x
         noisy, _ = run_backend("cpu", snnconv.export_nir(shaken), xin2, args.batch)
-        row["cpu_weight_noise_agreement_1e-3"] = round(100 * float((noisy.argmax(1) == cpu.argmax(1)).float().mean()), 2)
+        same = (noisy.argmax(1) == cpu.argmax(1)).float().mean()
+        row["cpu_weight_noise_agreement_1e-3"] = round(100 * float(same), 2)
     except SnnconvError as exc:
         row["refused_by"] = "convert/export"
         row["refusal"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -294,7 +297,8 @@ def _group_rule(row: dict) -> str:
 def markdown(rows: list[dict]) -> str:
     head = ("| model | input | conversion | ANN | cpu | loihi2-sim | agreement | on stable images | "
             "second group above | one synapse group everywhere: agreement, cores | "
-            "cpu vs itself: input x (1 + 1e-4 N), weights x (1 + 1e-3 N) | lowest rate ratio | most flushed | warned | cores | chips | latency (steps) | refusal |")
+            "cpu vs itself: input x (1 + 1e-4 N), weights x (1 + 1e-3 N) | lowest rate ratio | most flushed | "
+            "warned | cores | chips | latency (steps) | refusal |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mf = r.get("most_flushed") or {}

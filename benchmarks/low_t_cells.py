@@ -50,7 +50,8 @@ def convert_cell(ann, loader, test, device, Ts, **options) -> dict:
 #: A floor is (kind, T, points): "gap" = worst-seed ANN - SNN at T; "qcfs_gap" = QCFS-ANN - SNN
 #: at T; "not_below" = SNN at T minus SNN at 4 (worst seed) must be >= -points. ``free_T8``:
 #: training-free without labels; ``nolabel_T8``: convert()'s default on those unlabelled images
-#: at T=8 (fine-tuning distilled from the ANN's outputs alone); ``nolabel_T4``: convert()'s default on the same unlabelled
+#: at T=8 (fine-tuning distilled from the ANN's outputs alone); ``nolabel_T4``: convert()'s default on the same
+#: unlabelled
 #: images (fine-tuning distilled from the ANN's outputs alone); ``kd_qcfs_T4``: ``T4`` with
 #: convert()'s QCFS training steps on every network, distilled from the ANN (labels unread).
 LOW_T_CELLS = {

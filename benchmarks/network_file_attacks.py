@@ -48,7 +48,7 @@ print(json.dumps({"seconds": round(time.perf_counter() - start, 3),
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from test_graph_injection import ATTACKS, MARKER, _Stem, _attack, _forge
+    from test_graph_injection import ATTACKS, MARKER, _attack, _forge, _Stem
     from test_untrusted_files import VALUE_ATTACKS, _deflated_bomb, _value_attack
 
     import snnconv

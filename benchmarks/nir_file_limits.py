@@ -54,8 +54,9 @@ def _measure(path: str, **kw) -> dict:
 
 
 def _unused_file(folder: str, gib: float) -> str:
-    from snnconv.nir_io import save_nir
     from _nirfiles import tiny_graph
+
+    from snnconv.nir_io import save_nir
 
     path = os.path.join(folder, "unused.nir")
     save_nir(tiny_graph(), path)
@@ -70,8 +71,9 @@ def _unused_file(folder: str, gib: float) -> str:
 
 
 def _chain_file(folder: str, n: int) -> str:
-    from snnconv.nir_io import save_nir
     from _nirfiles import chain_graph
+
+    from snnconv.nir_io import save_nir
 
     path = os.path.join(folder, f"chain{n}.nir")
     save_nir(chain_graph(n), path, compression=None)

@@ -29,6 +29,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import matrix_anns as R  # noqa: E402
+
 from snnconv import QCFSTrainConfig, calibrate_qcfs, fold_batchnorm  # noqa: E402
 from snnconv.meta import atomic_write_text  # noqa: E402
 from snnconv.metrics import evaluate  # noqa: E402

@@ -105,7 +105,8 @@ def watch(name: str, settings: dict, args) -> dict:
         if m:
             stage = m.group(1).split(" ")[0]
             stages.setdefault(stage, {"first_seconds": now})
-            stages[stage].update(steps=int(m.group(2)), seconds=now, peak_gib=round(max(peak[0], _hwm(child.pid) or 0), 2))
+            stages[stage].update(steps=int(m.group(2)), seconds=now,
+                                 peak_gib=round(max(peak[0], _hwm(child.pid) or 0), 2))
         if line.startswith("DONE"):
             row["budget"] = json.loads(line.split(" ", 1)[1])
         stop = name == "default" and any(s["steps"] >= args.steps for s in stages.values())

@@ -70,10 +70,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 TS = (1, 2, 4, 8, 16, 32)
 
-from low_t_cells import (LOW_T_CELLS, budget_plot, convert_cell, low_t_cells, low_t_plot,  # noqa: E402
-                         low_t_summary, low_t_table)
+from low_t_cells import LOW_T_CELLS, budget_plot, convert_cell, low_t_cells, low_t_plot, low_t_summary, low_t_table  # noqa: E402
 from matrix_anns import FT_ARCHS, TV_ARCHS, cached_ann, datasets  # noqa: E402
-
 
 
 def run_job(job: dict) -> dict:
@@ -155,8 +153,8 @@ def plan(args) -> list[dict]:
             long = epochs == max(e for d, a, e in grid if d == dataset and a == arch)
             jobs.append(dict(dataset=dataset, arch=arch, epochs=epochs, seed=seed, Ts=list(Ts),
                              subset=subset if dataset.startswith("fmnist") else None, smoke=args.smoke,
-                             finetune=(long and arch in FT_ARCHS + tuple(TV_ARCHS) and (dataset != "digits" or args.smoke)
-                                       and not args.no_finetune),
+                             finetune=(long and arch in FT_ARCHS + tuple(TV_ARCHS)
+                                       and (dataset != "digits" or args.smoke) and not args.no_finetune),
                              device=args.device, threads=threads, cache=args.cache or args.out + "_cache",
                              overrides=overrides(args.set),
                              finetune_overrides=overrides(args.finetune_set),

@@ -132,7 +132,7 @@ def cell(name: str, size: int, *, T: int, images: int, batch: int, steps: int, t
     xb, yb = loader[0]
     opt = torch.optim.SGD(ann.parameters(), lr=1e-3)
 
-    def ann_step():
+    def ann_step(ann=ann, opt=opt):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ann(xb), yb).backward()
         opt.step()
@@ -188,17 +188,19 @@ def markdown(rows: list[dict], machine: str) -> str:
             continue
         st = r["stages"]
 
-        def stage(k):
+        def stage(k, st=st):
             return f"{st[k]['seconds']:.1f} s / {st[k]['peak_gib']:.1f}" if k in st else ""
         rc = r.get("reconstruction", {})
         lines.append(
             f"| {r['model']} | {r['size']} | {stage('prepare')} | {stage('fold')} | {stage('qcfs')} | "
-            f"{stage('calibration')} | {rc.get('seconds_per_step', '')} s ({rc.get('default_300_steps_hours', '')} h) / "
-            f"{st['reconstruction']['peak_gib']:.1f} | {r['ann_step']['seconds_per_image']} s / {r['ann_step']['peak_gib']:.1f} | "
+            f"{stage('calibration')} | {rc.get('seconds_per_step', '')} s "
+            f"({rc.get('default_300_steps_hours', '')} h) / {st['reconstruction']['peak_gib']:.1f} | "
+            f"{r['ann_step']['seconds_per_image']} s / {r['ann_step']['peak_gib']:.1f} | "
             f"{r['bptt']['seconds_per_image']} s ({r['bptt'].get('micro_batch', '')}) / {r['bptt']['peak_gib']:.1f} | "
             f"{r['inference']['ratio']}x | {r['peak_gib']:.1f} |")
     lines += ["", "Growth from the smallest to the largest side measured (pixels x"
-              " (largest/smallest)^2): seconds of the calibration, a reconstruction step, a BPTT image, and the peak.", "",
+              " (largest/smallest)^2): seconds of the calibration, a reconstruction step, a BPTT image,"
+              " and the peak.", "",
               "| model | sides | pixels | calibration | reconstruction step | BPTT / image | peak |",
               "|---|---|---|---|---|---|---|"]
     by_model: dict[str, list[dict]] = {}
@@ -210,7 +212,7 @@ def markdown(rows: list[dict], machine: str) -> str:
             continue
         lo, hi = rs[0], rs[-1]
 
-        def ratio(f):
+        def ratio(f, lo=lo, hi=hi):
             try:
                 return f"{f(hi) / f(lo):.1f}x"
             except (KeyError, ZeroDivisionError, TypeError):

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .files import MAX_FILE_BYTES
 from .errors import CheckpointError
+from .files import MAX_FILE_BYTES
 from .meta import atomic_write_bytes
 from .torchfile import load_untrusted, read_regular
 

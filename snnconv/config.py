@@ -140,7 +140,8 @@ class ConvertConfig:
         for epochs, cfg, kind in ((self.qcfs_epochs, self.qcfs_train, "qcfs_train"),
                                   (self.finetune_epochs, self.finetune_config, "finetune_config")):
             if cfg is not None and not isinstance(getattr(cfg, "epochs", None), numbers.Integral):
-                raise ConfigError(f"{kind} must be a {'QCFSTrainConfig' if kind == 'qcfs_train' else 'FinetuneConfig'}, "
+                wanted = "QCFSTrainConfig" if kind == "qcfs_train" else "FinetuneConfig"
+                raise ConfigError(f"{kind} must be a {wanted}, "
                                   f"got {type(cfg).__name__}")
             if cfg is not None and epochs and epochs != cfg.epochs:
                 raise ConfigError(f"{kind.split('_')[0]}_epochs={epochs} disagrees with {kind}.epochs="

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from .errors import ConfigError, DataError
 
-__all__ = ["SameShape", 
+__all__ = ["SameShape",
     "digits",
     "fashion_mnist",
     "cifar10",

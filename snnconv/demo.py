@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from .progress import progress_bar
 
 from .data import digits
 from .fold import fold_batchnorm
@@ -17,6 +16,7 @@ from .guards import find_batchnorm
 from .models import small_cnn
 from .pipeline import convert, seed_everything
 from .plots import plot_accuracy_vs_T
+from .progress import progress_bar
 
 __all__ = ["train_ann", "run_demo", "DEMO_T"]
 

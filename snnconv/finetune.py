@@ -22,17 +22,16 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, DistributedSampler
-from .progress import progress_bar
 
-from .distributed import (all_reduce_sum, local_device, maybe_init_distributed,
-                          rank_world, rng_state, set_rng_state)
-from .data import SameShape, bounded, split_batch, split_dataset
-from .errors import CheckpointError, ConfigError, DataError, StageOrderError
 from .checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
+from .data import SameShape, bounded, split_batch, split_dataset
+from .distributed import all_reduce_sum, local_device, maybe_init_distributed, rank_world, rng_state, set_rng_state
+from .errors import CheckpointError, ConfigError, DataError, StageOrderError
 from .metrics import TeacherLabelled, accuracy_by_T, distillation_loss, evaluate, teacher_targets
-from .qcfs import make_optimizer
 from .network import SpikingNetwork
 from .neuron import neurons
+from .progress import progress_bar
+from .qcfs import make_optimizer
 from .recompute import StepPlan, checkpointed, plan_step
 
 __all__ = ["FinetuneConfig", "finetune", "blend", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]

@@ -172,7 +172,8 @@ def _module_path(value: Any, what: str) -> str:
     for part in value.split("."):
         if not _PART.match(part) or keyword.iskeyword(part) or part.startswith("__") \
                 or hasattr(nn.Module, part):
-            raise _Refusal(f"{what} {value!r:.80}: its part {part!r:.40} is not made of letters, digits, underscores and hyphens "
+            raise _Refusal(f"{what} {value!r:.80}: its part {part!r:.40} is not made of letters, digits, "
+                           "underscores and hyphens "
                            "(or names an attribute every module has)")
     return value
 

@@ -42,9 +42,9 @@ def activity(model: nn.Module, batches: list[torch.Tensor],
     """Per-site activity of ``model`` (a traced ANN with ReLU or QCFS, or a SpikingNetwork), in
     eval mode; the model's output for each batch is appended to ``outputs`` where given (one
     pass gives both, see :func:`accuracy_of`)."""
+    from .activation import QCFS
     from .network import SpikingNetwork
     from .neuron import IFNeuron, channel_view
-    from .activation import QCFS
 
     sums: dict[str, list[float]] = {}
 

@@ -3,7 +3,8 @@
 A file holds weights, thresholds, T, metadata and the graph as plain data (no pickled code), so
 that ``torch.load(weights_only=True)`` reads it. The graph is written and read with one schema
 (:mod:`snnconv.graphfile`): every field is validated against allow-lists before torch.fx sees
-it, so loading a file never runs code from it. Version 2 files also hold ``"digest"``, the :func:`snnconv.digest.content_digest` of
+it, so loading a file never runs code from it. Version 2 files also hold ``"digest"``, the
+:func:`snnconv.digest.content_digest` of
 everything else in the payload, checked on load; every module's parameter shapes are computed
 from its config and compared with the stored tensors before a module is built.
 """
@@ -27,8 +28,8 @@ from .errors import CheckpointError, ConfigError, DataError
 from .graph import largest_value
 from .graphfile import FUNCTIONS, graph_from_dict, graph_to_dict
 from .meta import atomic_write_bytes
-from .torchfile import load_untrusted
 from .neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
+from .torchfile import load_untrusted
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]

@@ -51,12 +51,25 @@ import torch.nn as nn
 
 from .errors import NIRError
 from .graph import describe_node, module_of
-from .nirformat import (ADAPTIVE_AVGPOOL, ANALOG_PREFIX, CONCAT_OP, FORMAT_VERSION, INPUT_KEY, MODULE_KEY, OP_KEY,
-                        SCALE_OP, SUM_OP, fire_threshold, graph_metadata, neuron_metadata, spec_threshold,
-                        v_init_metadata)
 from .network import SpikingNetwork, check_T
 from .neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
 from .nirfile import load_nir, save_nir
+from .nirformat import (
+    ADAPTIVE_AVGPOOL,
+    ANALOG_PREFIX,
+    CONCAT_OP,
+    FORMAT_VERSION,
+    INPUT_KEY,
+    MODULE_KEY,
+    OP_KEY,
+    SCALE_OP,
+    SUM_OP,
+    fire_threshold,
+    graph_metadata,
+    neuron_metadata,
+    spec_threshold,
+    v_init_metadata,
+)
 from .prefix import AnalogPrefix
 from .replace import insert_time_expand, unique_name
 

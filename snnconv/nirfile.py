@@ -61,8 +61,7 @@ from .digest import UnverifiedFileWarning, content_digest
 from .errors import ConfigError, NIRError, ResourceError
 from .files import MAX_FILE_BYTES, open_regular
 from .meta import atomic_write_bytes
-from .nirformat import (MODULE_KEY, NEURON_KEY, OP_KEY, PRODUCER, SOURCE_VERSION_KEY, legacy_if_reason,
-                        predates_v_reset)
+from .nirformat import MODULE_KEY, NEURON_KEY, OP_KEY, PRODUCER, SOURCE_VERSION_KEY, legacy_if_reason, predates_v_reset
 
 __all__ = ["save_nir", "load_nir", "read_nir_tree", "FIELDS", "DIGEST_KEY", "VERSION_KEY",
            "UNRECORDED_VERSIONS", "MAX_NODES", "MAX_EDGES", "MAX_VALUES", "MAX_FILE_BYTES"]
@@ -298,7 +297,7 @@ def _check_metadata(where: str, group: Any, budget: _Budget, depth: int = 0) -> 
 
     if depth >= _MAX_META_DEPTH:
         raise NIRError(f"{where}: '{group.name}' nests metadata deeper than {_MAX_META_DEPTH} levels")
-    for name, obj in _children(where, group, _MAX_META):
+    for _name, obj in _children(where, group, _MAX_META):
         if isinstance(obj, h5py.Group):
             _check_metadata(where, obj, budget, depth + 1)
         else:

@@ -17,19 +17,19 @@ import torch
 import torch.nn as nn
 
 from .calibration import calibrate_bias, calibrate_thresholds, reconstruct
-from .data import check_labels, generators_kept, split_steps
 from .config import ConvertConfig
-from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .constructs import rewrite_constructs
-from .pools import rewrite_ceil_pools
+from .data import check_labels, generators_kept, split_steps
+from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
-from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
 from .guards import assert_no_batchnorm
+from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
 from .network import SpikingNetwork
 from .plan import epoch_steps, log_plan, make_plan, planned_work, record_run
+from .pools import rewrite_ceil_pools
 from .qcfs import QCFSTrainConfig, calibrate_qcfs, check_activations, max_pools
 from .replace import to_spiking
 from .summary import images_in, say_beyond_ann

@@ -21,8 +21,8 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .graph import describe_node, module_of
 from .activation import relu_sites
+from .graph import describe_node, module_of
 
 __all__ = ["AnalogPrefix", "PREFIX_NAME", "split_prefix", "analog_prefix"]
 

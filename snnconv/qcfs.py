@@ -21,14 +21,23 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from .activation import (QCFS, FloorSTE, check_activations, is_inplace, relu_input,
-                         max_pools, qcfs_sites, relu_sites, replace_maxpool)
+from .activation import (
+    QCFS,
+    FloorSTE,
+    check_activations,
+    is_inplace,
+    max_pools,
+    qcfs_sites,
+    relu_input,
+    relu_sites,
+    replace_maxpool,
+)
 from .data import SameShape, bounded, split_batch, split_loader
 from .errors import ConfigError, DataError
 from .graph import capture_pieces, describe_node, module_of, prepare
-from .progress import progress_bar
 from .guards import assert_no_batchnorm
 from .metrics import TeacherLabelled, distillation_loss, evaluate, teacher_targets
+from .progress import progress_bar
 
 # QCFS and the site helpers live in snnconv.activation; importable from here as before
 __all__ = ["QCFS", "FloorSTE", "calibrate_qcfs", "qcfs_sites", "relu_sites",

@@ -18,12 +18,12 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .activation import QCFS, check_activations, relu_sites
 from .errors import ConfigError, StageOrderError, UnsupportedModelError
 from .graph import call_counts, describe_node, module_of, prepare
 from .guards import assert_no_batchnorm
 from .network import SpikingNetwork, check_T
 from .neuron import RESETS, IFNeuron, LeakyNeuron, Scale, TimeExpand
-from .activation import QCFS, check_activations, relu_sites
 
 __all__ = ["LAYERS", "to_spiking", "insert_time_expand", "unique_name"]
 

@@ -23,9 +23,8 @@ import os
 import threading
 
 import torch
-from torch.utils.data import DataLoader
-
 from _interrupting import LimitedDataset
+from torch.utils.data import DataLoader
 
 logging.getLogger("spikingjelly").setLevel(logging.ERROR)
 

@@ -5,7 +5,8 @@ Readers: ``nirfile`` (load_nir on mutants of small valid files and on the known 
 digests forged), ``nirgraph`` (parse on mutated graphs), ``prefix`` (load_prefix on every kind
 of path and on mutated prefix files, SHA-256 forged), ``network`` (SpikingNetwork.load on
 mutants of a small network file: bytes, graph records, values, fields; digests forged) and
-``checkpoint`` (read_checkpoint and its field checks on mutated records, SHA-256 forged). Per case it prints one JSON line: the case,
+``checkpoint`` (read_checkpoint and its field checks on mutated records, SHA-256 forged). Per case it prints
+one JSON line: the case,
 its outcome ("loaded" or the snnconv error's class; "RAW <class>" for anything else), the peak
 resident memory the case added (VmHWM, reset before each case) and whether the marker file a
 payload would create exists.
@@ -253,12 +254,11 @@ class _Evil:
 
 
 def fuzz_prefix(folder: str, marker: str) -> None:
-    from snnconv.nir_io import load_nir
-    from snnconv.prefixfile import load_prefix
-
     import torch
 
     from snnconv.network import SpikingNetwork
+    from snnconv.nir_io import load_nir
+    from snnconv.prefixfile import load_prefix
 
     good = _prefix_bytes()
     reference = SpikingNetwork.load(io.BytesIO(good))
@@ -451,10 +451,10 @@ if __name__ == "__main__":
     marker = os.path.join(folder, "CODE_RAN")
     cap = _status("VmSize") + MEMORY_CAP
     # the cap applies from here: the imports the readers need are loaded first
+    import snnconv.finetune  # noqa: F401
     import snnconv.nir_io  # noqa: F401
     import snnconv.prefixfile  # noqa: F401
     import snnconv_backends.nirgraph  # noqa: F401
-    import snnconv.finetune  # noqa: F401
 
     cap = _status("VmSize") + MEMORY_CAP
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

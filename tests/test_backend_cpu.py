@@ -10,11 +10,11 @@ import nir
 import numpy as np
 import pytest
 import torch
+from _zoo import NARROW as _NARROW
 
 import snnconv
 from snnconv import models
 from snnconv.errors import BackendError
-from _zoo import NARROW as _NARROW
 from snnconv.nir_io import export_nir
 from snnconv_backends import get
 from snnconv_backends.cpu import compile_parsed

@@ -8,13 +8,13 @@ import nir
 import numpy as np
 import pytest
 import torch
+from _loihi_nets import small_graph
 
 from snnconv.errors import BackendError, DataError
 from snnconv_backends.cpu import CPUBackend
 from snnconv_backends.gpu import GPUBackend
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import Loihi2SimBackend
-from _loihi_nets import small_graph
 
 #: Every built-in backend, compiled without a GPU or the Lava side environment (the lava
 #: program checks its input before it starts Lava).

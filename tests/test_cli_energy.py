@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snnconv.cli import main
 from snnconv.analysis import analyse
+from snnconv.cli import main
 from snnconv.energy import ARITHMETIC, E_MAC_PJ, conv_macs
-from snnconv_backends.loihi2.cost import CHIP_MODEL
 from snnconv.nir_io import export_nir, save_nir
+from snnconv_backends.loihi2.cost import CHIP_MODEL
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -114,8 +114,9 @@ def _fire_snn(T: int):
     """:class:`_Fire` converted training-free on 32 random images at ``T``; and those images."""
     import warnings
 
-    import snnconv
     from torch.utils.data import DataLoader, TensorDataset
+
+    import snnconv
 
     torch.manual_seed(0)
     x = torch.rand(32, 1, 6, 6)
@@ -146,6 +147,7 @@ def test_a_concatenation_marker_on_other_weights_is_refused():
     """A node marked as a concatenation's part is read as one only if its weight is a one-hot
     placement: a file cannot hide a layer's MACs behind the marker."""
     import numpy as np
+
     from snnconv.errors import NIRError
     from snnconv.nirformat import CONCAT_OP, OP_KEY
     from snnconv_backends.nirgraph import parse

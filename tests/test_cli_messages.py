@@ -136,7 +136,6 @@ def test_reading_a_nir_file_with_per_channel_scales_warns_nothing(tmp_path):
     """Arrays read from a NIR file are read-only; the network built from them copies them (torch
     warned "The given NumPy array is not writable" on every torchvision ResNet's file)."""
     import nir
-
     from _nirfiles import tiny_graph
 
     from snnconv.nir_io import from_nir, load_nir, save_nir

@@ -19,13 +19,12 @@ import sys
 
 import pytest
 import torch
+from _interrupting import Interrupt, InterruptingDataset
 from torch.utils.data import DataLoader
 
 import snnconv
 from snnconv import finetune
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
-
-from _interrupting import Interrupt, InterruptingDataset
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -10,18 +10,19 @@ import sys
 
 import pytest
 import torch
+from _nirfiles import same_graph, tiny_graph
 
 from snnconv.meta import atomic_write_bytes, stale_temporaries
 from snnconv.network import SpikingNetwork
 from snnconv.nir_io import load_nir, save_nir
-from _nirfiles import same_graph, tiny_graph
 
 _WORKER = os.path.join(os.path.dirname(__file__), "_interrupted_save.py")
 
 
 def _tiny_snn() -> SpikingNetwork:
-    import snnconv
     import torch.nn as nn
+
+    import snnconv
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 3)).eval()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _probes import assert_bit_identical, state_copy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 import snnconv
@@ -24,7 +25,6 @@ from snnconv.errors import ConfigError, DataError, StageOrderError
 from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
 from snnconv.metrics import accuracy_by_T
 from snnconv.neuron import IFNeuron, neurons
-from _probes import assert_bit_identical, state_copy
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

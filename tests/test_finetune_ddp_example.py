@@ -11,10 +11,9 @@ import sys
 
 import pytest
 import torch
+from test_distributed import HANG_GUARD_S, _torchrun
 
 from snnconv import SpikingNetwork
-
-from test_distributed import HANG_GUARD_S, _torchrun
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                        "finetune_ddp.py")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _probes import state_copy
 
 from snnconv import finetune
-from _probes import state_copy
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _probes import FunctionalBN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -16,7 +17,6 @@ import snnconv
 from snnconv import models
 from snnconv.errors import FoldError
 from snnconv.fold import fold_weights
-from _probes import FunctionalBN
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

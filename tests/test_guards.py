@@ -7,11 +7,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from _probes import FunctionalBN
 
 import snnconv
 from snnconv import models
 from snnconv.errors import BatchNormRemainsError
-from _probes import FunctionalBN
 
 
 class _Nested(nn.Module):

@@ -8,6 +8,7 @@ import nir
 import pytest
 import torch
 import torch.nn as nn
+from _probes import run_with_spikes, spikingjelly_run
 from torch.utils.data import DataLoader
 
 import snnconv
@@ -16,7 +17,6 @@ from snnconv.errors import DataError, StageOrderError
 from snnconv.metrics import evaluate
 from snnconv.neuron import IFNeuron, neurons
 from snnconv.qcfs import calibrate_qcfs
-from _probes import run_with_spikes, spikingjelly_run
 from snnconv.replace import to_spiking
 
 

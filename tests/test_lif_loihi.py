@@ -14,6 +14,7 @@ import nir
 import numpy as np
 import pytest
 import torch
+from _lif_nets import chip_cubalif, chip_li, chip_lif, chip_net, fixed_point_error
 
 import snnconv  # noqa: F401  (imports snnconv_backends in the supported order)
 from snnconv.errors import BackendError
@@ -23,8 +24,6 @@ from snnconv_backends.gpu import GPUBackend
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import CLOCK, LOIHI, Loihi2SimBackend, bias_current, quantize
 from snnconv_backends.nirgraph import parse
-
-from _lif_nets import chip_cubalif, chip_li, chip_lif, chip_net, fixed_point_error
 
 T = 6
 CHIP = {"lif": chip_lif, "cubalif": chip_cubalif, "li": chip_li}

@@ -14,13 +14,12 @@ import copy
 import numpy as np
 import pytest
 import torch
+from _loihi_nets import small_graph
 
 import snnconv  # noqa: F401  (imports snnconv_backends in the supported order)
 from snnconv.errors import BackendError
 from snnconv_backends.lava import LavaBackend
-from snnconv_backends.loihi2 import (CLOCK, LOIHI, Loihi2SimBackend, format_report, quantize)
-
-from _loihi_nets import small_graph
+from snnconv_backends.loihi2 import CLOCK, LOIHI, Loihi2SimBackend, format_report, quantize
 
 T = 5
 

@@ -18,14 +18,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _loihi_nets import small_graph
+from _loihi_stem import stem_snn
 
 import snnconv
 from snnconv.nir_io import export_nir
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import Loihi2SimBackend, QuantisationWarning, quantize
-
-from _loihi_nets import small_graph
-from _loihi_stem import stem_snn
 
 T = 8
 
@@ -170,9 +169,9 @@ def test_a_trained_network_with_a_max_pooling_stem_agrees_with_cpu(reset):
     test images (measured 99.1-99.8% over two seeds and both resets; the float network's own
     decisions under a 1e-4 relative input perturbation: 99.8-100%), without a warning."""
     import torch.nn.functional as F
+    from _loihi_stem import StemNet
     from torch.utils.data import DataLoader, TensorDataset
 
-    from _loihi_stem import StemNet
     from snnconv.data import digits
     from snnconv.demo import train_ann
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from _probes import run_with_spikes, spikingjelly_run
+from _zoo import NARROW as _NARROW
 
 import snnconv
 from snnconv import models
 from snnconv.errors import NIRError, SnnconvError
-from _zoo import NARROW as _NARROW
-from _probes import run_with_spikes, spikingjelly_run
-from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
 from snnconv.network import SpikingNetwork
 from snnconv.neuron import IFNeuron, Scale, TimeExpand, neurons
+from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
 from snnconv_backends.nirgraph import KINDS, ParsedGraph, parse
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too

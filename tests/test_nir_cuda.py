@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_hard_reset import _sj_hard
 from test_nir import _assert_same_run, _convert, _through_file
 

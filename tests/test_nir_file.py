@@ -11,18 +11,18 @@ import sys
 import tracemalloc
 import warnings
 
+import _nirattacks as attacks
 import h5py
 import nir
 import numpy as np
 import pytest
+from _nirfiles import chain_graph, same_graph, tiny_graph
 
+from snnconv.config import MAX_T
 from snnconv.digest import UnverifiedFileWarning
 from snnconv.errors import NIRError
 from snnconv.nir_io import load_nir, save_nir
-from snnconv.config import MAX_T
 from snnconv.nirfile import DIGEST_KEY, VERSION_KEY
-import _nirattacks as attacks
-from _nirfiles import chain_graph, same_graph, tiny_graph
 
 
 def _saved(tmp_path, graph=None, name="net.nir", **kw):

@@ -13,13 +13,13 @@ from collections import Counter
 
 import h5py
 import numpy as np
+from _nirfiles import same_graph, tiny_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snnconv.digest import UnverifiedFileWarning
 from snnconv.errors import NIRError
 from snnconv.nir_io import load_nir, save_nir
-from _nirfiles import same_graph, tiny_graph
 
 _STRUCTURAL = ("swap", "remove", "add dataset", "add group", "soft link", "external link",
                "external storage", "virtual")
@@ -132,7 +132,8 @@ def test_mutated_files_load_equal_warn_or_are_refused():
 # --- one child process per reader, capped in memory and time ------------------------
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_READERS = {"nirfile": 60, "nirgraph": 150, "prefix": 30, "network": 120, "checkpoint": 60}  # reader -> the fewest cases it runs
+# reader -> the fewest cases it runs
+_READERS = {"nirfile": 60, "nirgraph": 150, "prefix": 30, "network": 120, "checkpoint": 60}
 
 
 def test_each_reader_gives_an_snnconv_error_or_a_correct_load_within_the_budget(tmp_path):

@@ -9,16 +9,15 @@ import nir
 import numpy as np
 import pytest
 import torch
+from _probes import run_with_spikes, spikingjelly_run
+from test_nir import _convert
 
 from snnconv import backends
 from snnconv.errors import BackendError, DataError, NIRError
 from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
-from snnconv.nirformat import (COMPARE, FORMAT_VERSION, engine_threshold, predates_v_reset,
-                               spec_threshold)
+from snnconv.nirformat import COMPARE, FORMAT_VERSION, engine_threshold, predates_v_reset, spec_threshold
 from snnconv_backends.gpu import GPUBackend
 from snnconv_backends.nirgraph import parse
-from _probes import run_with_spikes, spikingjelly_run
-from test_nir import _convert
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

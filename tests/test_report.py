@@ -83,7 +83,8 @@ def test_the_headline_states_network_T_accuracies_with_images_and_the_cost(tmp_p
     text = visible_text(open(write_report(tmp_path), encoding="utf-8").read())
     assert ("resnet20 on cifar10, converted to a spiking network at T=4: ANN 91.00% \u2192 SNN 88.00% "
             "on 1,000 test images.") in text
-    assert "Conversion cost: 6 min 15 s on cpu; 272,474 parameters; training steps: BPTT fine-tuning 560 (unrolled over T=8)." in text
+    assert ("Conversion cost: 6 min 15 s on cpu; 272,474 parameters; training steps: BPTT fine-tuning 560 "
+            "(unrolled over T=8).") in text
     # every accuracy with its image count; the history convert recorded, although finetune.json is absent
     assert "SNN (converted) 4 1,000 88.00" in text and "ANN analog 1,000 91.00" in text
     assert "BPTT in snnconv convert: 560 steps unrolled over T=8; 2 epoch(s), 5 min 00 s" in text

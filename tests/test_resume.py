@@ -16,15 +16,14 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 import torch.nn as nn
+from _interrupting import Interrupt, InterruptingDataset
+from _probes import assert_bit_identical, state_copy
 from torch.utils.data import DataLoader, Dataset
 
 import snnconv
 from snnconv import finetune
 from snnconv.errors import CheckpointError
 from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
-
-from _interrupting import Interrupt, InterruptingDataset
-from _probes import assert_bit_identical, state_copy
 
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
 # Not a speed bound: without it a worker that never checkpoints would hang the suite for ever.

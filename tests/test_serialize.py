@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 import snnconv
 from snnconv import models
+from snnconv.config import MAX_T
 from snnconv.digest import UnverifiedFileWarning, content_digest
 from snnconv.errors import CheckpointError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
-from snnconv.config import MAX_T
 from snnconv.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
 from snnconv.neuron import neurons
 
@@ -259,7 +259,7 @@ def test_one_flipped_byte_in_any_tensor_is_refused(tmp_path):
     raw = (tmp_path / "snn.pt").read_bytes()
     records = _records(tmp_path / "snn.pt")
     assert len(records) >= len(snn.net.state_dict())  # weights, and the tensors of configs
-    for name, offset, size in records:
+    for _name, offset, size in records:
         data = bytearray(raw)
         data[offset + size // 2] ^= 0x10
         (tmp_path / "flipped.pt").write_bytes(bytes(data))

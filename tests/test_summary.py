@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import io
 
-from torch.utils.data import DataLoader, TensorDataset
-
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from snnconv.summary import beyond_ann, images_in, say_beyond_ann
 

@@ -25,7 +25,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import needs_fashion
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,7 +64,8 @@ def _text(nb: dict) -> str:
     out = []
     for cell in nb["cells"]:
         for o in cell.get("outputs", []):
-            out.append("".join(o.get("text", "")) if "text" in o else json.dumps(o.get("data", {}).get("text/plain", "")))
+            plain = o.get("data", {}).get("text/plain", "")
+            out.append("".join(o.get("text", "")) if "text" in o else json.dumps(plain))
     return "\n".join(out)
 
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import snnconv
 from snnconv.checkpoint import read_checkpoint, write_checkpoint
 from snnconv.cli import main
-from snnconv.files import MAX_FILE_BYTES
 from snnconv.digest import content_digest
 from snnconv.errors import CheckpointError
+from snnconv.files import MAX_FILE_BYTES
 from snnconv.finetune import CHECKPOINT_NAME, finetune
 from snnconv.network import SpikingNetwork
 
@@ -212,12 +212,12 @@ def test_reading_forged_files_stays_within_the_budget(saved, tmp_path):
     stays under the budget above what importing torch costs."""
     path, _ = saved
     _deflated_bomb(path, tmp_path / "bomb.pt", MAX_FILE_BYTES + 2**24)
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import json, resource, sys, torch
         from snnconv.network import SpikingNetwork
         from snnconv.errors import SnnconvError
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        out = {{}}
+        out = {}
         for name in ["bomb.pt", "snn.pt"]:
             try:
                 SpikingNetwork.load(name)
@@ -225,7 +225,7 @@ def test_reading_forged_files_stays_within_the_budget(saved, tmp_path):
             except SnnconvError as exc:
                 out[name] = type(exc).__name__
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(json.dumps({{"out": out, "base": base, "peak": peak}}))
+        print(json.dumps({"out": out, "base": base, "peak": peak}))
     """)
     os.link(path, tmp_path / "snn.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

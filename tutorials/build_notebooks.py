@@ -27,7 +27,6 @@ sys.path.insert(0, HERE)
 from cells_deploy import NB04, NB05  # noqa: E402
 from cells_train import NB01, NB02, NB03  # noqa: E402
 
-
 NOTEBOOKS = {
     "01_train_resnet18_cifar10.ipynb": NB01,
     "02_convert.ipynb": NB02,

@@ -207,7 +207,8 @@ class LavaProgram(Program):
             pops.append({"name": p.name, "role": p.role, "size": p.size, "reset": p.reset,
                          "vth": None if per_vth else int(p.vth),
                          "v_init": None if per_neuron else int(p.v_init),
-                         "static": bool(p.static), "bias_from": 0 if p.static or not p.has_bias else int(p.depth), "conns": conns, "du": int(p.du), "dv": int(p.dv)})
+                         "static": bool(p.static), "bias_from": 0 if p.static or not p.has_bias else int(p.depth),
+                         "conns": conns, "du": int(p.du), "dv": int(p.dv)})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
@@ -298,6 +299,7 @@ class LavaBackend(Backend):
             raise BackendError(f"lava: unknown option(s) {unknown}; known: {sorted(_OPTIONS)}")
         opts = dict(_OPTIONS)
         opts.update(options)
-        return LavaProgram(loihi2.quantize(parse_graph(graph, self.name, opts["dt"]), split_signs=bool(opts["split_signs"]),
+        return LavaProgram(loihi2.quantize(parse_graph(graph, self.name, opts["dt"]),
+                                           split_signs=bool(opts["split_signs"]),
                                            weight_groups=opts["weight_groups"],
                                            per_neuron_vth=bool(opts["per_neuron_vth"]), backend=self.name), opts)

@@ -63,23 +63,37 @@ import nir
 import numpy as np
 
 from snnconv.errors import NIRError
-from snnconv.nirformat import (ADAPTIVE_AVGPOOL, COMPARES, CONCAT_OP, FORMAT_VERSION, FORMAT_VERSIONS, MODULE_KEY,
-                               NEURON_KEY, OP_KEY, RESETS, SCALE_OP, SOURCE_VERSION_KEY, SPEC_COMPARE,
-                               SUM_OP, engine_threshold, fire_threshold,
-                               integration_gain, legacy_if_reason, predates_v_reset,
-                               spec_threshold)
+from snnconv.nirformat import (
+    ADAPTIVE_AVGPOOL,
+    COMPARES,
+    CONCAT_OP,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    MODULE_KEY,
+    NEURON_KEY,
+    OP_KEY,
+    RESETS,
+    SCALE_OP,
+    SOURCE_VERSION_KEY,
+    SPEC_COMPARE,
+    SUM_OP,
+    engine_threshold,
+    fire_threshold,
+    integration_gain,
+    legacy_if_reason,
+    predates_v_reset,
+    spec_threshold,
+)
 
+from .nirleaky import LEAKY_KINDS, read_leaky
 from .nirvalues import array as _array
 from .nirvalues import conv_params as _conv_params
 from .nirvalues import diagonal_scale as _diagonal_scale
 from .nirvalues import integer as _int
 from .nirvalues import integers as _ints
 from .nirvalues import meta as _meta
-from .nirvalues import shape as _shape
 from .nirvalues import type_shape as _type_shape
 from .nirvalues import window_out as _window_out
-
-from .nirleaky import LEAKY_KINDS, read_leaky
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 

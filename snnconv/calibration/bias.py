@@ -14,8 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..errors import ConfigError, StageOrderError
-from ..graph import (GroupStore, NodeOutputs, call_counts, largest_value, module_of, prepare, run_grouped,
-                     run_lockstep)
+from ..graph import GroupStore, NodeOutputs, call_counts, largest_value, module_of, prepare, run_grouped, run_lockstep
 from ..memory import budget_bytes, refuse_one_image
 from ..network import SpikingNetwork, check_T, images_per_chunk
 from ..neuron import IFNeuron, TimeExpand, channel_view, neurons

@@ -286,7 +286,7 @@ class WeightCalibration:
                     for target, name in (sites or {}).items():  # as reference_means
                         mean = channel_mean(values[name]) * ((hi - lo) / len(x))
                         self.means[target] = self.means.get(target, 0) + mean / len(batches)
-                    for name, (layer, ref_name, ref_layer) in self.plan.items():
+                    for name, (_layer, ref_name, ref_layer) in self.plan.items():
                         a = values[ref_name]
                         if name not in picks:  # the batch's sampled positions, drawn at its first piece
                             picks[name] = self._positions(ref_layer, a, len(x), images, gen)

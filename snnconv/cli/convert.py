@@ -5,9 +5,24 @@ from __future__ import annotations
 import io
 import os
 
-from .common import (UsageError, add_command, count, evaluation, load_model, load_snn, loaders,
-                     model_builder, new_run_dir, num_classes, out_dir, positive_int, print_accuracy, say,
-                     time_steps, write_json)
+from .common import (
+    UsageError,
+    add_command,
+    count,
+    evaluation,
+    load_model,
+    load_snn,
+    loaders,
+    model_builder,
+    new_run_dir,
+    num_classes,
+    out_dir,
+    positive_int,
+    print_accuracy,
+    say,
+    time_steps,
+    write_json,
+)
 
 __all__ = ["add_demo", "add_convert", "add_finetune"]
 

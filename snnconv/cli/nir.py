@@ -9,8 +9,17 @@ import time
 import warnings
 
 from ..energy import arithmetic_energy, format_arithmetic
-from .common import (Heartbeat, UsageError, add_command, datasets, load_snn, nir_path, positive_float,
-                     positive_int, write_json)
+from .common import (
+    Heartbeat,
+    UsageError,
+    add_command,
+    datasets,
+    load_snn,
+    nir_path,
+    positive_float,
+    positive_int,
+    write_json,
+)
 
 __all__ = ["add_export", "add_inspect", "add_run", "add_backends", "record_name", "rate_text"]
 
@@ -149,16 +158,17 @@ def _cmd_run(args) -> int:
     """``snnconv run FILE.nir --backend cpu --data digits --T 8``: accuracy, spikes, synops, energy.
 
     Also writes ``OUT/backends/BACKEND_T<T>_<DATA>_<N>img[_<digest>].json`` (default OUT: the
-    NIR file's folder; :func:`record_name`) for ``snnconv report``: accuracy, agreement with the torch network read from the same file,
+    NIR file's folder; :func:`record_name`) for ``snnconv report``: accuracy, agreement with the torch network
+    read from the same file,
     operation counts, energy and the backend's own report.
     """
     import torch
     from torch.utils.data import DataLoader
 
     from .. import backends
+    from ..analysis import static_macs
     from ..errors import SnnconvError
     from ..nir_io import from_nir, load_nir
-    from ..analysis import static_macs
     from ..prefixfile import load_prefix
 
     args.file = nir_path(args.file)

@@ -10,7 +10,6 @@ from typing import Callable
 import torch.nn as nn
 
 from ..errors import ConfigError
-
 from .resnet import BasicBlock, CifarResNet, resnet8, resnet14, resnet18, resnet20
 from .small import SmallCNN, small_cnn
 from .vgg import VGG, vgg11, vgg16

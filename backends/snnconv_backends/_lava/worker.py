@@ -228,7 +228,7 @@ def main(job_path, out_path):
             procs[p["name"]] = SubtractiveIF(shape=(n,), vth=int(p["vth"]), v=v0,
                                              bias_mant=mant, bias_exp=exp, name=p["name"])
     conns = []
-    for j, p in enumerate(spec["populations"]):
+    for p in spec["populations"]:
         for c in p["conns"]:
             i = int(c["index"])
             rows, cols, vals = job[f"c{i}_rows"], job[f"c{i}_cols"], job[f"c{i}_vals"]

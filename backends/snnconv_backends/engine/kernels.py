@@ -35,7 +35,7 @@ def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: s
         for t in range(T):
             # v[0] = 1/2 added in the first step's operation (a + b == b + a), no fill pass
             if static:
-                v = torch.add(xs[0], half) if t == 0 else v.add_(xs[t])
+                v = torch.add(xs[0], half) if t == 0 else v.add_(xs[t])  # noqa: F821 (v is bound at t == 0)
             else:  # v + x / theta, the division rounded first (as SpikingNetwork's x / theta)
                 v = torch.addcdiv(half, xs[0], theta) if t == 0 else v.addcdiv_(xs[t], theta)
             if ties is not None:

@@ -141,7 +141,8 @@ class Loihi2SimBackend(Backend):
     (1, or 2: each connection's rounding residual as a second synapse group, ~15-bit weights
     at twice the synapses; or a mapping connection -> groups; see :func:`quantize`),
     ``per_neuron_vth`` (default True: one threshold per channel where one per population would
-    be below 2**10), ``mse_exponents`` (default False: see :func:`quantize`), ``reference`` (default True: also run the float network on the batch and
+    be below 2**10), ``mse_exponents`` (default False: see :func:`quantize`), ``reference`` (default True: also
+    run the float network on the batch and
     compare each layer's firing rate, ``extra["fidelity"]``; a departure beyond the tolerances
     of :mod:`.fidelity` warns with :class:`~snnconv_backends.loihi2.fidelity.QuantisationWarning`).
     """

@@ -10,8 +10,16 @@ import numpy as np
 
 from ..engine.stats import macs_per_image
 from ..nirgraph import ParsedGraph
-from .chip import (CLOCK, CORES_PER_CHIP, E_MAC_FP32, E_NEURON_UPDATE, E_SPIKE, E_SYNOP,
-                   NEURONS_PER_CORE, SYNAPSES_PER_CORE)
+from .chip import (
+    CLOCK,
+    CORES_PER_CHIP,
+    E_MAC_FP32,
+    E_NEURON_UPDATE,
+    E_SPIKE,
+    E_SYNOP,
+    NEURONS_PER_CORE,
+    SYNAPSES_PER_CORE,
+)
 from .network import Connection, QuantizedNetwork
 
 __all__ = ["resources", "energy", "ann_macs", "CHIP_MODEL"]

@@ -126,6 +126,7 @@ def summary(fid: Mapping[str, Any], backend: str) -> str:
     """One line: the departures found, or that there are none."""
     w = fid["warnings"]
     if not w:
-        return f"{backend}: quantisation within tolerance (every layer's rate within {100 * RATE_TOLERANCE:.0f}% of the float network's)"
+        return (f"{backend}: quantisation within tolerance (every layer's rate within "
+                f"{100 * RATE_TOLERANCE:.0f}% of the float network's)")
     return f"{backend}: quantisation departs from the float network in {len(w)} place(s): " + "; ".join(w[:3]) + (
         f"; and {len(w) - 3} more" if len(w) > 3 else "")

@@ -73,10 +73,10 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
     if r:
         lines.append(f"resources: {r['neurons']} neurons, {r['synapses']} synapses, "
                      f"{r['cores']} cores, {r['chips']} chip(s)  [{r['source']}]")
-        for name, l in r["layers"].items():
-            lines.append(f"  {name:<24} neurons {l['neurons']:>7}  synapses {l['synapses_in']:>9}  "
-                         f"fan-in {l['fan_in_mean']:.1f}  fan-out {l.get('fan_out_mean', 0):.1f}  "
-                         f"cores {l['cores']}")
+        for name, layer in r["layers"].items():
+            lines.append(f"  {name:<24} neurons {layer['neurons']:>7}  synapses {layer['synapses_in']:>9}  "
+                         f"fan-in {layer['fan_in_mean']:.1f}  fan-out {layer.get('fan_out_mean', 0):.1f}  "
+                         f"cores {layer['cores']}")
     lat = ex.get("latency")
     if lat:
         lines.append(f"latency: {lat['steps']} steps (T {lat['T']} + pipeline depth {lat['depth']}), "
