@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.snnconv-installed
 FMNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test test-floor test-newest setup data browser clean-venv lava-env
+.PHONY: demo test test-floor test-newest lint setup data browser clean-venv lava-env
 
 demo: $(STAMP)
 	$(BIN)/snnconv demo --out runs/demo
@@ -17,6 +17,13 @@ test: $(STAMP) data browser
 	$(BIN)/python -m pytest -n 2 -q
 
 setup: $(STAMP)
+
+# ruff (pycodestyle, pyflakes, isort, bugbear) over the repository and mypy over the package, as
+# pyproject.toml configures them; the versions are the lock's
+lint: $(STAMP)
+	$(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[lint]"
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
