@@ -11,7 +11,7 @@ chain on a tensor of channel indices. In place on a traced graph; returns what c
 from __future__ import annotations
 
 import operator
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -82,7 +82,8 @@ def rewrite_channel_moves(gm: fx.GraphModule, example_inputs: Iterable) -> list[
     values = capture(gm, example_inputs, [n.name for n in gm.graph.nodes],
                      reduce=lambda t: ("tensor", tuple(t.shape)))
     values = {k: v[1] for k, v in values.items() if isinstance(v, tuple) and v[:1] == ("tensor",)}
-    done, used = [], {n for n, _ in gm.named_modules()}
+    done: list[dict[str, Any]] = []
+    used = {n for n, _ in gm.named_modules()}
     for end in ends:
         chain, src = _chain(end)
         shape, out_shape = values.get(getattr(src, "name", None)), values.get(end.name)

@@ -44,7 +44,8 @@ _FUNCTION_BOUNDS: dict[Any, tuple[tuple[int, str, float | None], tuple[int, str,
     torch.clamp: ((1, "min", None), (2, "max", None)),
     torch.clip: ((1, "min", None), (2, "max", None)),
 }
-_METHOD_BOUNDS = {m: _FUNCTION_BOUNDS[torch.clamp] for m in ("clamp", "clip", "clamp_", "clip_")}
+_METHOD_BOUNDS: dict[Any, tuple[tuple[int, str, float | None], tuple[int, str, float | None]]] = {
+    m: _FUNCTION_BOUNDS[torch.clamp] for m in ("clamp", "clip", "clamp_", "clip_")}
 
 
 def _arg(node: fx.Node, pos: int, key: str, default: Any) -> Any:

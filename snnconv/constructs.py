@@ -42,6 +42,7 @@ def rewrite_constructs(gm: fx.GraphModule, example_inputs: tuple, *, maxpool: st
         prefix = split_prefix(gm)
         if prefix["nodes"]:
             inner = gm.get_submodule(PREFIX_NAME).net
+            assert isinstance(inner, fx.GraphModule)
             prefix["folded"] = [p.to_dict() for p in fold_graph(inner, example_inputs)]
         report["prefix"] = prefix
     return report

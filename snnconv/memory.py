@@ -131,7 +131,7 @@ def images_that_fit(per_image: int, budget: int | None, batch: int) -> int:
     return max(1, min(batch, budget // per_image))
 
 
-def refuse_one_image(per_image: int, device: torch.device | str, what: str, lower: str) -> None:
+def refuse_one_image(per_image: float, device: torch.device | str, what: str, lower: str) -> None:
     """Raise ResourceError where ``per_image`` bytes (``what`` on one image) exceed what is free
     on ``device`` (or ``SNNCONV_MEMORY``); ``lower`` says what to change."""
     device = torch.device(device)

@@ -9,7 +9,7 @@ DataLoader iterator draws a worker base seed from the global generator even with
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -65,7 +65,7 @@ def evaluate(model: nn.Module, loader: Iterable, device: torch.device | str = "c
     return 100.0 * (pred == y).float().mean().item()
 
 
-def accuracy_by_T(snn: nn.Module, loader: Iterable, Ts: Iterable[int],
+def accuracy_by_T(snn: Any, loader: Iterable, Ts: Iterable[int],
                   device: torch.device | str = "cpu") -> dict[int, float]:
     """SNN top-1 accuracy at each T, computed from one run at max(T) (cumulative readouts).
 
@@ -98,6 +98,7 @@ def teacher_targets(teacher: nn.Module | None, x: torch.Tensor, y: torch.Tensor 
     on ``device``: ``y``, or the teacher's top-1 where the batch has none (the cross-entropy
     weight is then 0). No gradients reach the teacher."""
     if teacher is None:
+        assert y is not None, "an unlabelled batch needs a teacher"
         return None, y.to(device)
     with torch.no_grad():
         logits = teacher(x).float()
@@ -130,7 +131,7 @@ class TeacherLabelled:
         self.loader, self.teacher, self.device, self.missing = loader, teacher, device, missing
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.loader)  # type: ignore[arg-type]  # a DataLoader, or any sized iterable
 
     def __iter__(self):
         for batch in self.loader:

@@ -207,7 +207,7 @@ class SpikingNetwork(nn.Module):
         atomic_write_bytes(path, buf.getvalue())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "SpikingNetwork":
+    def load(cls, path: str | os.PathLike | io.BytesIO) -> "SpikingNetwork":
         """Read a network written by :meth:`save` (``torch.load(weights_only=True)``), in eval mode.
 
         A version 2 file must match its digest. Every module's parameter and buffer shapes are

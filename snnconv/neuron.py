@@ -391,7 +391,7 @@ def li_step(v: torch.Tensor, x: torch.Tensor, p: LeakyParams) -> torch.Tensor:
     return v + p.k_mem * (p.v_leak - v) + p.g_in * x
 
 
-def leaky_sequence(kind: str, seq: Sequence[torch.Tensor], p: LeakyParams, **step) -> torch.Tensor:
+def leaky_sequence(kind: str, seq: Sequence[torch.Tensor] | torch.Tensor, p: LeakyParams, **step) -> torch.Tensor:
     """The outputs ``[T, b, *shape]`` of a leaky neuron over ``seq[0], ..., seq[T-1]`` from the
     zero state (``v = 0``, ``i = 0``: NIR defines no initial state; Lava's and snntorch's
     neurons start there): spikes for ``"lif"`` and ``"cubalif"``, the membrane for ``"li"``.

@@ -380,7 +380,7 @@ def _layout(where: str, f: Any, budget: _Budget) -> None:
     edges = graph["edges"]
     if not isinstance(edges, h5py.Dataset):
         raise NIRError(f"{where}: '/node/edges' is not a dataset")
-    shape = edges.shape or ()
+    shape: tuple[int, ...] = edges.shape or ()
     if shape not in ((0,),) and not (len(shape) == 2 and shape[1] == 2 and _is_text(edges)):
         raise NIRError(f"{where}: '/node/edges' has shape {edges.shape} and dtype {edges.dtype}; "
                        "NIR writes (source, target) names, shape (E, 2)")

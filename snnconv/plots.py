@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import matplotlib
 
@@ -25,7 +25,7 @@ def _save(fig, path: str | os.PathLike) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def plot_accuracy_vs_T(curves: Mapping[str, Mapping[int, float]], path: str | os.PathLike, *,
+def plot_accuracy_vs_T(curves: Mapping[str, Mapping[Any, float]], path: str | os.PathLike, *,
                        references: Mapping[str, float] | None = None,
                        title: str = "SNN accuracy vs time steps") -> None:
     """One line per method (``{name: {T: accuracy}}``), dashed horizontal lines for references."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sized
 
 from tqdm.auto import tqdm
 
@@ -48,7 +48,7 @@ class LogProgress:
                  desc: str = "", initial: int = 0, interval: float = LOG_INTERVAL,
                  first: float = FIRST_LINE, file: Any = None, **_: Any):
         self.iterable = iterable
-        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+        if total is None and isinstance(iterable, Sized):
             total = len(iterable)
         self.total, self.desc, self.n, self.initial = total, desc, int(initial), int(initial)
         self.interval, self.first = float(interval), float(first)
@@ -94,7 +94,7 @@ class LogProgress:
 
     def __iter__(self) -> Iterator:
         try:
-            for item in self.iterable:
+            for item in () if self.iterable is None else self.iterable:
                 yield item
                 self.update(1)
         finally:
@@ -123,7 +123,7 @@ class _Silent:
         pass
 
     def __iter__(self) -> Iterator:
-        return iter(self.iterable)
+        return iter(() if self.iterable is None else self.iterable)
 
     def __enter__(self) -> "_Silent":
         return self

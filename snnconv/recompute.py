@@ -102,7 +102,7 @@ class StepPlan:
                 "bytes_per_image": self.per_image}
 
 
-def _checkpoint_inputs(view: SpikingNetwork) -> list:
+def _checkpoint_inputs(view: SpikingNetwork) -> tuple[list, dict[int, int]]:
     """Forward pre-hooks that collect the storages of what each checkpointed piece is given (the
     tensors it keeps for its recomputation); returns ``(handles, seen)``."""
     seen: dict[int, int] = {}

@@ -101,10 +101,10 @@ def read_leaky(name: str, node: Any, kind: str, dt: float) -> tuple[str, dict[st
             params["k_mem"], params["g_in"] = k, k * raw["r"]
     params.update({f: raw[f] for f in fields if f not in taus + ("r", "w_in")})
     out = {}
-    for k, v in params.items():
+    for field_name, v in params.items():
         a = np.ascontiguousarray(v, dtype=np.float32)
         a.setflags(write=False)
-        out[k] = a
+        out[field_name] = a
     return kind, out, shape, shape
 
 

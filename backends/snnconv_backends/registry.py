@@ -128,7 +128,7 @@ class Backend(abc.ABC):
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
-    found = {}
+    found: dict[str, metadata.EntryPoint] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep)
     return found

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub, pa)
-    parser.commands = sub.choices  # name -> the subcommand's parser
+    parser.commands = sub.choices  # type: ignore[attr-defined]  # name -> the subcommand's parser
     return parser
 
 
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the subcommand, whose flags they are not
-            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+            commands = parser.commands  # type: ignore[attr-defined]
+            commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version (0) or a usage error (argparse printed one line: 2)
         return exc.code if isinstance(exc.code, int) else 2
     where = f"snnconv {args.command}"

@@ -406,7 +406,7 @@ def _zoo_or_import(spec: str) -> Callable[[int, int], Any]:
         raise UsageError(f"--model {spec}: cannot import {module_name} ({type(exc).__name__}: "
                          f"{one_line(exc)[:200]}); it must be importable from the current folder or "
                          "PYTHONPATH") from None
-    factory = module
+    factory: Any = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
     if not callable(factory):

@@ -26,10 +26,11 @@ def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: s
     if static:
         x = u / theta if reset == "subtract" else u
         s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
-        xs = [x] * T
+        xs: list[torch.Tensor] | torch.Tensor = [x] * T
     else:
         s = u  # step t's spikes overwrite step t's input once it has been added
         xs = u
+    v: torch.Tensor
     if reset == "subtract":
         half = torch.tensor(0.5, dtype=s.dtype, device=s.device) if v0 is None else v0
         for t in range(T):

@@ -112,7 +112,7 @@ def _scale(op: Any, dt: torch.dtype, dev: torch.device) -> Callable:
     def scaled(x: torch.Tensor) -> torch.Tensor:
         return x * scale
 
-    scaled.factor = scale
+    scaled.factor = scale  # type: ignore[attr-defined]  # read by the plan (a product of spikes)
     return scaled
 
 

@@ -75,7 +75,10 @@ class Loihi2Program(Program):
             bs = 256 if self.device.type != "cpu" else max(1, 256 // T)
         bs = max(1, int(bs))
         record = bool(self.options["record"])
-        outs, cnt, spk, vlt = [], {}, {}, {}
+        outs: list = []
+        cnt: dict = {}
+        spk: dict = {}
+        vlt: dict = {}
         stats = RuntimeCounters()
         synops: dict[str, float] = {}
         with torch.no_grad():

@@ -60,6 +60,7 @@ class Connection:
         if self.kind in ("diag", "bias"):
             idx = np.nonzero(self.mant.reshape(n_tgt))[0]
             return idx, (np.zeros_like(idx) if self.kind == "bias" else idx), self.mant.reshape(-1)[idx]
+        assert self.conv is not None, f"{self.name}: a convolution connection without its parameters"
         return _conv_coo(self.mant, self.conv, tuple(src_shape), tuple(tgt_shape))
 
 
@@ -76,17 +77,16 @@ def _conv_coo(mant: np.ndarray, p: Mapping[str, Any], src_shape: tuple[int, ...]
     dil = tuple(p["dilation"]) if two else (1, p["dilation"][0])
     idx = torch.arange(1, int(np.prod(src)) + 1, dtype=torch.float64).reshape(1, *src)
     unf = F.unfold(idx, k.shape[2:], dilation=dil, padding=pad, stride=stride)[0]  # [C*kh*kw, L]
-    unf = unf.round().to(torch.int64).numpy() - 1
+    index = unf.round().to(torch.int64).numpy() - 1
     L = unf.shape[1]
     groups = int(p["groups"])
     cin_g, cout_g, K = c_in // groups, k.shape[0] // groups, int(np.prod(k.shape[2:]))
     rows, cols, vals = [], [], []
     for oc in range(k.shape[0]):
         g = oc // cout_g
-        block = unf[g * cin_g * K:(g + 1) * cin_g * K]  # [cin_g*K, L]
+        block = index[g * cin_g * K:(g + 1) * cin_g * K]  # [cin_g*K, L]
         w = k[oc].reshape(-1, 1).astype(np.int64)
         keep = (block >= 0) & (w != 0)
-        r, _ = np.nonzero(keep)
         rows.append(oc * L + np.nonzero(keep)[1])
         cols.append(block[keep])
         vals.append(np.broadcast_to(w, block.shape)[keep])

@@ -101,7 +101,7 @@ def build_result(q: QuantizedNetwork, out: torch.Tensor, counts: Mapping[str, to
     macs = ann_macs(q.graph, B)
     total = float(sum(float(c.sum()) for c in counts.values()))
     steps = T + q.depth
-    ex = {"quantisation": {"layers": quantisation_report(q),
+    ex: dict[str, Any] = {"quantisation": {"layers": quantisation_report(q),
                            "runtime": {"saturated": int(stats.saturated), "wrapped": int(stats.wrapped),
                                        "bias_clipped": int(stats.bias_clipped)}},
           "resources": resources(q),
