@@ -40,10 +40,11 @@ _UNSUPPORTED_FUNCTIONS = {F.gelu, F.silu, F.leaky_relu, F.leaky_relu_, torch.sig
 _UNSUPPORTED_FUNCTIONS |= {torch.selu, torch.celu, torch.special.expit, torch.softmax,
                            torch.log_softmax, F.softmax, F.log_softmax, F.softmin}
 _UNSUPPORTED_METHODS = {"sigmoid", "sigmoid_", "tanh", "tanh_", "softmax", "log_softmax"}
-_MAXPOOL_TO_AVG = {nn.MaxPool1d: nn.AvgPool1d, nn.MaxPool2d: nn.AvgPool2d, nn.MaxPool3d: nn.AvgPool3d}
-_ADAPTIVE_MAX_TO_AVG = {nn.AdaptiveMaxPool1d: nn.AdaptiveAvgPool1d,
-                        nn.AdaptiveMaxPool2d: nn.AdaptiveAvgPool2d,
-                        nn.AdaptiveMaxPool3d: nn.AdaptiveAvgPool3d}
+_MAXPOOL_TO_AVG: dict[type, type] = {nn.MaxPool1d: nn.AvgPool1d, nn.MaxPool2d: nn.AvgPool2d, nn.MaxPool3d: nn.AvgPool3d}
+_ADAPTIVE_MAX_TO_AVG: dict[type, type] = {nn.AdaptiveMaxPool1d: nn.AdaptiveAvgPool1d,
+                                          nn.AdaptiveMaxPool2d: nn.AdaptiveAvgPool2d,
+                                          nn.AdaptiveMaxPool3d: nn.AdaptiveAvgPool3d}
+_MAX_POOLS = frozenset(_MAXPOOL_TO_AVG) | frozenset(_ADAPTIVE_MAX_TO_AVG)  # the max-pooling modules
 _MAXPOOL_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d,
                       F.adaptive_max_pool2d, F.adaptive_max_pool3d, torch.max_pool2d,
                       torch.max_pool1d, torch.max_pool3d}
@@ -73,6 +74,8 @@ class QCFS(nn.Module):
     Shape:
         input ``[B, C, ...]`` or ``[B, C]``; output: same.
     """
+
+    lam: nn.Parameter
 
     def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5):
         super().__init__()
@@ -160,7 +163,7 @@ def unsupported_constructs(gm: fx.GraphModule, maxpool: str) -> list[Construct]:
         elif (node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS) or (
                 node.op == "call_method" and node.target in _UNSUPPORTED_METHODS):
             found[node] = _construct("activation", node, f"{node.op} '{_name(node)}'")
-        is_max = (mod is not None and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}) or (
+        is_max = (mod is not None and type(mod) in _MAX_POOLS) or (
             node.op == "call_function" and node.target in _MAXPOOL_FUNCTIONS)
         if is_max and (maxpool != "avg" or mod is None):
             what = type(mod).__name__ if mod is not None else f"call_function '{_name(node)}'"
@@ -284,7 +287,7 @@ def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool:
         if isinstance(mod, _ALLOWED_MODULES) or isinstance(mod, QCFS) or type(mod).__name__ in (
                 "IFNeuron", "Scale", "TimeExpand"):
             return None
-        if maxpool == "avg" and type(mod) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}:
+        if maxpool == "avg" and type(mod) in _MAX_POOLS:
             return None
         kind = "normalisation" if isinstance(mod, _NORMALISATION_MODULES) else "operation"
         return kind, f"{type(mod).__name__} module"
@@ -337,7 +340,7 @@ def _reduction_refusal(node: fx.Node, name: str, dim_pos: int) -> tuple[str, str
 def max_pools(gm: fx.GraphModule) -> list[str]:
     """The max-pooling modules of ``gm`` that ``maxpool="avg"`` would replace."""
     return [str(n.target) for n in gm.graph.nodes
-            if type(module_of(gm, n)) in {**_MAXPOOL_TO_AVG, **_ADAPTIVE_MAX_TO_AVG}]
+            if type(module_of(gm, n)) in _MAX_POOLS]
 
 
 def replace_maxpool(gm: fx.GraphModule) -> list[str]:
@@ -345,7 +348,7 @@ def replace_maxpool(gm: fx.GraphModule) -> list[str]:
     returns the qualified names replaced."""
     replaced = []
     for node in gm.graph.nodes:
-        mod = module_of(gm, node)
+        mod: Any = module_of(gm, node)
         if mod is None:
             continue
         if type(mod) in _MAXPOOL_TO_AVG:

@@ -13,6 +13,7 @@ at the borders (a padded zero would become ``t``), so a padded consumer gets the
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -32,6 +33,7 @@ _RANK_OF = {nn.BatchNorm2d: 4, nn.BatchNorm3d: 5}
 
 def channel_affine(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, t)`` in float64 with ``bn(x) = s * x + t`` per channel (running statistics)."""
+    assert bn.running_mean is not None and bn.running_var is not None, "a BatchNorm without running statistics"
     mean, var = bn.running_mean.detach().double(), bn.running_var.detach().double()
     g = bn.weight.detach().double() if bn.affine else torch.ones_like(mean)
     b = bn.bias.detach().double() if bn.affine else torch.zeros_like(mean)
@@ -43,9 +45,11 @@ def affine_layer(bn: _BatchNorm, rank: int | None) -> nn.Module:
     """The explicit per-channel affine layer computing ``bn`` on a ``rank``-d input (None:
     the rank the BatchNorm type implies; a BatchNorm1d is then taken to see ``[B, C]``)."""
     s, t = channel_affine(bn)
+    assert bn.running_mean is not None
     dtype = bn.running_mean.dtype
     rank = rank if rank is not None else _RANK_OF.get(type(bn), 2)
     C = s.numel()
+    layer: nn.Module
     if rank == 2:
         layer = nn.Linear(C, C)
         weight = torch.diag(s)
@@ -57,7 +61,7 @@ def affine_layer(bn: _BatchNorm, rank: int | None) -> nn.Module:
     return layer.to(bn.running_mean.device)
 
 
-def _unpadded(layer: nn.Module) -> bool:
+def _unpadded(layer: Any) -> bool:
     if isinstance(layer, nn.Linear):
         return True
     padding = layer.padding
@@ -75,7 +79,7 @@ def fold_into_consumer(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None,
     layer = module_of(gm, user)
     if not isinstance(layer, _CONSUMERS) or calls.get(str(user.target), 0) != 1 or not _unpadded(layer):
         return None
-    bn = module_of(gm, bn_node)
+    bn = cast(_BatchNorm, module_of(gm, bn_node))
     s, t = channel_affine(bn)
     w = layer.weight.detach().double()
     C = s.numel()
@@ -101,5 +105,5 @@ def fold_into_consumer(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None,
 
 def replace_with_affine(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None) -> str:
     """Install the explicit affine layer in the BatchNorm's place (same module name)."""
-    set_module(gm, str(bn_node.target), affine_layer(module_of(gm, bn_node), rank))
+    set_module(gm, str(bn_node.target), affine_layer(cast(_BatchNorm, module_of(gm, bn_node)), rank))
     return str(bn_node.target)

@@ -301,9 +301,9 @@ def _in_place(gm: fx.GraphModule, n: fx.Node) -> bool:
         name = getattr(n.target, "__name__", "")
         return n.target in _IN_PLACE or (name.endswith("_") and not name.startswith("_"))
     if n.op == "call_method":
-        return n.target.endswith("_") and not n.target.startswith("_")
+        return str(n.target).endswith("_") and not str(n.target).startswith("_")
     if n.op == "call_module":
-        return bool(getattr(gm.get_submodule(n.target), "inplace", False))
+        return bool(getattr(gm.get_submodule(str(n.target)), "inplace", False))
     return False
 
 
@@ -534,6 +534,7 @@ def run_grouped(gm: fx.GraphModule, chunks: list[torch.Tensor], groups: list[lis
                 hook.measure(advance(members, copies, segment, node), members)
                 store.put(g, envs)
                 del copies
+            assert kept is not None  # the last group's members were advanced above
             hook.measure(kept[1], groups[-1])
             hook.settle()
             for g in [len(groups) - 1, *range(len(groups) - 1)]:

@@ -245,7 +245,7 @@ class SpikingNetwork(nn.Module):
         else:
             _verify(path, payload)
         T = payload.get("T")
-        if isinstance(T, numbers.Integral) and not isinstance(T, bool) and T > MAX_T:
+        if isinstance(T, numbers.Integral) and not isinstance(T, bool) and int(T) > MAX_T:
             raise CheckpointError(f"{path} declares T={T}, above the bound of {MAX_T} time steps")
         state = payload.get("state_dict")
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -259,7 +259,7 @@ class SpikingNetwork(nn.Module):
                                   f"{type(exc).__name__}: {exc}") from exc
         _check_values(path, net)
         try:
-            snn = cls(net, payload.get("T"))
+            snn = cls(net, payload.get("T"))  # type: ignore[arg-type]  # checked by the constructor
         except ValueError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
         meta = payload.get("meta", {})

@@ -162,6 +162,9 @@ class IFNeuron(nn.Module):
         input ``[T*B, C, ...]`` (time-major), output: same, values in {0, 1}.
     """
 
+    theta: nn.Parameter
+    v_init: torch.Tensor
+
     def __init__(self, theta: float | torch.Tensor, T: int = 8, *, alpha: float = 2.0,
                  detach_reset: bool = False, reset: str = "subtract",
                  v_init: float | torch.Tensor | None = None):
@@ -253,6 +256,8 @@ class Scale(nn.Module):
     """Multiply by ``theta``: per layer, per channel on dim 1 (a spike train back to values), or
     per position (a batch-free map of two or more dims that broadcasts against the input, such
     as the divisors of a ceil-mode pooling, :mod:`snnconv.pools`)."""
+
+    theta: nn.Parameter
 
     def __init__(self, theta: float | torch.Tensor):
         super().__init__()

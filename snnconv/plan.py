@@ -161,7 +161,7 @@ class Plan:
                 line += f": about {_duration(s.seconds)}"
             if s.cut_from is not None:
                 line += (f" (cut from the default {s.cut_from} steps, about "
-                         f"{_duration(s.seconds_per_step * s.cut_from)}, to the "
+                         f"{_duration((s.seconds_per_step or 0.0) * s.cut_from)}, to the "
                          f"{_duration(TIME_BUDGETS[s.name])} budget)")
             if s.note:
                 line += f"; {s.note}"
@@ -306,6 +306,8 @@ def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune
         fit = _cut(stage, TIME_BUDGETS[stage.name]) if stage.name in TIME_BUDGETS and defaults.get(stage.name) else None
         if fit is None:
             continue
+        # a stage is cut only where its steps were counted and a step was timed (_cut)
+        assert stage.steps is not None and stage.seconds_per_step is not None
         stage.cut_from = stage.steps
         if stage.name == "qcfs":
             qcfs_train = replace(qcfs_train, max_steps=fit)
@@ -325,7 +327,7 @@ def _stage(name: str, steps: int | None, images: int, T: int, per: float, micro:
     return StagePlan(name, steps, images, T, per, None if steps is None else per * steps, micro_batch=micro)
 
 
-def _snn_step(snn: nn.Module, x: torch.Tensor, T: int, batch: int) -> tuple[float, int]:
+def _snn_step(snn: Any, x: torch.Tensor, T: int, batch: int) -> tuple[float, int]:
     """Seconds of one BPTT step of ``batch`` images at ``T`` and the images per pass that fit."""
     old = snn.T
     snn.T = T
@@ -342,7 +344,7 @@ def _snn_step(snn: nn.Module, x: torch.Tensor, T: int, batch: int) -> tuple[floa
         snn.T = old
 
 
-def _forward_time(snn: nn.Module, x: torch.Tensor, T: int, images: int) -> float:
+def _forward_time(snn: Any, x: torch.Tensor, T: int, images: int) -> float:
     old = snn.T
     snn.T = T
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -197,7 +198,7 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     # a list of one batch holds nothing out: train on it without best-epoch selection
     one_batch = not isinstance(loader, DataLoader) and _length(loader) == 1
     train, val = split_loader(loader, 0.0 if one_batch else cfg.val_fraction, seed=cfg.seed)
-    if val is not None and hasattr(val, "__len__") and len(val) == 0:
+    if val is not None and isinstance(val, Sized) and len(val) == 0:
         val = None
     label_free = teacher is not None and cfg.distill == 1
     if val is not None:
@@ -205,13 +206,13 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     lams = [m.lam for m in qcfs_sites(gm).values()]
     opt = make_optimizer(gm, cfg.optimizer, cfg.lr, weight_decay=cfg.weight_decay,
                          momentum=cfg.momentum, threshold_lr=cfg.lambda_lr, threshold_params=lams)
-    steps = cfg.epochs * max(1, len(train)) if hasattr(train, "__len__") else None
+    steps = cfg.epochs * max(1, len(train)) if isinstance(train, Sized) else None
     if cfg.max_steps is not None:
         steps = cfg.max_steps if steps is None else min(steps, cfg.max_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) if steps else 1.0)
     history = []
-    best = (-1.0, None)
+    best: tuple[float, dict[str, Any] | None] = (-1.0, None)
     if val is not None:
         # the calibrated, untrained state is epoch 0: training can never return something worse
         gm.eval()
@@ -224,7 +225,7 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
         if cfg.max_steps is not None and total >= cfg.max_steps:
             break
         gm.train()
-        loss_sum = n = correct = 0
+        loss_sum, n, correct = 0.0, 0, 0
         length = _length(train)
         if length is not None and cfg.max_steps is not None:
             length = min(length, cfg.max_steps - total)  # the last epoch is cut
@@ -356,7 +357,7 @@ def calibrate_qcfs(
         site = QCFS(L, lams[node.name]).to(device)
         # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
         # that reads this site's output on the right dimension
-        site.input_ndim = ndims.get(node.name)
+        site.input_ndim = ndims.get(node.name)  # type: ignore[assignment]  # a plain attribute
         gm.add_submodule(name, site)
         with gm.graph.inserting_after(node):
             new = gm.graph.call_module(name, (src,))

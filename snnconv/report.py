@@ -115,7 +115,7 @@ def _png(draw: Callable[[Any], None], size=(6.4, 3.8)) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _curve(points: Mapping[str, float]) -> tuple[list[int], list[float]]:
+def _curve(points: Mapping[Any, float]) -> tuple[list[int], list[float]]:
     Ts = sorted(int(t) for t in points)
     return Ts, [float(points[str(t)] if str(t) in points else points[t]) for t in Ts]
 
@@ -231,7 +231,7 @@ def _plot_energy(ax, rows: list[tuple[str, float]]) -> None:
     ax.grid(True, axis="x", alpha=0.3)
 
 
-def energy_comparisons(analysis: dict | None, backends: dict) -> list[dict]:
+def energy_comparisons(analysis: Mapping[str, Any] | None, backends: Mapping[str, Any]) -> list[dict]:
     """One SNN-against-ANN row per target and energy model: evaluate's (the torch SNN), each
     backend's arithmetic one and a chip backend's own (nJ per image), each with its model named."""
     rows = []
@@ -459,7 +459,8 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
 
 
 def _evaluation_sections(ev: Mapping[str, Any] | None, parts: list[str]) -> Mapping[str, Any] | None:
-    analysis = (ev or {}).get("analysis")
+    ev = ev or {}
+    analysis = ev.get("analysis")
     at = (f" ({ev.get('network', 'the SNN')}, T={analysis['T']}, the first {analysis['batch']} test images)"
           if analysis else "")
     parts.append(f"<h2>Firing rate per layer{html.escape(at)}</h2>")
@@ -498,15 +499,16 @@ def _history(parts: list[str], history: list[Mapping[str, Any]], title: str) -> 
 
 def _finetune_section(meta: Mapping[str, Any] | None, ft: Mapping[str, Any] | None, parts: list[str]) -> None:
     parts.append("<h2>Fine-tuning</h2>")
-    stage = next((s for s in (meta or {}).get("stages", []) if s.get("name") == "finetune"), None)
-    recorded = [h for h in ((stage or {}).get("changes") or {}).get("history") or [] if "epoch" in h]
+    stage = next((s for s in (meta or {}).get("stages", []) if s.get("name") == "finetune"), None) or {}
+    recorded = [h for h in (stage.get("changes") or {}).get("history") or [] if "epoch" in h]
     if recorded:
         cfg = ((meta or {}).get("settings") or {}).get("finetune") or {}
         steps = sum(h.get("steps", 0) for h in recorded)
         _history(parts, recorded, f"BPTT in snnconv convert: {steps:,} steps unrolled over "
                                   f"T={_horizons(cfg) or '?'}; {len(recorded)} epoch(s), "
                                   f"{duration(stage.get('seconds', 0.0))}")
-    history = [h for h in (ft or {}).get("history") or [] if "epoch" in h]
+    ft = ft or {}
+    history = [h for h in ft.get("history") or [] if "epoch" in h]
     if history:
         _history(parts, history, f"BPTT in snnconv finetune: trained for T={ft.get('T')}, "
                                  f"{len(history)} epoch(s)")

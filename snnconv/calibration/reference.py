@@ -24,7 +24,7 @@ def calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch
     Raises:
         DataError: the loader is empty, or a batch is not an input (or an input and labels).
     """
-    batches = []
+    batches: list = []
     same = SameShape(f"the {where}")
     for batch in loader:
         if len(batches) >= num_batches:
@@ -57,8 +57,7 @@ def channel_mean(v: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def qcfs_levels(ref: fx.GraphModule, levels: int | None):
     """Every QCFS of ``ref`` at ``levels`` quantisation steps inside (``None``: as it is)."""
-    mods = [module_of(ref, n) for n in ref.graph.nodes
-            if n.op == "call_module" and isinstance(module_of(ref, n), QCFS)]
+    mods = [m for n in ref.graph.nodes if n.op == "call_module" and isinstance(m := module_of(ref, n), QCFS)]
     old = [m.L for m in mods]
     if levels:
         for m in mods:

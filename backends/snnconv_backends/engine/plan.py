@@ -47,7 +47,7 @@ def check_T(T: Any) -> int:
 @dataclass
 class _Step:
     op: Any                         # the parsed Op
-    fn: Callable[[torch.Tensor], torch.Tensor] | None
+    fn: Any                         # the op's executor (a neuron's takes (u, T, static, stats)); None for input
     static: bool                    # depends only on the static input (runs once per chunk)
     last_use: int = -1              # index of the last step reading this value
 
@@ -199,7 +199,7 @@ class Plan:
     def run_chunk(self, x: torch.Tensor, T: int, seq: bool, stats: "Stats") -> torch.Tensor:
         """Per-step readout ``[T, b, ...]`` of one chunk (``x``: ``[b, ...]`` or ``[T, b, ...]``)."""
         b = x.shape[1] if seq else x.shape[0]
-        values: dict[str, tuple[torch.Tensor, bool]] = {}
+        values: dict[str, tuple[Any, bool]] = {}  # a tensor, or a lazily scaled one (_Scaled)
         owned: set[str] = set()
         out = None
         for i, step in enumerate(self.steps):

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
+from torch.nn import grad as nn_grad
 
 from snnconv.errors import BackendError
 
@@ -37,7 +38,7 @@ class Mapper:
 
     def terms(self, name: str) -> list[tuple[str, list[Any]]]:
         """The input of op ``name`` as a list of (source neuron, chain of linear ops)."""
-        out = []
+        out: list[tuple[str, list[Any]]] = []
         for i in self.ops[name].inputs:
             op = self.ops[i]
             if op.kind in SPIKING:
@@ -61,6 +62,7 @@ class Mapper:
             else:
                 v = apply_op(op, self.const(i), bias=True).reshape(1, *op.out_shape)
             total = v if total is None else total + v
+        assert total is not None, f"op '{name}' has no input"
         return total
 
 
@@ -201,9 +203,10 @@ def compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndar
 def fanout(kind: str, mant: np.ndarray, conv: Mapping[str, Any] | None, src_shape, tgt_shape) -> np.ndarray:
     """Synapses per source neuron ``[N_source]`` (float64); zero mantissas count as absent."""
     if kind == "conv":
+        assert conv is not None, "a convolution connection without its parameters"
         ones = torch.ones(1, *tgt_shape, dtype=torch.float64)
         w = torch.as_tensor((mant != 0).astype(np.float64))
-        fn = torch.nn.grad.conv1d_input if conv["ndim"] == 1 else torch.nn.grad.conv2d_input
+        fn = nn_grad.conv1d_input if conv["ndim"] == 1 else nn_grad.conv2d_input
         f = fn((1, *src_shape), w, ones, tuple(conv["stride"]), tuple(conv["padding"]),
                tuple(conv["dilation"]), int(conv["groups"]))
         return f.reshape(-1).numpy()
