@@ -177,7 +177,7 @@ def converted(model: nn.Module, name: str, size: int, finetune: bool, train: Ten
     calib = DataLoader(train, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        snn, meta = snnconv.convert(model, calib, T=T, progress=False,
+        snn, meta = snnconv.convert(model, calib, T=T, progress=True,
                                     reconstruction_steps=args.reconstruction_steps,
                                     **({} if finetune else {"finetune_epochs": 0}))
     done = {"convert_seconds": round(time.perf_counter() - t0, 1),
@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["coverage"], help="'coverage' (each model's) and/or pixels")
     ap.add_argument("--finetune", default="resnet18," + ZOO,
                     help="models also converted with the default fine-tuning ('' for none)")
+    ap.add_argument("--finetuned-only", action="store_true", help="only the rows with the default fine-tuning")
     ap.add_argument("--images", type=int, default=256, help="test images (default 256)")
     ap.add_argument("--train-images", type=int, default=4000)
     ap.add_argument("--epochs", type=int, default=2)
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = next((s for s in RELU_FAMILY if s.name == name), None)
         for size in args.sizes:
             px = (spec.size if spec else 32) if size == "coverage" else int(size)
-            for ft in ([False, True] if name in tuned else [False]):
+            for ft in ([True] if args.finetuned_only else [False, True] if name in tuned else [False]):
                 plan.append((name, px, ft))
     for i, (name, px, ft) in enumerate(plan):
         label = label_of(ft, args)
