@@ -102,7 +102,7 @@ class SpikeAnalysis:
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def _structural(layer: nn.Module, events: torch.Tensor) -> torch.Tensor:
+def _structural(layer: Any, events: torch.Tensor) -> torch.Tensor:
     """ACs of ``layer`` for spike events ``events``: the layer with all-one weights, summed."""
     if isinstance(layer, nn.Linear):
         return events.sum() * layer.out_features
@@ -114,16 +114,16 @@ def _structural(layer: nn.Module, events: torch.Tensor) -> torch.Tensor:
     return conv(events, ones, None, layer.stride, layer.padding, layer.dilation, layer.groups).sum()
 
 
-def _summed(mod: nn.Module, events: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _summed(mod: Any, events: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """A pooling of spike events as a sum over each window (a spike reaches every window it is in)."""
     if isinstance(mod, nn.AvgPool2d):
         return F.avg_pool2d(events, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
                             mod.count_include_pad, divisor_override=1)
     if isinstance(mod, nn.AvgPool1d):
         return F.avg_pool1d(events, mod.kernel_size, mod.stride, mod.padding, mod.ceil_mode,
-                            mod.count_include_pad) * mod.kernel_size[0]
+                            mod.count_include_pad) * mod.kernel_size[0]  # type: ignore[index]  # stored as (k,)
     windows = torch.tensor(events.shape[2:]).prod() / torch.tensor(out.shape[2:]).prod()
-    return F.adaptive_avg_pool2d(events, out.shape[2:]) * windows  # AdaptiveAvgPool2d
+    return F.adaptive_avg_pool2d(events, out.shape[2:]) * windows  # type: ignore[arg-type]  # AdaptiveAvgPool2d
 
 
 _POOLS = (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool2d)
@@ -237,7 +237,7 @@ def static_macs(module: nn.Module, x: torch.Tensor) -> dict[str, float]:
     return macs
 
 
-def _macs_per_image(layer: nn.Module, x: torch.Tensor) -> float:
+def _macs_per_image(layer: Any, x: torch.Tensor) -> float:
     """Multiply-accumulates of ``layer`` for one image of the shape of ``x[0]``: its synapses
     (:func:`snnconv.energy.conv_macs`, the count every backend reports too)."""
     if isinstance(layer, nn.Linear):

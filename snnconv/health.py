@@ -20,7 +20,7 @@ Activity measures, per site, over every element (sample x neuron) of the batches
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -77,9 +77,8 @@ def activity(model: nn.Module, batches: list[torch.Tensor],
                     for h in handles:
                         h.remove()
             else:
-                gm = model
-                qcfs = {n.name: module_of(gm, n) for n in gm.graph.nodes
-                        if isinstance(module_of(gm, n), QCFS)}
+                gm = cast(fx.GraphModule, model)
+                qcfs = {n.name: m for n in gm.graph.nodes if isinstance(m := module_of(gm, n), QCFS)}
                 names = set(qcfs) | {n.name for n in _relu_nodes(gm)}
                 # QCFS sites by module name; ReLU sites by fx node name (calibrate_qcfs names the
                 # QCFS of ReLU node ``n`` "qcfs_n")

@@ -311,7 +311,7 @@ class LeakyParams:
 
     def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> "LeakyParams":
         """The same coefficients as tensors of ``dtype`` on ``device``."""
-        return LeakyParams(**{k: None if v is None else torch.as_tensor(v).to(device=device, dtype=dtype)
+        return LeakyParams(**{k: None if v is None else torch.as_tensor(v).to(device=device, dtype=dtype)  # type: ignore[arg-type]
                               for k, v in vars(self).items()})
 
 
@@ -319,6 +319,7 @@ def _fire(h: torch.Tensor, p: LeakyParams, surrogate_function, detach_reset: boo
     """NIR's spike and reset: ``s = [h > v_threshold]``, ``v' = v_reset`` where ``s`` (a
     spikingjelly surrogate fires on ``>=``; the tie is taken off its forward value, which keeps
     its gradient)."""
+    assert p.v_threshold is not None and p.v_reset is not None, "a spiking neuron has a threshold and a reset"
     x = h - p.v_threshold
     if surrogate_function is None:
         s = (x > 0).to(h.dtype)
@@ -381,6 +382,7 @@ def cubalif_step(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, p: L
         ``(s, (i', v'))``.
     """
     i, v = state
+    assert p.k_syn is not None and p.g_syn is not None, "CubaLIF has a synaptic current"
     i = i - p.k_syn * i + p.g_syn * x
     h = v + p.k_mem * (p.v_leak - v) + p.g_in * i
     s, v = _fire(h, p, surrogate_function, detach_reset)

@@ -25,7 +25,7 @@ All work in place on a traced graph and return what they changed.
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+from typing import Any, Iterable, cast
 
 import numpy as np
 import torch
@@ -46,11 +46,11 @@ _PASS = (nn.Dropout, nn.Identity)
 def _flatten_from_1(gm: fx.GraphModule, node: fx.Node) -> bool:
     mod = module_of(gm, node)
     if isinstance(mod, nn.Flatten):
-        return mod.start_dim == 1 and mod.end_dim == -1
+        return bool(mod.start_dim == 1 and mod.end_dim == -1)
     if (node.op, node.target) in _FLATTENS:
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
-        return start == 1 and end == -1
+        return bool(start == 1 and end == -1)
     return False
 
 
@@ -102,7 +102,7 @@ def fold_adaptive_pools(gm: fx.GraphModule, example_inputs: Iterable) -> list[di
         if (not isinstance(linear, nn.Linear) or calls.get(str(lin_node.target)) != 1
                 or linear.in_features != before[1] * positions or lin_node.args[:1] != (prev,)):
             continue
-        a = adaptive_matrix(module_of(gm, pool), tuple(before[2:]))  # [positions, h * w]
+        a = adaptive_matrix(cast(nn.Module, module_of(gm, pool)), tuple(before[2:]))  # [positions, h * w]
         w = linear.weight.detach().double().reshape(linear.out_features, before[1], positions)
         w = (w @ a).reshape(linear.out_features, -1)
         new = nn.Linear(w.shape[1], linear.out_features, bias=linear.bias is not None)
@@ -125,10 +125,10 @@ def fold_adaptive_pools(gm: fx.GraphModule, example_inputs: Iterable) -> list[di
 _CEIL_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
 
 
-def _ceil_pools(gm: fx.GraphModule, example_inputs: Iterable, kind) -> list[tuple[fx.Node, nn.Module, tuple]]:
+def _ceil_pools(gm: fx.GraphModule, example_inputs: Iterable, kind) -> list[tuple[fx.Node, Any, tuple]]:
     """``(node, module, input shape)`` of each pooling module of ``kind`` with ``ceil_mode``
     that is called once and whose input the example reaches."""
-    pools = [n for n in gm.graph.nodes if kind(module_of(gm, n)) and module_of(gm, n).ceil_mode]
+    pools = [n for n in gm.graph.nodes if kind(m := module_of(gm, n)) and getattr(m, "ceil_mode", False)]
     if not pools:
         return []
     shapes = capture(gm, example_inputs, [n.args[0].name for n in pools], reduce=lambda t: tuple(t.shape))
@@ -151,7 +151,7 @@ def drop_idle_ceil_mode(gm: fx.GraphModule, example_inputs: Iterable) -> list[st
 
 
 def _pair(v) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else tuple(int(x) for x in v)
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
 def _axis(size: int, k: int, s: int, p: int, out: int, include_pad: bool) -> tuple[int, np.ndarray, int]:
@@ -182,7 +182,7 @@ def ceil_pool_parts(pool: nn.AvgPool2d, in_shape: tuple[int, int, int]) -> tuple
     conv.weight = nn.Parameter(weight, requires_grad=False)
     divisor = np.outer(axes[0][1], axes[1][1])
     if getattr(pool, "divisor_override", None):
-        divisor = np.full_like(divisor, float(pool.divisor_override))
+        divisor = np.full_like(divisor, float(pool.divisor_override))  # type: ignore[arg-type]  # set: checked above
     scale = Scale(torch.from_numpy(1.0 / divisor).to(torch.float32).unsqueeze(0))  # [1, H', W']
     return conv, scale
 

@@ -60,7 +60,9 @@ def charge_counts(mod: IFNeuron, u: torch.Tensor, steps: tuple[int, ...],
     step = u[0]
     v0 = channel_view(mod.v_init.to(step.dtype), step.dim())
     per_channel = step.numel() // step.shape[1]
-    counts, charge, done, total = {}, 0.0, 0, None
+    counts: dict[int, torch.Tensor] = {}
+    charge: Any = 0.0  # a float until the first step's sums
+    done, total = 0, None
     spk = torch.empty_like(step)
     v = step + v0
     for t in range(max(steps)):
@@ -112,7 +114,7 @@ def _rates(mod: IFNeuron, parts: list[tuple[dict[int, torch.Tensor], int, int]],
     """Per channel, ``theta`` times the mean spike rate over the first ``t`` steps, for each
     ``t`` in ``steps``: the mean over the images of each calibration batch, then over the
     batches. ``parts``: (counts of :func:`spike_counts`, positions per channel, batch index)."""
-    sums = {t: [0.0] * n_batches for t in steps}
+    sums: dict[int, list[Any]] = {t: [0.0] * n_batches for t in steps}
     positions = [0] * n_batches
     for counts, n, k in parts:
         positions[k] += n
@@ -154,6 +156,7 @@ def fit_shift(mod: IFNeuron, parts: list, n_batches: int, T: int, target: Any,
         e = target - _rates(mod, parts, n_batches, (T,))[T]
         b = e * T
     else:
+        assert horizons is not None  # (the two branches above take the other cases)
         (t1, t), (m1, m2) = horizons, (target[0], target[1])
         r = _rates(mod, parts, n_batches, (t1, t))
         e1, e = m1 - r[t1], m2 - r[t]

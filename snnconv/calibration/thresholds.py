@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -62,7 +62,7 @@ def _through_time_expand(gm: fx.GraphModule, node: Any) -> Any:
     return node
 
 
-def _input_terms(gm: fx.GraphModule, node: fx.Node, calls: dict[str, int]) -> list[nn.Module] | None:
+def _input_terms(gm: fx.GraphModule, node: fx.Node, calls: dict[str, int]) -> list[Any] | None:
     """The modules whose outputs sum to IF ``node``'s input and feed nothing else, or None.
 
     Each is a Conv/Linear or a :class:`Scale`, reached through TimeExpand or one add; scaling
@@ -74,7 +74,7 @@ def _input_terms(gm: fx.GraphModule, node: fx.Node, calls: dict[str, int]) -> li
     args = [src]
     if src.op == "call_function" and src.target in (operator.add, torch.add) and not src.kwargs:
         args = [_through_time_expand(gm, a) for a in src.args]
-    terms = []
+    terms: list[Any] = []
     for a in args:
         mod = module_of(gm, a) if isinstance(a, fx.Node) else None
         if not isinstance(mod, (LAYERS, Scale)) or len(a.users) != 1 \
@@ -84,7 +84,7 @@ def _input_terms(gm: fx.GraphModule, node: fx.Node, calls: dict[str, int]) -> li
     return terms
 
 
-def _scale_output(mod: nn.Module, f: torch.Tensor) -> None:
+def _scale_output(mod: Any, f: torch.Tensor) -> None:
     """Multiply ``mod``'s output by ``f`` (scalar, or per output channel) in place."""
     with torch.no_grad():
         if isinstance(mod, Scale):
@@ -172,8 +172,8 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
             records[name] = "skipped: no QCFS reference site"
             continue
         terms = _input_terms(gm, node, calls)
-        consumers = [m for m in (gm.get_submodule(n) for n in info.get("absorbed_into", []))]
-        consumers += [module_of(gm, u) for u in node.users if isinstance(module_of(gm, u), Scale)]
+        consumers: list[nn.Module] = [gm.get_submodule(n) for n in info.get("absorbed_into", [])]
+        consumers += [m for u in node.users if isinstance(m := module_of(gm, u), Scale)]
 
         def fit(m, args, name=name, source=source, terms=terms, consumers=consumers):
             x = args[0]
@@ -243,7 +243,7 @@ def calibrate_thresholds(snn: SpikingNetwork, reference: nn.Module, loader: Any,
     return out
 
 
-def _scale_output_input(mod: nn.Module, c: torch.Tensor) -> None:
+def _scale_output_input(mod: Any, c: torch.Tensor) -> None:
     """Multiply what ``mod`` reads from a neuron by scalar ``c`` (its weights, or a Scale's theta)."""
     with torch.no_grad():
         if isinstance(mod, Scale):
@@ -277,7 +277,7 @@ def shift_bias(snn: SpikingNetwork, T: int | None = None) -> SpikingNetwork:
             record[str(node.target)] = "skipped: no Conv/Linear of its own feeds it"
             continue
         shift = mod.theta.detach() / (2 * T)
-        apply_shift(module_of(gm, hit[0]), shift)
+        apply_shift(cast(nn.Module, module_of(gm, hit[0])), shift)
         record[str(node.target)] = {"layer": str(hit[0].target), "shift": shift.tolist()}
     out.meta = copy.deepcopy(snn.meta)
     out.meta["bias_shift"] = {"T": T, "layers": record}

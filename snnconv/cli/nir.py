@@ -7,6 +7,8 @@ import json
 import os
 import time
 import warnings
+from types import SimpleNamespace
+from typing import Any
 
 from ..energy import arithmetic_energy, format_arithmetic
 from .common import (
@@ -185,7 +187,11 @@ def _cmd_run(args) -> int:
     correct = torch.zeros(T, dtype=torch.float64)
     reference = from_nir(graph, dt=args.dt)
     refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
-    n, spikes, synops, macs, seconds, prefix_macs = 0, {}, {}, {}, 0.0, {}
+    n, seconds = 0, 0.0
+    spikes: dict[str, Any] = {}
+    synops: dict[str, Any] = {}
+    macs: dict[str, Any] = {}
+    prefix_macs: dict[str, float] = {}
     chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
     batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
     float_counts: dict = {}  # the float network's spike counts, where the backend compares (fidelity)
@@ -211,8 +217,8 @@ def _cmd_run(args) -> int:
             n += len(y)
             seconds += float(r.extra.get("seconds", 0.0))
             for d, new in ((spikes, r.spikes), (synops, r.synops), (macs, r.macs)):
-                for k, v in new.items():
-                    d[k] = d[k] + v if k in d else v
+                for key, value in new.items():
+                    d[key] = d[key] + value if key in d else value
             static = set(r.extra.get("static_ops", ()))
             if "quantisation" in r.extra:
                 chip_runs.append(r)
@@ -249,7 +255,7 @@ def _cmd_run(args) -> int:
         print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
         q = getattr(program, "q", None)  # the quantised network (loihi2-sim, lava)
         fidelity = None if q is None else check(q, spikes, float_counts or None, n, T,
-                                                tuple(decisions) if decisions[1] else None)
+                                                (decisions[0], decisions[1]) if decisions[1] else None)
         if fidelity is not None:
             line = summary(fidelity, args.backend)
             print(("WARNING: " if fidelity["warnings"] else "") + line)
@@ -257,11 +263,8 @@ def _cmd_run(args) -> int:
                 warnings.warn(line, _quantisation_warning(), stacklevel=2)
     from ..analysis import backend_record
 
-    class _Merged:  # the batches as one RunResult-like record
-        pass
-
-    merged = _Merged()
-    merged.outputs, merged.synops, merged.macs, merged.extra = torch.cat(outputs, 1), synops, macs, extra
+    # the batches as one RunResult-like record
+    merged = SimpleNamespace(outputs=torch.cat(outputs, 1), synops=synops, macs=macs, extra=extra)
     rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
                          wall_s=time.perf_counter() - t_start)
     if fidelity is not None:
