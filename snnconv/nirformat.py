@@ -166,7 +166,7 @@ def predates_v_reset(version: Any) -> bool | None:
     return tuple(int(g) for g in m.groups()) < V_RESET_SINCE
 
 
-def legacy_if_reason(node: str, version: str) -> str:
+def legacy_if_reason(node: str, version: Any) -> str:
     """Why an ``IF`` node of a file written by nir ``version`` (before ``v_reset``) is refused."""
     return (f"node '{node}': the file was written by nir {version}, before IF had v_reset (nir "
             f"{'.'.join(map(str, V_RESET_SINCE))}); its IF resets by subtraction (v - v_threshold), "

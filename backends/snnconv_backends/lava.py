@@ -38,7 +38,7 @@ __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_grou
 
 #: The script run by the side environment's interpreter.
 WORKER = Path(__file__).resolve().parent / "_lava" / "worker.py"
-_OPTIONS = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
+_OPTIONS: dict[str, Any] = {"python": None, "timeout": 1800.0, "step_seconds": loihi2.STEP_SECONDS,
             "dense_limit": 2**22, "max_memory_gb": None, "split_signs": True, "weight_groups": "auto",
             "dt": 1.0, "per_neuron_vth": True, "reference": True}
 
@@ -117,7 +117,8 @@ def run_worker(cmd: list[str], workdir: str, *, timeout: float, grace: float = 1
             stop_group(proc, grace)
             raise
     finally:
-        proc.stdin.close()
+        if proc.stdin is not None:
+            proc.stdin.close()
     with open(log) as f:
         return code, f.read()
 
@@ -167,21 +168,21 @@ class LavaProgram(Program):
         self.q = q
         self.options = dict(options)
 
-    def job(self, x: torch.Tensor, T: int) -> tuple[dict[str, Any], dict[str, np.ndarray], int]:
+    def job(self, x: torch.Tensor, T: int) -> tuple[dict[str, Any], dict[str, Any], int]:
         """The worker's job for a static batch ``x``: (spec, arrays, first-layer bias clips)."""
         q = self.q
         B = x.shape[0]
         vals = static_eval(q, x.float())
         shapes = {p.name: p.shape for p in q.populations}
         shapes[loihi2.CLOCK] = (1,)
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, Any] = {}  # name -> ndarray (np.savez)
         pops = []
         k = 0
         clipped = 0
         for j, p in enumerate(q.populations):
             if p.has_bias:
-                mant, exp, c = loihi2.bias_current(static_input(q, p, vals, B), p)
-                clipped += c
+                mant, exp, n_clipped = loihi2.bias_current(static_input(q, p, vals, B), p)
+                clipped += n_clipped
                 arrays[f"p{j}_bias_mant"] = mant.cpu().numpy().astype(np.int32)
                 arrays[f"p{j}_bias_exp"] = exp.cpu().numpy().astype(np.int32)
             conns = []
@@ -240,7 +241,10 @@ class LavaProgram(Program):
     def _result(self, data: Mapping[str, np.ndarray], spec: Mapping[str, Any], T: int, B: int,
                 clipped: int) -> RunResult:
         q = self.q
-        v_win, s_win, counts, synops = {}, {}, {}, {}
+        v_win: dict[str, Any] = {}
+        s_win: dict[str, Any] = {}
+        counts: dict[str, Any] = {}
+        synops: dict[str, Any] = {}
         before_ok = True
         for j, p in enumerate(q.populations):
             d = p.depth

@@ -348,12 +348,12 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         if kind == "integrator":
             r = _array(node.r, name, "r")
             _check_gain(name, r, dt, "an integrator")
-            fire = outs[name]
-            if len(fire) != 1 or kinds[fire[0]] != "threshold":
+            fed = outs[name]
+            if len(fed) != 1 or kinds[fed[0]] != "threshold":
                 raise NIRError(
                     f"node '{name}': an I node must feed exactly one Threshold (the subtractive "
-                    f"neuron pattern I -> Threshold -> Scale(-theta) -> I); it feeds {fire}")
-            fire = fire[0]
+                    f"neuron pattern I -> Threshold -> Scale(-theta) -> I); it feeds {fed}")
+            fire = fed[0]
             if ins[fire] != [name]:
                 raise NIRError(f"node '{fire}': the neuron's Threshold must receive only '{name}', "
                                f"got {ins[fire]}")
@@ -379,7 +379,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
             if (theta_full <= 0).any():
                 raise NIRError(f"node '{reset}': the reset Scale must be -theta with theta > 0; "
                                f"found max {float(scale.max())!r}. Non-positive thresholds are refused")
-            v0 = np.float32(0.5)
+            v0: Any = np.float32(0.5)
             if calibrated:
                 v0 = np.asarray(v_meta, dtype=np.float64)
                 if v0.shape == (1,):
@@ -487,13 +487,13 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
     for name in order:
         node = nodes[name]
         kind = kinds[name]
-        srcs = tuple(op_inputs[name])
+        in_names = tuple(op_inputs[name])
         incoming = None
-        if srcs:
-            incoming = out_shape[srcs[0]]
-            for s in srcs[1:]:
+        if in_names:
+            incoming = out_shape[in_names[0]]
+            for s in in_names[1:]:
                 if out_shape[s] != incoming:
-                    raise NIRError(f"inconsistent shapes into '{name}': edge '{srcs[0]}' -> '{name}' "
+                    raise NIRError(f"inconsistent shapes into '{name}': edge '{in_names[0]}' -> '{name}' "
                                    f"brings {incoming}, edge '{s}' -> '{name}' brings {out_shape[s]}; "
                                    "summed inputs must have one shape")
         if kind in LEAKY_KINDS:
@@ -502,26 +502,26 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
             kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
                                                      neuron_params.get(name), neuron_shapes.get(name))
         if incoming is not None and in_shape != incoming:
-            raise NIRError(f"inconsistent shapes on edge '{srcs[0]}' -> '{name}': it brings "
+            raise NIRError(f"inconsistent shapes on edge '{in_names[0]}' -> '{name}': it brings "
                            f"{incoming}, node '{name}' ({type(node).__name__}) takes {in_shape}")
         out_shape[name] = shape
-        ops.append(Op(name=name, kind=kind, inputs=srcs, params=MappingProxyType(params),
+        ops.append(Op(name=name, kind=kind, inputs=in_names, params=MappingProxyType(params),
                       in_shape=in_shape, out_shape=shape))
 
     # --- graph-level facts ---
-    resets = {op.params["reset"]: op.name for op in ops if op.kind == "neuron"}
-    if len(resets) > 1:
-        raise NIRError(f"mixed reset modes: neuron '{resets['subtract']}' resets by subtraction, "
-                       f"neuron '{resets['zero']}' resets to zero; snnconv runs one reset mode per "
+    reset_by = {op.params["reset"]: op.name for op in ops if op.kind == "neuron"}
+    if len(reset_by) > 1:
+        raise NIRError(f"mixed reset modes: neuron '{reset_by['subtract']}' reset_by by subtraction, "
+                       f"neuron '{reset_by['zero']}' reset_by to zero; snnconv runs one reset mode per "
                        "network")
     declared = metadata.get("reset")
     if declared is not None and declared not in RESETS:
         raise NIRError(f"graph metadata reset={declared!r}; expected one of {RESETS}")
-    if resets and declared is not None and declared not in resets:
+    if reset_by and declared is not None and declared not in reset_by:
         raise NIRError(f"graph metadata says reset={declared!r}, but neuron "
-                       f"'{next(iter(resets.values()))}' resets by "
-                       f"{'subtraction' if 'subtract' in resets else 'zero'}")
-    reset = next(iter(resets)) if resets else (declared or "subtract")
+                       f"'{next(iter(reset_by.values()))}' reset_by by "
+                       f"{'subtraction' if 'subtract' in reset_by else 'zero'}")
+    reset = next(iter(reset_by)) if reset_by else (declared or "subtract")
     T = metadata.get("T")
     if T is not None:
         if isinstance(T, bool) or not isinstance(T, (int, float)) or not math.isfinite(T) \
@@ -579,7 +579,7 @@ def _placement(name: str, params: dict) -> None:
     counts charge the weighted layer after it)."""
     w = np.asarray(params["weight"])
     bias = params.get("bias")
-    m = w.reshape(w.shape[0], -1) if w.ndim == 2 else w.reshape(w.shape[0], w.shape[1], -1)
+    m: Any = w.reshape(w.shape[0], -1) if w.ndim == 2 else w.reshape(w.shape[0], w.shape[1], -1)
     ok = (w.ndim == 2 or (m.shape[2] == 1 and params.get("groups", 1) == 1
                           and all(int(v) == 1 for v in np.ravel(params.get("stride", 1)))
                           and not np.any(params.get("padding", 0))))
@@ -601,7 +601,7 @@ def _read_pool(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int,
         raise NIRError(f"node '{name}': padding {padding} is more than half the kernel {kernel}")
     out = tuple(_window_out(n, k, s, p, 1, name)
                 for n, k, s, p in zip(incoming[1:], kernel, stride, padding))
-    params = {"kernel_size": kernel, "stride": stride, "padding": padding}
+    params: dict[str, Any] = {"kernel_size": kernel, "stride": stride, "padding": padding}
     if kind == "avgpool2d":
         adaptive = meta.get(MODULE_KEY) == ADAPTIVE_AVGPOOL
         if adaptive and not (stride == kernel and padding == (0, 0) and all(

@@ -71,6 +71,7 @@ def _quantize_weights(scaled: np.ndarray, bias: bool, bits: int = 8, split: bool
         sse = float(((m.astype(np.float64) * 2.0**e - scaled) ** 2).sum())
         if best is None or sse < best[0]:
             best = (sse, e, m, clipped)
+    assert best is not None  # the exponents tried are never empty
     sse, e, m, clipped = best
     err = float(np.sqrt(sse / max((scaled**2).sum(), 1e-300)))
     sign = ("split" if split else "mixed") if mixed else ("inhibitory" if scaled.max() <= 0 else "excitatory")
@@ -132,7 +133,7 @@ SECOND_GROUP_ERROR = 0.005
 def _groups(weight_groups: int | str | Mapping[str, int | str], name: str, rel_error: float) -> int:
     """1 or 2 synapse groups for connection ``name`` whose single group's relative RMS rounding
     error is ``rel_error``."""
-    g = weight_groups.get(name, weight_groups.get("*", 1)) if isinstance(weight_groups, Mapping) else weight_groups
+    g: Any = weight_groups.get(name, weight_groups.get("*", 1)) if isinstance(weight_groups, Mapping) else weight_groups
     if g == "auto":
         return 2 if rel_error > SECOND_GROUP_ERROR else 1
     return _bits(g, name, "weight_groups", 1, 2, 1)
@@ -300,9 +301,9 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             raise BackendError(f"{backend}: the leaky neuron '{tgt.name}' sums the static input "
                                f"({static[0][1][0].name}) with spikes; only IF neurons take it as "
                                "a bias current")
-        chip = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
+        chip: dict[str, Any] = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
         if static and not spiking:
-            vth = FIRST_VTH
+            vth: Any = FIRST_VTH  # an int, or one per channel (ndarray) below
             scale = (vth << LOIHI["vth_shift"]) / theta
             pops.append(Population(
                 tgt.name, role, shape, 0, vth, _v_init(tgt, vth, shape),
@@ -314,12 +315,14 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
         d = max(depth[s] for s, _ in spiking) + 1
         depth[tgt.name] = d
         # float weights per connection, unscaled
-        raw = []
+        raw: list[Any] = []
         for s, chain in spiking:
             src_shape = tuple(mp.ops[s].out_shape)
             kind, core = chain_kind(chain, src_shape, shape)
             if kind == "conv" and isinstance(core, list):
-                w, cparams = chain_as_conv(core)
+                composed = chain_as_conv(core)
+                assert composed is not None  # chain_kind says "conv" only where it composes
+                w, cparams = composed
             elif kind == "conv":
                 w, cparams = np.asarray(core.params["weight"], np.float64), conv_params(core)
             elif kind == "diag":

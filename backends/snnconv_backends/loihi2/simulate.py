@@ -3,6 +3,8 @@ the batched, bit-exact neuron and synapse updates (:func:`run_quantized`)."""
 
 from __future__ import annotations
 
+from typing import Any, Mapping, cast
+
 import numpy as np
 import torch
 
@@ -20,7 +22,7 @@ def static_eval(q: QuantizedNetwork, x: torch.Tensor) -> dict[str, torch.Tensor]
     g = q.graph
     vals: dict[str, torch.Tensor] = {g.ops[0].name: x}
     for op in q.static_ops:
-        inp = None
+        inp: Any = None
         for i in op.inputs:
             inp = vals[i] if inp is None else inp + vals[i]
         vals[op.name] = apply_op(op, inp.reshape(inp.shape[0], *op.in_shape), bias=True)
@@ -31,7 +33,7 @@ def static_input(q: QuantizedNetwork, p: Population, vals: dict[str, torch.Tenso
     """The float input ``[B, N]`` that enters population ``p`` as its bias current: its whole
     input for the first layer (the static values ``vals``); for a later population its static
     terms (float64) plus its layer biases (:attr:`Population.bias`)."""
-    z = None
+    z: Any = None
     if p.static:
         for i in q.graph.op(p.name).inputs:
             z = vals[i] if z is None else z + vals[i]
@@ -120,7 +122,8 @@ def _apply_conn(c: Connection, s: torch.Tensor, src_shape, tgt_shape, cache: dic
             cache[key] = torch.as_tensor(m, dtype=torch.float32, device=s.device)
     w = cache[key]
     if c.kind == "conv":
-        y = _exact(convolve(s, w, c.conv), lambda: convolve(s.double(), w.double(), c.conv))
+        conv = cast(Mapping[str, Any], c.conv)  # a convolution connection holds its parameters
+        y = _exact(convolve(s, w, conv), lambda: convolve(s.double(), w.double(), conv))
     elif c.kind == "matrix":
         flat = s.reshape(TB, -1)
         y = _exact(flat @ w, lambda: flat.double() @ w.double())
@@ -138,7 +141,7 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
     None). ``a_in``: the current ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
     ``bias``: ``[B, N]``."""
     n = pop.size
-    dev = (a_in if a_in is not None else bias).device
+    dev = cast(torch.Tensor, a_in if a_in is not None else bias).device
     if pop.leaky:
         return _leaky_loop(pop, a_in, bias, T, B, stats, record)
     if a_in is None:
@@ -161,6 +164,7 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
         v = u.clamp(lo, hi)
         stats.saturated += int((v != u).sum())
         return None, v.to(torch.int32)
+    vth: Any
     if np.ndim(pop.vth):
         vth = torch.as_tensor(pop.neuron_vth() << LOIHI["vth_shift"], dtype=torch.float32, device=dev)
     else:
@@ -185,7 +189,7 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
             v.addcmul_(spikes[t], vth, value=-1.0)
         else:
             v.sub_(spikes[t], alpha=vth)
-        if record:
+        if volts is not None:
             volts[t] = v.to(torch.int32)
     return spikes, volts
 
@@ -201,13 +205,13 @@ def _leaky_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor |
     does not spike), step by step on int64:
     ``u = wrap24(decay(u, du + 1) + (a_in << 6)); v = clip24(decay(v, dv) + u + bias)``."""
     n = pop.size
-    dev = (a_in if a_in is not None else bias).device
+    dev = cast(torch.Tensor, a_in if a_in is not None else bias).device
     u_in = None if a_in is None else a_in.reshape(T, B, n).to(torch.int64)
     b = torch.zeros((), dtype=torch.int64, device=dev) if bias is None else bias.reshape(B, n).to(torch.int64)
     u = torch.zeros(B, n, dtype=torch.int64, device=dev)
     v = torch.zeros(B, n, dtype=torch.int64, device=dev)
     lo, hi = -_V_MAX + 1, _V_MAX - 1
-    vth = pop.vth << LOIHI["vth_shift"]
+    vth: Any = pop.vth << LOIHI["vth_shift"]
     readout = pop.role == "readout"
     spikes = None if readout else torch.empty(T, B, n, dtype=torch.float32, device=dev)
     volts = torch.empty(T, B, n, dtype=torch.int32, device=dev) if (record or readout) else None
@@ -219,7 +223,7 @@ def _leaky_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor |
         h = _decay(v, pop.dv) + u + b
         v = h.clamp(lo, hi)
         stats.saturated += int((v != h).sum())
-        if not readout:
+        if spikes is not None:  # (not the readout)
             s = v > vth
             spikes[t] = s
             v = torch.where(s, torch.zeros_like(v), v)
