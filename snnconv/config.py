@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .vocabulary import RESETS
 
 __all__ = ["ConvertConfig", "MAX_T", "MAX_L", "MAX_EPOCHS", "MAXPOOL_MODES", "RESETS"]
 
@@ -36,7 +37,6 @@ MAX_STEPS = 1_000_000
 #: and makes every later one average pooling; "avg" makes every one average pooling; "error"
 #: refuses max-pooling.
 MAXPOOL_MODES = ("auto", "avg", "error")
-RESETS = ("subtract", "zero")
 
 
 def _int(name: str, value: Any, low: int, high: int) -> int:

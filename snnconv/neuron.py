@@ -42,12 +42,11 @@ import torch.nn as nn
 from spikingjelly.activation_based import neuron, surrogate
 
 from .errors import ConfigError
+from .vocabulary import RESETS
 
 __all__ = ["RESETS", "if_step", "if_sequence", "fire_subtractive_", "fire_zero", "channel_view",
            "IFNeuron", "Scale", "TimeExpand", "neurons", "LEAKY_KINDS", "LeakyParams", "lif_step",
            "cubalif_step", "li_step", "leaky_sequence", "LeakyNeuron"]
-
-RESETS = ("subtract", "zero")
 
 
 def if_step(v: torch.Tensor, x: torch.Tensor, theta: float | torch.Tensor, *, reset: str = "subtract",

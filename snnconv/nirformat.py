@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
+from .vocabulary import RESETS
 
 __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
            "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP", "CONCAT_OP",
@@ -71,8 +72,6 @@ FORMAT_VERSION = 2
 #: the versions a reader understands (1: thresholds compared with ">=")
 FORMAT_VERSIONS = (1, 2)
 PRODUCER = "snnconv"
-#: the reset kinds a file may state
-RESETS = ("subtract", "zero")
 #: the comparison written now: NIR's own (see the module docstring)
 COMPARE = ">"
 #: NIR's comparison, for nodes without snnconv's metadata

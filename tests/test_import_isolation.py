@@ -19,8 +19,9 @@ STAGES = ("snnconv.pipeline", "snnconv.fold", "snnconv.qcfs", "snnconv.replace",
           "snnconv.calibration", "snnconv.finetune", "snnconv.nir_io", "snnconv.health", "snnconv.guards",
           "snnconv.graph")
 #: What of snnconv a backend may load: the package itself, its errors, its energy figures, the
-#: NIR encoding and the IF neuron (stage-free).
-ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy", "snnconv.neuron", "snnconv.nirformat"}
+#: NIR encoding, the shared names and the IF neuron (stage-free).
+ALLOWED = {"snnconv", "snnconv.errors", "snnconv.energy", "snnconv.neuron", "snnconv.nirformat",
+           "snnconv.vocabulary"}
 
 MODULES = ["snnconv_backends", "snnconv_backends.registry", "snnconv_backends.nirgraph",
            "snnconv_backends.engine", "snnconv_backends.cpu", "snnconv_backends.gpu",
