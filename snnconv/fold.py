@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import operator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -92,7 +93,7 @@ def fold_weights(
     return w_new.to(dtype), b_new.to(dtype)
 
 
-def folded_producer(producer: nn.Module, bn: _BatchNorm, *, add_shift: bool = True) -> nn.Module:
+def folded_producer(producer: Any, bn: Any, *, add_shift: bool = True) -> nn.Module:
     """A new producer (a copy; the inputs are untouched) computing ``bn(producer(x))``.
 
     The new weight and bias are trainable parameters (``requires_grad=True``).
@@ -156,8 +157,9 @@ def _producer_problem(gm: fx.GraphModule, bn_node: fx.Node, src: fx.Node, bn: _B
     if sites > 1:
         return (f"its producer '{src.target}' is called at {sites} places in forward(); folding "
                 "would change the other calls. Use one module per call site")
-    if producer.weight.shape[0] != bn.num_features:
-        return (f"its producer '{src.target}' has {producer.weight.shape[0]} output channels but "
+    channels = cast(torch.Tensor, producer.weight).shape[0]
+    if channels != bn.num_features:
+        return (f"its producer '{src.target}' has {channels} output channels but "
                 f"the BatchNorm normalises {bn.num_features}")
     return _rank_problem(str(src.target), producer, bn, rank)
 
@@ -178,13 +180,13 @@ def _as_affine(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None, why: str)
     if consumer is None:
         replace_with_affine(gm, bn_node, rank)
         return FoldedPair(name, [name], kind="affine", why=why)
-    bn_node.replace_all_uses_with(bn_node.args[0])
+    bn_node.replace_all_uses_with(cast(fx.Node, bn_node.args[0]))
     gm.graph.erase_node(bn_node)
     return FoldedPair(name, [consumer], kind="consumer", why=why)
 
 
 def _fold_one(gm: fx.GraphModule, bn_node: fx.Node, rank: int | None = None) -> FoldedPair:
-    bn = module_of(gm, bn_node)
+    bn = cast(_BatchNorm, module_of(gm, bn_node))  # the caller found a BatchNorm node
     name = str(bn_node.target)
     problem = _bn_problem(bn)
     if problem is not None:
@@ -256,7 +258,7 @@ def fold_graph(gm: fx.GraphModule, example_inputs: tuple | None = None) -> list[
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
-    if reference is not None:
+    if reference is not None and example_inputs is not None:
         folded = capture(gm, example_inputs, [v for v in sources.values() if v])
         for pair, (bn_name, src_name) in zip(pairs, sources.items()):
             if src_name is None:  # folded into its consumer: checked by the end-to-end diff

@@ -31,7 +31,7 @@ import keyword
 import math
 import operator
 import re
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.fx as fx
@@ -45,9 +45,7 @@ __all__ = ["FUNCTIONS", "METHODS", "KEYWORDS", "ATTRIBUTES", "DTYPES", "MAX_NODE
            "check_graph", "graph_to_dict", "graph_from_dict"]
 
 #: The functions a saved graph may call, by name: the allow-list of the format.
-FUNCTIONS: dict[str, Callable] = {
-    f"{mod}.{fn.__name__}": fn
-    for mod, fns in {
+_FUNCTIONS_BY_MODULE: dict[str, list[Any]] = {
         "operator": [operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
                      operator.getitem, operator.iadd, operator.imul],
         "torch": [torch.add, torch.sub, torch.mul, torch.cat, torch.flatten, torch.mean,
@@ -59,9 +57,8 @@ FUNCTIONS: dict[str, Callable] = {
                                 F.relu, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.adaptive_max_pool1d,
                                 F.adaptive_max_pool2d, F.adaptive_max_pool3d],
         "builtins": [getattr],
-    }.items()
-    for fn in fns
 }
+FUNCTIONS: dict[str, Callable] = {f"{mod}.{fn.__name__}": fn for mod, fns in _FUNCTIONS_BY_MODULE.items() for fn in fns}
 _FUNCTION_NAMES = {id(fn): name for name, fn in FUNCTIONS.items()}
 #: The tensor methods a saved graph may call.
 METHODS = frozenset({"flatten", "view", "reshape", "size", "mean", "sum", "permute", "transpose",
@@ -115,8 +112,8 @@ def _avgpool_cfg(m: nn.Module) -> dict:
     return cfg
 
 
-def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
-    table: dict[str, tuple[type, Callable[[nn.Module], dict]]] = {
+def _module_table() -> dict[str, tuple[type, Callable[[Any], dict]]]:
+    table: dict[str, tuple[type, Callable[[Any], dict]]] = {
         "Linear": (nn.Linear, lambda m: dict(in_features=m.in_features, out_features=m.out_features,
                                              bias=m.bias is not None)),
         "Flatten": (nn.Flatten, lambda m: dict(start_dim=m.start_dim, end_dim=m.end_dim)),
@@ -128,28 +125,30 @@ def _module_table() -> dict[str, tuple[type, Callable[[nn.Module], dict]]]:
         "Scale": (Scale, lambda m: dict(theta=torch.ones(m.theta.shape))),
         "TimeExpand": (TimeExpand, lambda m: dict(T=m.T)),
     }
-    for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        table[cls.__name__] = (cls, _conv_cfg)
-    for cls in (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d):
-        table[cls.__name__] = (cls, _avgpool_cfg)
-    for cls in (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d):
-        table[cls.__name__] = (cls, lambda m: dict(output_size=m.output_size))
-    for cls in (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d):
-        table[cls.__name__] = (cls, lambda m: dict(p=m.p))
     # what an analog prefix (snnconv.prefix) runs once on the static input
     table["ReLU"] = (nn.ReLU, lambda m: {})
-    for cls in (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d):
-        table[cls.__name__] = (cls, lambda m: dict(kernel_size=m.kernel_size, stride=m.stride,
-                                                   padding=m.padding, dilation=m.dilation,
-                                                   ceil_mode=m.ceil_mode))
-    for cls in (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d):
-        table[cls.__name__] = (cls, lambda m: dict(output_size=m.output_size))
+    families: list[tuple[tuple[type, ...], Callable[[Any], dict]]] = [
+        ((nn.Conv1d, nn.Conv2d, nn.Conv3d), _conv_cfg),
+        ((nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), _avgpool_cfg),
+        ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
+         lambda m: dict(output_size=m.output_size)),
+        ((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d), lambda m: dict(p=m.p)),
+        ((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
+         lambda m: dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding, dilation=m.dilation,
+                        ceil_mode=m.ceil_mode)),
+        ((nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
+         lambda m: dict(output_size=m.output_size)),
+    ]
+    for classes, config in families:
+        for cls in classes:
+            table[cls.__name__] = (cls, config)
     return table
 
 
 _TABLE = _module_table()
 #: each module type's constructor keywords (what a saved config may name)
-_PARAMETERS = {kind: frozenset(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+_PARAMETERS = {kind: frozenset(p for p in inspect.signature(cls.__init__).parameters  # type: ignore[misc]
+                               if p != "self")
                for kind, (cls, _) in _TABLE.items()}
 
 
@@ -423,7 +422,7 @@ def graph_to_dict(gm: fx.GraphModule) -> dict:
             mod = gm.get_submodule(target)
             kind = by_type.get(type(mod))
             if isinstance(mod, _prefix_type()):
-                modules[target] = {"type": _NESTED, "graph": graph_to_dict(mod.net)}
+                modules[target] = {"type": _NESTED, "graph": graph_to_dict(cast(fx.GraphModule, mod.net))}
             elif kind is None:
                 raise UnsupportedModelError(
                     f"cannot save module '{target}' of type {type(mod).__name__}: the spiking "

@@ -12,6 +12,7 @@ expanded over time by :class:`TimeExpand`, so direct encoding costs one pass of 
 from __future__ import annotations
 
 import builtins
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -51,12 +52,12 @@ LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 def _is_flatten_from_1(gm: fx.GraphModule, node: fx.Node) -> bool:
     mod = module_of(gm, node)
     if isinstance(mod, nn.Flatten):
-        return mod.start_dim == 1 and mod.end_dim == -1
+        return bool(mod.start_dim == 1 and mod.end_dim == -1)
     if (node.op == "call_function" and node.target in _FLATTENS_FN) or (
             node.op == "call_method" and node.target == "flatten"):
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
-        return start == 1 and end == -1
+        return bool(start == 1 and end == -1)
     return False
 
 
@@ -88,7 +89,7 @@ def _absorb_target(gm: fx.GraphModule, user: fx.Node, src: fx.Node, sites: dict[
         prev, node = node, next(iter(node.users))
 
 
-def _input_scale(layer: nn.Module, theta: torch.Tensor, flattened: bool,
+def _input_scale(layer: Any, theta: torch.Tensor, flattened: bool,
                  ndim: int | None = None) -> torch.Tensor | None:
     """A tensor broadcasting against ``layer.weight`` that multiplies each input column by theta.
 
@@ -123,11 +124,12 @@ def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: di
     for user in list(if_node.users):
         hit = _absorb_target(gm, user, if_node, sites)
         factor = None
+        layer: Any = None  # the Conv or Linear that reads the neuron
         if hit is not None:
             layer = module_of(gm, hit[0])
             factor = _input_scale(layer, theta, hit[1], ndim)
         if factor is not None:
-            layer = module_of(gm, hit[0])
+            assert hit is not None
             with torch.no_grad():
                 w = (layer.weight.double() * factor.double()).to(layer.weight.dtype)
             layer.weight = nn.Parameter(w, requires_grad=True)
