@@ -75,7 +75,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raise DataError(f"cannot read IDX file {path}: {exc}") from exc
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise DataError(f"{path} is not an IDX file (bad magic number {data[:4].hex()})")
-    dtypes = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+    dtypes: dict[int, Any] = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
     code, ndim = data[2], data[3]
     if code not in dtypes:
         raise DataError(f"{path}: unknown IDX element type 0x{code:02x}")
@@ -303,7 +303,7 @@ class _BatchList:
 
 def split_dataset(dataset: Dataset, val_fraction: float, *, seed: int = 0) -> tuple[Subset, Subset]:
     """A seeded random ``(train, validation)`` split of a sized dataset."""
-    n = len(dataset)
+    n = len(dataset)  # type: ignore[arg-type]  # a sized dataset (the callers check)
     n_val = max(1, int(round(n * val_fraction)))
     if n_val >= n:
         raise DataError(f"the training data holds {n} samples, too few to hold out {n_val} "
@@ -325,22 +325,20 @@ def split_loader(loader: Iterable, val_fraction: float, *, seed: int = 0) -> tup
         return loader, None
     if isinstance(loader, DataLoader) and hasattr(loader.dataset, "__len__"):
         train_set, val_set = split_dataset(loader.dataset, val_fraction, seed=seed)
-        common = dict(batch_size=loader.batch_size or 1, num_workers=loader.num_workers,
-                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory)
+        common: dict[str, Any] = dict(batch_size=loader.batch_size or 1, num_workers=loader.num_workers,
+                                      collate_fn=loader.collate_fn, pin_memory=loader.pin_memory)
         train = DataLoader(train_set, shuffle=True,
                            generator=torch.Generator().manual_seed(seed + 1),
                            drop_last=loader.drop_last, **common)
-        val = DataLoader(val_set, shuffle=False, **common)
-        return train, val
+        return train, DataLoader(val_set, shuffle=False, **common)
     batches = list(loader) if _sized(loader) else list(
         bounded(loader, where="the training loader"))
     if len(batches) < 2:
         raise DataError(f"the training loader yielded {len(batches)} batch(es); at least 2 are "
                         "needed to hold out a validation split. Pass val_fraction=0 or more data.")
     k = max(2, min(len(batches), int(round(1.0 / val_fraction))))
-    val = [b for i, b in enumerate(batches) if i % k == k - 1]
-    train = [b for i, b in enumerate(batches) if i % k != k - 1]
-    return _BatchList(train), _BatchList(val)
+    return (_BatchList([b for i, b in enumerate(batches) if i % k != k - 1]),
+            _BatchList([b for i, b in enumerate(batches) if i % k == k - 1]))
 
 
 def split_steps(loader: Any, val_fraction: float) -> int | None:
@@ -477,7 +475,7 @@ def load(name: str, *, root: str | None = None, download: bool = False, augment:
     """
     if name == "digits":
         return digits(seed=seed)
-    hint = {"download_hint": download_hint} if download_hint else {}
+    hint: dict[str, Any] = {"download_hint": download_hint} if download_hint else {}
     if name == "fashion_mnist":
         return (fashion_mnist(root, train=True, download=download, **hint),
                 fashion_mnist(root, train=False, download=download, **hint))

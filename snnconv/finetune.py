@@ -16,6 +16,7 @@ import itertools
 import math
 import os
 import time
+from collections.abc import Sized
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
@@ -165,7 +166,7 @@ def _data_size(data: "_Data") -> int | None:
     """Samples (a sized dataset) or batches (a list) of the training split; None if unknown."""
     for obj in (getattr(data.train, "dataset", None), data.train):
         try:
-            return len(obj)
+            return len(obj)  # type: ignore[arg-type]  # an unsized one raises TypeError
         except TypeError:
             continue
     return None
@@ -206,6 +207,8 @@ def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int) -> _D
 
         train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
         return _Data(train, val)
+    train_set: Any
+    val_set: Any
     if cfg.val_fraction > 0:
         train_set, val_set = split_dataset(loader.dataset, cfg.val_fraction, seed=cfg.seed)
     else:
@@ -219,10 +222,10 @@ def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int) -> _D
     # Every process count draws the same global batches: a DistributedSampler over the seeded
     # permutation gives rank r the samples r, r + world, ... of it, so with one process it is
     # the permutation itself and the union over ranks of batch k is always the same set.
-    sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
+    sampler: DistributedSampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
                                  seed=cfg.seed, drop_last=True)
-    common = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                  pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn)
+    common: dict[str, Any] = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                                  pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn)
     # own generators: creating an iterator then draws from them, not from the global RNG
     generator = torch.Generator()
     train = DataLoader(train_set, batch_size=batch // world, sampler=sampler, drop_last=True,
@@ -361,18 +364,19 @@ def _runner(model: SpikingNetwork, plan: StepPlan, device: torch.device, world: 
     runner: nn.Module = model if plan.mode is None else checkpointed(model, plan.mode)
     runner.train()
     if world > 1:
-        ddp_kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        ddp_kwargs: dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
         runner = nn.parallel.DistributedDataParallel(runner, **ddp_kwargs)
     return runner
 
 
-def _backward(runner: nn.Module, x: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None,
+def _backward(runner: Any, x: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None,
               cfg: FinetuneConfig, micro: int, scaler, use_amp: bool, amp_dtype) -> tuple[float, torch.Tensor]:
     """The gradient of the batch's loss, in pieces of ``micro`` images whose losses (weighted by
     their share of the batch) add up to it; returns the loss and the readout."""
     pieces = list(zip(x.split(micro), y.split(micro),
                       soft.split(micro) if soft is not None else [None] * -(-len(x) // micro)))
     total, outs = 0.0, []
+    loss: Any
     for i, (xp, yp, sp) in enumerate(pieces):
         last = i == len(pieces) - 1
         sync = contextlib.nullcontext() if last or not hasattr(runner, "no_sync") else runner.no_sync()
@@ -460,7 +464,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     label_free = teacher is not None and cfg.distill == 1
     if label_free and data.val is not None:
         data.val = TeacherLabelled(data.val, teacher, device)
-    steps_per_epoch = len(data.train) if hasattr(data.train, "__len__") else None
+    steps_per_epoch = len(data.train) if isinstance(data.train, Sized) else None
     if steps_per_epoch == 0:
         raise DataError("the fine-tuning loader yields no full batch after the validation split")
     if cfg.max_steps_per_epoch and steps_per_epoch:
@@ -523,7 +527,8 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             "rng": rng_state(device), "history": history, "best_val": best_val,
             "best_state": best_state})
 
-    start_val = margin = None
+    start_val: float | None = None
+    margin = 0.0
     if cfg.keep_start and data.val is not None and start_epoch == 0 and start_step == 0:
         # the converted network is epoch 0, handicapped by one standard error of its score: a
         # trained epoch wins a tie within the split's noise, a worse one loses to the start
@@ -552,6 +557,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             seen = step + 1
             if step < skip:
                 if step == skip - 1:
+                    assert resume_rng is not None  # skip > 0 only on a mid-epoch resume
                     set_rng_state(resume_rng, device)
                 continue
             x, y = split_batch(batch, where="fine-tuning loader")
@@ -565,6 +571,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
             if runner is None:
                 plan = _step_plan(model, x, cfg, device, world)
                 runner = _runner(model, plan, device, world)
+            assert plan is not None  # made with the runner
             opt.zero_grad(set_to_none=True)
             loss, out = _backward(runner, x, y, soft, cfg, plan.micro_batch, scaler, use_amp, amp_dtype)
             if cfg.grad_clip > 0:
@@ -607,6 +614,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         history.append(record)
         save(epoch + 1, 0)
         if ckpt_path and rank == 0:
+            assert cfg.checkpoint_dir is not None  # where ckpt_path lives
             plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
     if start_val is not None and history:
         history[-1]["start_val_acc"] = start_val
