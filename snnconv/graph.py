@@ -346,7 +346,7 @@ class _Lockstep(fx.Interpreter):
 
 
 def run_lockstep(gm: fx.GraphModule, chunks: list[torch.Tensor],
-                 before: dict[str, Callable[[list[Any]], list[Any]]],
+                 before: dict[str, Callable[..., Any]],
                  observe: dict[str, Callable[[Iterator[Any]], None]] | None = None) -> list[Any]:
     """Run ``gm`` on each of ``chunks``, every chunk up to a hooked node before any goes past
     it; returns the outputs per chunk.

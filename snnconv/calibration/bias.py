@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import numbers
 import operator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -32,14 +32,15 @@ def bias_path(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, list[fx.Node]
 
     Through TimeExpand, or one argument of an add (the first Conv/Linear among its arguments).
     """
-    src = node.args[0]
+    src = cast(fx.Node, node.args[0])
     path = []
     while isinstance(module_of(gm, src), TimeExpand):
         path.append(src)
-        src = src.args[0]
+        src = cast(fx.Node, src.args[0])
     if isinstance(module_of(gm, src), LAYERS):
         return src, path
     if src.op == "call_function" and src.target in (operator.add, torch.add):
+        a: Any
         for a in src.args:
             inner = []
             while isinstance(a, fx.Node) and isinstance(module_of(gm, a), TimeExpand):
@@ -65,7 +66,7 @@ def _shift_reaches_only(gm: fx.GraphModule, node: fx.Node, hit: tuple[fx.Node, l
     return all(len(n.users) == 1 for n in [layer_node, *path])
 
 
-def apply_shift(layer: nn.Module, delta: torch.Tensor) -> torch.Tensor:
+def apply_shift(layer: Any, delta: torch.Tensor) -> torch.Tensor:
     """Add ``delta`` (per output channel, or its mean) to ``layer``'s bias; return what was added."""
     delta = delta.to(layer.weight.dtype)
     with torch.no_grad():
@@ -88,7 +89,7 @@ class _RunUntil(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, name: str):
         super().__init__(gm)
         self.name = name
-        self.value = None
+        self.value: Any = None
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
@@ -292,13 +293,16 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     if grouped:
         refuse_one_image(2 * per_image, device, f"bias calibration at T={T}", "lower T or the input size")
         if group_size is None:
+            assert budget is not None  # grouped without a size: the lockstep passed the budget
             group_size = max(1, budget // 2 // (2 * per_image))
     if snn.chunk_size and device.type == "cpu":
         per = images_per_chunk(snn.chunk_size, T, per_image)
     if grouped:
+        assert group_size is not None
         per = min(per or group_size, group_size)
     chunks, owner, spans = _chunks(batches, per)
     if grouped:
+        assert group_size is not None
         return _grouped(out, snn, T, batches, target_mean, horizons, membrane, wfit, plan, shifts,
                         (chunks, owner, spans), group_size, budget)
 
@@ -359,7 +363,7 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
                 del rates[source]
         wfit.fit(node, xs, spans, known)
 
-    observe = {}
+    observe: dict[str, Any] = {}
     if wfit is not None:
         observe = {node.name: (lambda xs, n=node: fit(xs, n)) for node in gm.graph.nodes
                    if node.name in wfit.plan}
@@ -398,8 +402,8 @@ class _Shift:
     def __init__(self, mod, name, layer, target, ctx: dict):
         self.mod, self.name, self.layer, self.target, self.ctx = mod, name, layer, target, ctx
         self.parts: list = []
-        self.replaces = None  # known from the first input: dividing by theta or adding to it
-        self.added = None
+        self.replaces: bool | None = None  # known from the first input: dividing by theta or adding to it
+        self.added: Any = None
 
     def prepare(self, xs: list) -> list:
         x0, T = xs[0], self.ctx["T"]
@@ -446,7 +450,7 @@ class _Shift:
         if self.replaces:
             dims = values[0].dim() - 1
             shift = channel_view(self.added, dims) / channel_view(self.mod.theta, dims)
-            return [fire(self.mod, u, shift).reshape(-1, *u.shape[2:]) for u in values]
+            return [cast(torch.Tensor, fire(self.mod, u, shift)).reshape(-1, *u.shape[2:]) for u in values]
         along_last = isinstance(self.layer, nn.Linear) and values[0].dim() > 2
         view = self.added if along_last else channel_view(self.added, values[0].dim())
         return [x.add_(view) if x.is_contiguous() else x + view for x in values]
@@ -460,7 +464,7 @@ class _Fit:
 
     def __init__(self, node: fx.Node, wfit: WeightCalibration, spans: list, source: Any = None):
         self.node, self.wfit, self.spans, self.source = node, wfit, spans, source
-        self.acc = None
+        self.acc: Any = None
 
     def prepare(self, xs: list) -> list:
         return xs
@@ -495,9 +499,10 @@ def _grouped(out: SpikingNetwork, snn: SpikingNetwork, T: int, batches: list, ta
                              for node_name, mod, name, source, layer in plan}
     if wfit is not None:
         shifts_at = dict(hooks)
-        hooks.update({node.name: _Fit(node, wfit, spans, shifts_at.get(getattr(node.args[0], "name", None)))
+        hooks.update({node.name: _Fit(node, wfit, spans, shifts_at.get(str(getattr(node.args[0], "name", ""))))
                       for node in gm.graph.nodes if node.name in wfit.plan})
-    groups, size = [], 0
+    groups: list[Any] = []
+    size = 0
     for i, c in enumerate(chunks):
         if not groups or size + len(c) > group_size:
             groups.append([])

@@ -5,7 +5,7 @@ squares over sampled output positions, pulled towards the present weights)."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable, cast
 
 import torch
 import torch.fx as fx
@@ -30,7 +30,7 @@ _SAMPLES_PER_FEATURE = 16
 _MIN_SAMPLES = 4096
 
 
-def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[nn.Module, str, nn.Module]]:
+def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[Any, str, Any]]:
     """The Conv2d/Linear nodes of the SNN ``gm`` whose input carries spikes (downstream of a
     neuron), each called once here and in the reference ``ref``, zero-padded: node name ->
     (layer, name of the reference node that feeds the same layer, the reference layer)."""
@@ -55,7 +55,7 @@ def _weight_plan(gm: fx.GraphModule, ref: fx.GraphModule) -> dict[str, tuple[nn.
     return plan
 
 
-def _output_size(layer: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
+def _output_size(layer: Any, x: torch.Tensor) -> tuple[int, ...]:
     """Output positions of ``layer`` per image of ``x``: a Conv2d's output rows and columns, a
     Linear's leading dimensions."""
     if isinstance(layer, nn.Linear):
@@ -66,7 +66,7 @@ def _output_size(layer: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
             (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
 
 
-def columns(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def columns(layer: Any, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The input columns of ``layer`` on ``x`` at the output positions ``pos`` (flat indices
     over images and output pixels, in the order of :func:`layer_output`), ``[groups,
     positions, features per group]``, features in ``F.unfold``'s order (channel, then kernel
@@ -84,7 +84,7 @@ def columns(layer: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> torch.Tenso
     return u.reshape(len(pos), layer.groups, -1).transpose(0, 1)
 
 
-def layer_output(layer: nn.Module, a: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+def layer_output(layer: Any, a: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
     """``layer`` on ``a`` without its bias, ``[positions, outputs]`` (positions: images, then
     output rows and columns; a Linear's leading dimensions); with ``pos``, at those positions
     only (from their columns: cheaper than the whole convolution for a small sample)."""
@@ -129,7 +129,7 @@ def count_gram(u: torch.Tensor, steps: int) -> torch.Tensor | None:
         g = sum(torch._int_mm(p.T, p).double() for p in c.split(rows))
     except (RuntimeError, AttributeError):
         return None
-    return (g / steps**2).unsqueeze(0)
+    return (cast(torch.Tensor, g) / steps**2).unsqueeze(0)
 
 
 class WeightFit:
@@ -142,10 +142,13 @@ class WeightFit:
     few positions per chunk: one product each would be slow and add a float64 matrix per
     chunk)."""
 
-    def __init__(self, layer: nn.Module, ref_layer: nn.Module, steps: int | None = None,
+    def __init__(self, layer: Any, ref_layer: Any, steps: int | None = None,
                  positions: int | None = None):
         self.layer, self.ref_layer, self.steps = layer, ref_layer, steps  # steps: U holds counts / steps
-        self.G, self.C, self.s = 0.0, 0.0, 0.0
+        # sums over the pieces (0.0 until the first): U^T U, U^T Y, U^T 1
+        self.G: Any = 0.0
+        self.C: Any = 0.0
+        self.s: Any = 0.0
         self.groups = getattr(layer, "groups", 1)
         features = layer.weight[0].numel() * self.groups  # columns of all groups
         self.rows = max(1, _UNFOLD_BYTES // (features * layer.weight.element_size()))
@@ -233,7 +236,7 @@ class WeightFit:
         shift = self._bias_shift(w)
         resid = y if shift is None else y + shift
         pieces = range(0, u.shape[2], _DUAL_PIECE)
-        k = 0.0
+        k: Any = 0.0
         for a in pieces:  # U U^T and Y - U W0, a piece of the inputs at a time
             ua = u[:, :, a:a + _DUAL_PIECE].double()
             k = k + torch.bmm(ua, ua.transpose(1, 2))
@@ -285,6 +288,7 @@ class WeightCalibration:
                 for lo, hi, values in capture_pieces(ref, x, names):
                     for target, name in (sites or {}).items():  # as reference_means
                         mean = channel_mean(values[name]) * ((hi - lo) / len(x))
+                        assert self.means is not None  # set where there are sites
                         self.means[target] = self.means.get(target, 0) + mean / len(batches)
                     for name, (_layer, ref_name, ref_layer) in self.plan.items():
                         a = values[ref_name]
@@ -306,7 +310,7 @@ class WeightCalibration:
         self.changes: dict[str, float] = {}
 
     @staticmethod
-    def _positions(ref_layer: nn.Module, a: torch.Tensor, batch: int, images: int,
+    def _positions(ref_layer: Any, a: torch.Tensor, batch: int, images: int,
                    gen: torch.Generator) -> tuple[torch.Tensor | None, int]:
         """The sampled output positions of ``ref_layer`` over a batch of ``batch`` images (sorted
         flat indices; None: all of them) and its positions per image, from ``a`` (its input, any
@@ -354,7 +358,8 @@ class WeightCalibration:
             acc.add(part, y[a:b], pos[a:b] - lo * per_image)
 
         means = (x.reshape(self.T, len(x) // self.T, *x.shape[1:]).mean(0) for x in values)
-        group, span = [], None
+        group: list[torch.Tensor] = []
+        span: Any = None
         for r, (k, lo, hi) in zip(means if rates is None else rates, spans):
             if group and (k != span[0] or lo != span[2]):
                 gather(group, *span)
