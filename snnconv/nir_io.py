@@ -41,7 +41,7 @@ from __future__ import annotations
 import keyword
 import operator
 import re
-from typing import Any
+from typing import Any, cast
 
 import nir
 import numpy as np
@@ -139,7 +139,7 @@ class _Exporter:
                      if isinstance(m, IFNeuron)} == {"zero"}
 
     # --- helpers ---
-    def shape(self, n: fx.Node) -> tuple[int, ...]:
+    def shape(self, n: Any) -> tuple[int, ...]:
         if n.name not in self.shapes:
             raise NIRError(f"fx node '{n.name}' ({describe_node(n)}) does not produce a tensor")
         return self.shapes[n.name][1:]  # batch-free
@@ -199,7 +199,7 @@ class _Exporter:
 
     def module(self, n: fx.Node) -> None:
         mod = module_of(self.gm, n)
-        x = n.args[0] if n.args else None
+        x: Any = n.args[0] if n.args else None
         if len(n.args) != 1 or n.kwargs:
             raise self.unsupported(n, "a module call with other than one tensor argument")
         srcs = self.src(x, n)
@@ -343,7 +343,7 @@ class _Exporter:
                           stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
                           bias=np.zeros(shape[0], np.float32), metadata=meta)
 
-    def conv(self, n: fx.Node, mod: nn.Module, in_shape: tuple[int, ...]) -> nir.NIRNode:
+    def conv(self, n: fx.Node, mod: Any, in_shape: tuple[int, ...]) -> nir.NIRNode:
         if mod.padding_mode != "zeros":
             raise self.unsupported(n, f"padding_mode={mod.padding_mode!r} (NIR pads with zeros)")
         nd = 1 if isinstance(mod, nn.Conv1d) else 2
@@ -397,7 +397,7 @@ class _Exporter:
 
 
 def _pair(v: Any) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else tuple(int(x) for x in v)
+    return (int(v), int(v)) if isinstance(v, int) else cast(tuple[int, int], tuple(int(x) for x in v))
 
 
 def _probe_shapes(snn: SpikingNetwork, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -486,14 +486,14 @@ def _tensor(value: Any) -> torch.Tensor:
 
 def _conv_module(op: Any, meta: dict, T: int) -> nn.Module:
     p = op.params
-    cls = nn.Conv1d if op.kind == "conv1d" else nn.Conv2d
+    cls: Any = nn.Conv1d if op.kind == "conv1d" else nn.Conv2d
     w = _tensor(p["weight"])
     has_bias = meta.get("snnconv_bias") != "none" or bool(np.any(p["bias"] != 0))
     mod = cls(op.in_shape[0], w.shape[0], tuple(w.shape[2:]), stride=p["stride"],
               padding=p["padding"], dilation=p["dilation"], groups=p["groups"], bias=has_bias)
     with torch.no_grad():
         mod.weight.copy_(w)
-        if has_bias:
+        if mod.bias is not None:  # (has_bias)
             mod.bias.copy_(_tensor(p["bias"]))
     return mod
 

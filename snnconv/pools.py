@@ -151,7 +151,7 @@ def drop_idle_ceil_mode(gm: fx.GraphModule, example_inputs: Iterable) -> list[st
 
 
 def _pair(v) -> tuple[int, int]:
-    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+    return (int(v), int(v)) if isinstance(v, int) else cast(tuple[int, int], tuple(int(x) for x in v))
 
 
 def _axis(size: int, k: int, s: int, p: int, out: int, include_pad: bool) -> tuple[int, np.ndarray, int]:
