@@ -30,10 +30,8 @@ MEMORY_ENV = "SNNCONV_MEMORY"
 #: machine's, which the data loader, the page cache and other processes share.
 BUDGET_SHARE = {"cuda": 0.8, "cpu": 0.5}
 
-#: The most a training step's activations take on a CPU before it is cut into micro-batches.
-#: Larger batches buy no speed there: one BPTT step of torchvision's ResNet-18 at 224 px and
-#: T=4 cost 1.29 / 1.22 / 1.63 / 2.13 s per image at 1 / 2 / 4 / 8 images (2-core Xeon,
-#: benchmarks/README.md "Scale"); the gradient is the same up to float rounding.
+#: The most a training step's activations take on a CPU before it is cut into micro-batches:
+#: larger batches buy no speed there (benchmarks/README.md, Defaults row "memory").
 CPU_STEP_BYTES = 2 * 2**30
 
 #: A training step's peak over the bytes autograd saves in its forward (:func:`saved_bytes`):

@@ -36,56 +36,30 @@ from .summary import images_in, say_beyond_ann
 
 __all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finetune_recipe", "default_finetune_epochs"]
 
-#: The fine-tuning recipe of ``convert()`` (the rest as in :class:`FinetuneConfig`): unrolled
-#: for ``2 * T`` steps with readouts trained at ``T // 2``, ``T`` and ``2 * T``
-#: (:func:`finetune_recipe`). Distillation from the ANN, trained thresholds, ATan alpha 4, lr
-#: 2e-3: on the robustness matrix, one epoch at T=4 on four networks, three seeds, mean T=4 gap
-#: to the ANN 15.27 -> 8.98 (ResNet-20), 5.92 -> 3.73 (tv_resnet), 36.18 -> 19.87 (MobileNet),
-#: 2.92 -> 1.93 (small CNN) against alpha 2 / lr 1e-3 / frozen thresholds / no distillation; the
-#: readout at 2T keeps the network at longer T (benchmarks/README.md, "Defaults").
-#: The converted network competes as epoch 0 (``keep_start``), handicapped by one standard
-#: error of its validation score: fine-tuning never returns a network worse on the validation
-#: split than the training-free one by more than that split's noise.
-#: ``FinetuneConfig()`` keeps the conservative defaults: it has no teacher of its own.
-#: ``batch_size`` is the largest: see :func:`_finetune_batch`.
+#: convert()'s fine-tuning recipe, the rest as :class:`FinetuneConfig` (:func:`finetune_recipe`;
+#: Defaults rows "distillation, thresholds, surrogate, lr", "batch size" and "keep_start").
 CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill": 0.5, "batch_size": 64,
                     "keep_start": True}
 
-#: Fine-tuning steps per epoch that convert() keeps by smaller batches on small data sets, and
-#: the smallest batch it goes down to (benchmarks/README.md, "Defaults").
+#: Steps an epoch keeps by smaller batches, and the smallest batch (Defaults row "batch size").
 _FINETUNE_STEPS, _FINETUNE_MIN_BATCH = 256, 16
 
-#: The most optimiser steps of one fine-tuning epoch (a large data set is sampled, never run
-#: whole by default).
+#: Optimiser steps of one fine-tuning epoch at most (Defaults row "its budget").
 FINETUNE_MAX_STEPS = 2000
 
-#: The least fine-tuning steps of the default budget: whole epochs of the training split until
-#: this many (at most :data:`FINETUNE_MAX_EPOCHS`; a large data set gets one epoch). On the
-#: few-step matrix (281 steps an epoch), two epochs against one at T=4, seed 0: T=2 / 4 / 8
-#: +2.95 / +1.25 / -0.05 (tv_resnet), +3.75 / +1.55 / -0.15 (ResNet-20), +0.80 / +1.80 / +0.90
-#: (MobileNet), +1.50 / +1.20 / +0.20 (small CNN); four epochs gain another 0.60-2.10 at T=4
-#: on three networks and lose 1.15 on the small CNN, for 1.4-1.8x the cost
-#: (benchmarks/README.md, "Fine-tuning budget").
+#: Whole epochs of fine-tuning until this many steps, 1 to FINETUNE_MAX_EPOCHS (Defaults row
+#: "its budget").
 FINETUNE_MIN_STEPS = 512
 FINETUNE_MAX_EPOCHS = 8
 
-#: Target T up to which convert() fine-tunes by default (with a labelled loader). At T >= 16
-#: the training-free calibration is within 3 points of the ANN at T=16 and 1 at T=32 on the
-#: robustness matrix, and BPTT through 2T steps would cost 4-8x what it costs at T=4.
+#: The largest target T that convert() fine-tunes by default (Defaults row "fine-tuning").
 FINETUNE_UP_TO_T = 8
 
-#: Optimiser steps of the layer-wise reconstruction (:func:`snnconv.calibration.reconstruct`)
-#: that a conversion without QCFS training or fine-tuning gets at ``T <= FINETUNE_UP_TO_T``
-#: (subtractive reset): every IF layer's spike rate fitted by SGD through time to the
-#: QCFS-ANN's site, on the calibration images, no label read. Training-free at T=8 on the
-#: few-step matrix (three seeds) the worst-seed gap to the ANN goes 4.36 -> 1.50 / 7.49 -> 4.28
-#: / 13.26 -> 7.33 / 1.51 -> 1.24 (tv_resnet / ResNet-20 / MobileNet / small CNN); after QCFS
-#: training (L = T = 4, seed 0) +1.07 / +0.28 / -2.87 / +0.15 and +0.07 on the VGG, so not
-#: there (benchmarks/README.md, "Defaults").
+#: Steps of the layer-wise reconstruction where neither QCFS training nor fine-tuning runs
+#: (:func:`snnconv.calibration.reconstruct`; Defaults row "layer-wise reconstruction").
 RECONSTRUCT_STEPS = 300
 
-#: The distillation weight of the default fine-tuning where the loader has no labels: the
-#: ANN's outputs are the only targets (benchmarks/README.md, "Defaults").
+#: Distillation weight without labels (Defaults row "fine-tuning without labels").
 LABEL_FREE_DISTILL = 1.0
 
 
@@ -96,11 +70,8 @@ def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 
     BPTT through ``2 * T`` steps, readouts trained at ``T // 2``, ``T`` and ``2 * T`` (the
     network answers well from half its steps to twice them), :data:`CONVERT_FINETUNE`, a batch
     from :func:`_finetune_batch` and at most ``max_steps`` optimiser steps per epoch. Hard-reset
-    networks (``reset="zero"``) train with the reset detached from the graph: on a digits
-    ResNet converted at T=8, one epoch reached 87.3 / 97.6% at T=4 / 8 against 73.7 / 96.7
-    with the gradient through the reset, and on Fashion-MNIST the latter diverged
-    (benchmarks/README.md, "Defaults"); for subtractive reset detaching cost 1.3 points at T=4.
-    ``changes`` override single fields.
+    networks (``reset="zero"``) train with the reset detached from the graph (Defaults row
+    "detach_reset"). ``changes`` override single fields.
     """
     from .finetune import FinetuneConfig
 
@@ -145,21 +116,8 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-#: QCFS training steps of ``convert(qcfs_epochs=None)`` where ``maxpool="avg"`` replaced
-#: max-pooling: whole epochs of the training split (:func:`_qcfs_epochs`), the last one cut at
-#: this count (``QCFSTrainConfig.max_steps``). On the robustness matrix's VGG (2 and 10
-#: training epochs, three seeds, AMD EPYC; 36 steps per epoch) the worst-seed gap to the ANN at
-#: T=16 / 32 after 1 / 3 / 6 / 10 / 16 epochs: 7.65 / 7.85, 5.05 / 5.20, 3.30 / 3.45, 1.85 / 1.65, 1.00 / 0.85
-#: (2 epochs) and 5.80 / 6.20, 2.85 / 2.80, 1.55 / 1.40, 0.80 / 0.65, 1.45 / 1.25 (10 epochs); on
-#: the full Fashion-MNIST training set (422 steps per epoch) 2, 4 and 6 epochs gave the same
-#: T=16 / 32 accuracy within 0.65 points, two seeds (benchmarks/README.md, "QCFS training where
-#: max-pooling became average pooling: steps"). Networks without max-pooling get none by
-#: default: before the default fine-tuning at T=4 the same steps (distilled) moved the
-#: worst-seed T=4 gap from 2.00 / 4.13 / 9.73 / 1.55 to 2.36 / 4.60 / 7.72 / 5.47 (tv_resnet
-#: and ResNet-20 three seeds, MobileNet and the small CNN two) while T=2 gained 1.7 points
-#: and T=8 lost 0.8 on the mean of the ten pairs; before the hard-reset fine-tuning at T=8
-#: (from the labels) they moved T=8 by -3.4 to +8.5 (benchmarks/README.md, "Levers tried on
-#: the few-step matrix").
+#: QCFS training steps where ``maxpool="avg"`` replaced max-pooling (:func:`_qcfs_epochs`;
+#: Defaults row "QCFS training").
 QCFS_STEPS = 576
 
 def _qcfs_epochs(loader: Any) -> int:

@@ -32,11 +32,8 @@ __all__ = ["TIME_BUDGETS", "MIN_STEPS", "StagePlan", "Plan", "make_plan", "log_p
 
 logger = logging.getLogger("snnconv.plan")
 
-#: Seconds a default training-style budget may take on this device before its steps are cut
-#: to fit. Far above what the robustness matrix's networks take (28-32 px: at most 234 s of
-#: reconstruction and 1,235 s of fine-tuning, benchmarks/README.md "Defaults" and "Fine-tuning
-#: budget"), so that their budgets stay as they are; ResNet-50 at 224 px on a 2-core CPU would
-#: otherwise take about 6 hours of reconstruction (benchmarks/README.md "Scale").
+#: Seconds a default training-style budget may take on this device before its steps are cut to
+#: fit (benchmarks/README.md, Defaults row "time budgets").
 TIME_BUDGETS = {"qcfs": 2 * 3600.0, "reconstruction": 3600.0, "finetune": 4 * 3600.0}
 
 #: The fewest steps a cut leaves.
