@@ -1,16 +1,22 @@
-"""convert(): the only place that knows the stage order.
+"""convert(): the stages in their order, over a plan decided before the work.
 
-prepare -> fold -> guard -> QCFS -> guard -> IF -> guard [-> BPTT fine-tune -> guard]
+:data:`STAGES` is the one ordered table: prepare -> fold -> qcfs -> spiking [-> finetune]. Each
+:class:`Stage` does its work on the conversion's state (:class:`_Run`) and returns what its
+record in ``meta.stages`` keeps; the template in :func:`convert` then guards the network it names
+(no BatchNorm, :func:`snnconv.guards.assert_no_batchnorm`) and checks its health
+(:class:`_Health`). Every default that depends on the data or the graph is decided once, after
+the model is traced, by :func:`snnconv.defaults.plan_conversion`; the time plan
+(:func:`snnconv.plan.make_plan`) may then cut a default budget.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import contextlib
-import math
 import random
 import time
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -19,7 +25,16 @@ import torch.nn as nn
 from .calibration import calibrate_bias, calibrate_thresholds, reconstruct
 from .config import ConvertConfig
 from .constructs import rewrite_constructs
-from .data import check_labels, generators_kept, split_steps
+from .data import check_labels, generators_kept
+from .defaults import (
+    ConversionPlan,
+    GraphFacts,
+    LoaderFacts,
+    default_finetune_epochs,
+    finetune_recipe,
+    later_maxpool,
+    plan_conversion,
+)
 from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
 from .fold import fold_graph
 from .graph import prepare
@@ -28,85 +43,14 @@ from .health import accuracy_of, activity, chance_level, collapse_report, dead_l
 from .meta import ConversionMeta, StageRecord
 from .metrics import accuracy_by_T, evaluate
 from .network import SpikingNetwork
-from .plan import epoch_steps, log_plan, make_plan, planned_work, record_run
+from .plan import log_plan, make_plan, planned_work, record_run
 from .pools import rewrite_ceil_pools
-from .qcfs import QCFSTrainConfig, calibrate_qcfs, check_activations, max_pools
+from .qcfs import calibrate_qcfs, check_activations
 from .replace import to_spiking
 from .summary import images_in, say_beyond_ann
 
-__all__ = ["convert", "ConvertConfig", "seed_everything", "draw_batches", "finetune_recipe", "default_finetune_epochs"]
-
-#: convert()'s fine-tuning recipe, the rest as :class:`FinetuneConfig` (:func:`finetune_recipe`;
-#: Defaults rows "distillation, thresholds, surrogate, lr", "batch size" and "keep_start").
-CONVERT_FINETUNE = {"alpha": 4.0, "lr": 2e-3, "train_thresholds": True, "distill": 0.5, "batch_size": 64,
-                    "keep_start": True}
-
-#: Steps an epoch keeps by smaller batches, and the smallest batch (Defaults row "batch size").
-_FINETUNE_STEPS, _FINETUNE_MIN_BATCH = 256, 16
-
-#: Optimiser steps of one fine-tuning epoch at most (Defaults row "its budget").
-FINETUNE_MAX_STEPS = 2000
-
-#: Whole epochs of fine-tuning until this many steps, 1 to FINETUNE_MAX_EPOCHS (Defaults row
-#: "its budget").
-FINETUNE_MIN_STEPS = 512
-FINETUNE_MAX_EPOCHS = 8
-
-#: The largest target T that convert() fine-tunes by default (Defaults row "fine-tuning").
-FINETUNE_UP_TO_T = 8
-
-#: Steps of the layer-wise reconstruction where neither QCFS training nor fine-tuning runs
-#: (:func:`snnconv.calibration.reconstruct`; Defaults row "layer-wise reconstruction").
-RECONSTRUCT_STEPS = 300
-
-#: Distillation weight without labels (Defaults row "fine-tuning without labels").
-LABEL_FREE_DISTILL = 1.0
-
-
-def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 0,
-                    max_steps: int | None = FINETUNE_MAX_STEPS, reset: str = "subtract", **changes: Any):
-    """The :class:`FinetuneConfig` that ``convert(..., T=T)`` fine-tunes with.
-
-    BPTT through ``2 * T`` steps, readouts trained at ``T // 2``, ``T`` and ``2 * T`` (the
-    network answers well from half its steps to twice them), :data:`CONVERT_FINETUNE`, a batch
-    from :func:`_finetune_batch` and at most ``max_steps`` optimiser steps per epoch. Hard-reset
-    networks (``reset="zero"``) train with the reset detached from the graph (Defaults row
-    "detach_reset"). ``changes`` override single fields.
-    """
-    from .finetune import FinetuneConfig
-
-    recipe = dict(CONVERT_FINETUNE)
-    if loader is not None:
-        recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
-    horizons = tuple(sorted({max(1, T // 2), T, 2 * T}))
-    recipe.update(epochs=epochs, T=2 * T, horizons=horizons, seed=seed, max_steps_per_epoch=max_steps,
-                  detach_reset=reset == "zero")
-    recipe.update(changes)
-    return FinetuneConfig(**recipe)
-
-
-def _finetune_batch(loader: Any, batch: int, val_fraction: float) -> int:
-    """convert()'s fine-tuning batch size: ``batch``, halved (down to
-    :data:`_FINETUNE_MIN_BATCH`) while one epoch of the training split would have fewer than
-    :data:`_FINETUNE_STEPS` steps, and never larger than the loader's own batches. A loader
-    without a sized dataset is fine-tuned in its own batches anyway."""
-    try:
-        images = len(loader.dataset) * (1.0 - val_fraction)
-    except (AttributeError, TypeError):
-        images = math.inf
-    while batch > _FINETUNE_MIN_BATCH and images / batch < _FINETUNE_STEPS:
-        batch //= 2
-    own = getattr(loader, "batch_size", None)
-    return own if isinstance(own, int) and own < batch else batch
-
-
-def _batches_below(loader: Any, n: int) -> bool:
-    """Whether ``loader`` yields fewer than ``n`` batches (its length, else reading at most n)."""
-    try:
-        return len(loader) < n
-    except TypeError:
-        with torch.random.fork_rng(devices=[]):
-            return sum(1 for _ in zip(range(n), loader)) < n
+__all__ = ["convert", "ConvertConfig", "STAGES", "Stage", "seed_everything", "draw_batches", "finetune_recipe",
+           "default_finetune_epochs"]
 
 
 def seed_everything(seed: int) -> None:
@@ -114,62 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-#: QCFS training steps where ``maxpool="avg"`` replaced max-pooling (:func:`_qcfs_epochs`;
-#: Defaults row "QCFS training").
-QCFS_STEPS = 576
-
-def _qcfs_epochs(loader: Any) -> int:
-    """Epochs that hold :data:`QCFS_STEPS` steps over the training split of ``loader`` (its
-    validation split held out), between 1 and 64 (a tiny loader: each epoch is also a
-    validation pass); 16 (the matrix's) for a loader without a length."""
-    steps = split_steps(loader, QCFSTrainConfig.val_fraction)
-    return 16 if steps is None else min(64, max(1, math.ceil(QCFS_STEPS / max(1, steps))))
-
-
-def _qcfs_training(cfg: ConvertConfig, gm: nn.Module, health: "_Health", loader: Any) -> QCFSTrainConfig | None:
-    """QCFS training settings: ``qcfs_epochs`` epochs, or with ``qcfs_epochs=None`` (default)
-    :data:`QCFS_STEPS` steps where ``maxpool="avg"`` replaces max-pooling (a different
-    function: on the robustness matrix the QCFS-ANN of a VGG drops from 82-89% to 45-58%
-    without it and recovers to 82-89% with them); none otherwise. Without labels it learns from
-    the ANN's outputs alone (:data:`LABEL_FREE_DISTILL`)."""
-    unlabelled = {} if health.y else {"distill": LABEL_FREE_DISTILL}
-    if cfg.qcfs_train is not None:
-        return cfg.qcfs_train
-    if cfg.qcfs_epochs:
-        return QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, **unlabelled)
-    pools = max_pools(gm) if cfg.qcfs_epochs is None and cfg.maxpool == "avg" else []
-    if pools:
-        return QCFSTrainConfig(epochs=_qcfs_epochs(loader), max_steps=QCFS_STEPS, seed=cfg.seed,
-                               **unlabelled)
-    return None
-
-
-def _plan(meta: ConversionMeta, gm: nn.Module, calib: list, cfg: ConvertConfig, qcfs_train: Any,
-          finetune_config: Any, defaults: dict[str, bool], device: torch.device, loader: Any):
-    """Measure and log the plan of the training-style stages (:func:`snnconv.plan.make_plan`)
-    into ``meta.plan``; the settings of a default budget it cut are recorded as they will run."""
-    record = meta.settings
-    try:
-        val = int(len(loader.dataset) * finetune_config.val_fraction) if finetune_config is not None else None
-    except (AttributeError, TypeError):
-        val = None
-    plan, qcfs_train, finetune_config, steps = make_plan(
-        gm, calib, cfg, qcfs_train=qcfs_train, finetune_config=finetune_config, budget=record["budget"],
-        defaults=defaults, device=device, val_images=val)
-    meta.plan = plan.to_dict()
-    log_plan(plan, cfg.progress)
-    if any(s.cut_from is not None for s in plan.stages):
-        cfg = cfg.replace(reconstruction_steps=steps)
-        if qcfs_train is not None:
-            record["qcfs_train"] = vars(qcfs_train).copy()
-        if finetune_config is not None:
-            record["finetune"] = vars(finetune_config).copy()
-            record["finetune_epochs"] = finetune_config.epochs
-        record["reconstruction_steps"] = steps
-        record["budget"] = dict(planned_work(loader, qcfs_train, finetune_config), reconstruction_steps=steps)
-    return qcfs_train, finetune_config, cfg
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -312,59 +200,6 @@ def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Ten
     return batches
 
 
-def _finetune_default(cfg: ConvertConfig, labelled: bool, loader: Any) -> tuple[int, str]:
-    """``finetune_epochs=None``: for a loader of two batches or more at
-    ``T <= FINETUNE_UP_TO_T``, the epochs that reach :data:`FINETUNE_MIN_STEPS` steps
-    (:func:`default_finetune_epochs`), none otherwise; and why."""
-    why = None
-    if cfg.T > FINETUNE_UP_TO_T:
-        why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
-    elif _batches_below(loader, 2):
-        why = "the loader has one batch (none to validate on)"
-    if why:
-        return 0, f"none: {why}"
-    epochs = default_finetune_epochs(loader)
-    source = "labelled" if labelled else "no labels: distilled from the ANN's outputs alone"
-    return epochs, (f"{epochs} epoch(s), at least {FINETUNE_MIN_STEPS} steps where the data hold them "
-                    f"(T <= {FINETUNE_UP_TO_T}, {source})")
-
-
-def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool,
-                            qcfs_trained: bool = False) -> tuple[int, str]:
-    """``reconstruction_steps=None``: :data:`RECONSTRUCT_STEPS` where neither QCFS training ran
-    nor fine-tuning follows, at ``T <= FINETUNE_UP_TO_T`` with subtractive reset and bias
-    calibration; none otherwise; and why."""
-    why = None
-    if finetune_follows:
-        why = "fine-tuning follows"
-    elif qcfs_trained:
-        why = "QCFS training ran"
-    elif cfg.T > FINETUNE_UP_TO_T:
-        why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
-    elif cfg.reset != "subtract":
-        why = f"reset={cfg.reset!r}"
-    elif not cfg.bias_calibration:
-        why = "bias_calibration=False"
-    if why:
-        return 0, f"none: {why}"
-    return RECONSTRUCT_STEPS, (f"{RECONSTRUCT_STEPS} steps (no QCFS training or fine-tuning, "
-                               f"T <= {FINETUNE_UP_TO_T})")
-
-
-def default_finetune_epochs(loader: Any) -> int:
-    """Whole epochs of convert()'s fine-tuning (its batch size, at most
-    :data:`FINETUNE_MAX_STEPS` steps each) that reach :data:`FINETUNE_MIN_STEPS` steps, between
-    1 and :data:`FINETUNE_MAX_EPOCHS`; 1 for a loader without a length."""
-    from .finetune import FinetuneConfig
-
-    vf = FinetuneConfig.val_fraction
-    batch = _finetune_batch(loader, CONVERT_FINETUNE["batch_size"], vf)
-    per = epoch_steps(loader, vf, batch if hasattr(loader, "dataset") else None)
-    if per is None:
-        return 1
-    return min(FINETUNE_MAX_EPOCHS, max(1, math.ceil(FINETUNE_MIN_STEPS / min(per, FINETUNE_MAX_STEPS))))
-
-
 def _check_loaders(loader: Any, eval_loader: Any) -> None:
     for name, data in (("loader", loader), ("eval_loader", eval_loader)):
         if isinstance(data, collections.abc.Iterator):
@@ -372,6 +207,207 @@ def _check_loaders(loader: Any, eval_loader: Any) -> None:
                 f"{name} is a one-shot iterator ({type(data).__name__}); convert() reads it more "
                 "than once (checks, calibration, training, evaluation). Pass a DataLoader or a "
                 "list of batches instead.")
+
+
+@dataclass
+class _Run:
+    """What convert()'s stages hand on: the call's inputs, the plan (from the end of "prepare"),
+    and the network each stage leaves."""
+
+    model: nn.Module
+    loader: Any
+    eval_loader: Any
+    calib: list
+    device: torch.device
+    meta: ConversionMeta
+    config: ConvertConfig  # the call's settings, resolved; the plan's config adds the data's defaults
+    plan: ConversionPlan | None = None
+    health: Any = None  # _Health, from "prepare"
+    gm: Any = None  # the traced ANN ("prepare"), BatchNorm folded ("fold")
+    qgm: Any = None  # the QCFS-ANN ("qcfs")
+    snn: Any = None  # the spiking network ("spiking", "finetune")
+    qcfs_source: dict = field(default_factory=dict)  # QCFS site -> the ANN's ReLU node
+    if_source: dict = field(default_factory=dict)  # IF neuron -> the ANN's ReLU node
+
+    @property
+    def settings(self) -> ConvertConfig:
+        return self.plan.config if self.plan is not None else self.config
+
+    def accuracy(self, key: str, network: nn.Module) -> None:
+        """The accuracy of ``network`` on the eval loader into ``meta.accuracy[key]``, if there is one."""
+        if self.eval_loader is not None:
+            self.meta.accuracy[key] = evaluate(network, self.eval_loader, self.device)
+
+
+#: What the template checks after a stage: the network, how the health check names it, the
+#: ANN's ReLU node behind each site, and a hint for a collapse.
+Checked = tuple[nn.Module, str, "dict[str, str] | None", str]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of :func:`convert`: ``run`` does its work and returns what its record keeps;
+    ``checked`` (None: nothing to check yet) names the network that the template then guards and
+    checks; ``then`` runs after the stage's record is closed (evaluation, planning); ``runs``
+    says whether the plan has the stage."""
+
+    name: str
+    run: Callable[[_Run], dict]
+    checked: Callable[[_Run], Checked] | None = None
+    then: Callable[[_Run], None] | None = None
+    runs: Callable[[_Run], bool] = lambda state: True
+
+
+def _prepare(s: _Run) -> dict:
+    """Trace the model, check its weights and the first batch, rewrite the constructs."""
+    x0, y0 = s.calib[0]
+    _check_weights(s.model)
+    s.gm = prepare(s.model)
+    s.gm.to(s.device)
+    _check_batch(s.gm, x0, y0, s.device)
+    changes = {"model": type(s.model).__name__, "input_shape": list(x0.shape),
+               "parameters": sum(p.numel() for p in s.gm.parameters()),
+               "constructs": rewrite_constructs(s.gm, (x0.to(s.device),), maxpool=s.config.maxpool)}
+    check_activations(s.gm, later_maxpool(s.config.maxpool), stage="prepare")  # every refusal at once, early
+    s.health = _Health(s.calib[:2], s.device, s.config.on_collapse)
+    return changes
+
+
+def _plan_defaults(s: _Run) -> None:
+    """The ANN's accuracy, then every default decided from the traced model and the loader."""
+    s.accuracy("ann", s.gm)
+    s.plan = plan_conversion(s.config, GraphFacts.of(s.gm), LoaderFacts.of(s.loader, s.calib[0][1] is not None))
+    _record_plan(s.meta.settings, s.plan, s.loader)
+    s.health.finetune_follows = s.plan.finetunes
+
+
+def _fold(s: _Run) -> dict:
+    pairs = fold_graph(s.gm, (s.calib[0][0].to(s.device),))
+    return {"folded": [p.to_dict() for p in pairs],
+            "max_abs_diff": max((p.max_abs_diff or 0.0 for p in pairs), default=0.0)}
+
+
+def _plan_time(s: _Run) -> None:
+    """The folded ANN's accuracy, then the time plan of the training-style stages, if any runs."""
+    s.accuracy("folded", s.gm)
+    assert s.plan is not None
+    if (s.plan.config.reconstruction_steps or s.meta.settings["budget"]["qcfs_steps"] != 0
+            or s.health.finetune_follows):
+        s.plan = _time_plan(s.meta, s.gm, s.calib, s.plan, s.device, s.loader)
+
+
+def _qcfs(s: _Run) -> dict:
+    """QCFS thresholds (and QCFS training where planned) on the folded ANN."""
+    cfg, train = s.settings, s.plan.qcfs_train if s.plan is not None else None
+    # the full loader only where QCFS training reads it; calibration reads the drawn batches
+    s.qgm = calibrate_qcfs(s.gm, s.loader if train is not None else s.calib, L=cfg.L,
+                           percentile=cfg.percentile, per_channel=cfg.per_channel,
+                           num_batches=len(s.calib), maxpool=cfg.maxpool, train=train,
+                           device=s.device, progress=cfg.progress,
+                           teacher=s.model if train is not None and train.distill > 0 else None)
+    changes = dict(s.qgm.meta["qcfs"], ceil_pools=rewrite_ceil_pools(s.qgm, (s.calib[0][0].to(s.device),)))
+    s.qcfs_source = {name: name[len("qcfs_"):] for name in s.qgm.meta["qcfs"]["sites"] if name.startswith("qcfs_")}
+    return changes
+
+
+def _qcfs_checked(s: _Run) -> Checked:
+    pooled = s.qgm.meta["qcfs"].get("maxpool_replaced")
+    hint = (f"max-pooling ({', '.join(pooled)}) was replaced by average pooling, a different "
+            "function: retrain with it, or pass qcfs_epochs >= 1 to adapt the weights; ") if pooled else ""
+    return s.qgm, "the QCFS-ANN", s.qcfs_source, hint
+
+
+def _spiking(s: _Run) -> dict:
+    """IF neurons in place of QCFS, then the calibrations and the reconstruction the plan has."""
+    cfg = s.settings
+    bias_batches = s.calib[:cfg.bias_batches]
+    snn = to_spiking(s.qgm, T=cfg.T, reset=cfg.reset)
+    fixed_T = None if cfg.horizons else cfg.bias_calibration_T
+    if cfg.threshold_calibration:
+        snn = calibrate_thresholds(snn, s.qgm, bias_batches,
+                                   T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
+                                   num_batches=len(bias_batches))
+    if cfg.bias_calibration:
+        snn = calibrate_bias(snn, s.qgm, bias_batches, T=fixed_T, horizons=cfg.horizons,
+                             membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
+                             num_batches=len(bias_batches))
+    if cfg.reconstruction_steps:
+        horizon = max(cfg.horizons) if cfg.horizons else cfg.bias_calibration_T
+        snn, _ = reconstruct(snn, s.qgm, s.calib, steps=cfg.reconstruction_steps,
+                             levels=horizon if cfg.bias_calibration else None,
+                             num_batches=len(s.calib), seed=cfg.seed, progress=cfg.progress)
+    snn.meta["input_shape"] = list(s.calib[0][0].shape[1:])  # batch-free; export_nir's default
+    s.snn = snn.to(s.device)
+    s.if_source = {n: s.qcfs_source.get(r.get("source"), r.get("source")) for n, r in snn.meta["neurons"].items()}
+    return dict(snn.meta)
+
+
+def _finetune(s: _Run) -> dict:
+    """BPTT fine-tuning, distilled from the caller's ANN where the recipe says (finetune()
+    works on its own copy)."""
+    from .finetune import finetune
+
+    assert s.plan is not None and s.plan.finetune is not None
+    teacher = s.model if s.plan.finetune.distill > 0 else None
+    s.snn, history = finetune(s.snn, s.loader, config=s.plan.finetune, teacher=teacher,
+                              device=s.device, progress=s.settings.progress)
+    return {"history": history, "steps": sum(h.get("steps", 0) for h in history)}
+
+
+#: convert()'s stages in their order; each name is its record's in ``meta.stages``.
+STAGES: tuple[Stage, ...] = (
+    Stage("prepare", _prepare, then=_plan_defaults),
+    Stage("fold", _fold, checked=lambda s: (s.gm, "the (folded) ANN", None, ""), then=_plan_time),
+    Stage("qcfs", _qcfs, checked=_qcfs_checked, then=lambda s: s.accuracy("qcfs", s.qgm)),
+    Stage("spiking", _spiking, checked=lambda s: (s.snn, f"the SNN at T={s.settings.T}", s.if_source, "")),
+    Stage("finetune", _finetune, runs=lambda s: s.plan is not None and s.plan.finetunes,
+          checked=lambda s: (s.snn, f"the fine-tuned SNN at T={s.settings.T}", s.if_source, "")),
+)
+
+
+def _record_plan(record: dict, plan: ConversionPlan, loader: Any) -> None:
+    """The plan's decisions into ``meta.settings``."""
+    cfg = plan.config
+    if "finetune_default" in plan.reasons:
+        record.update(finetune_epochs=cfg.finetune_epochs, finetune_default=plan.reasons["finetune_default"])
+    if plan.finetune is not None:
+        record["finetune"] = vars(plan.finetune).copy()
+    record["qcfs_epochs"] = plan.qcfs_train.epochs if plan.qcfs_train is not None else 0
+    if plan.qcfs_train is not None:
+        record["qcfs_train"] = vars(plan.qcfs_train).copy()
+    if "reconstruction_default" in plan.reasons:
+        record.update(reconstruction_steps=cfg.reconstruction_steps,
+                      reconstruction_default=plan.reasons["reconstruction_default"])
+    record["budget"] = planned_work(loader, plan.qcfs_train, plan.finetune)
+    record["budget"]["reconstruction_steps"] = cfg.reconstruction_steps
+    if plan.qcfs_trains and cfg.membrane_calibration:
+        record["bias_calibration_T"] = cfg.L
+
+
+def _time_plan(meta: ConversionMeta, gm: nn.Module, calib: list, plan: ConversionPlan, device: torch.device,
+               loader: Any) -> ConversionPlan:
+    """Measure and log the time plan of the training-style stages (:func:`snnconv.plan.make_plan`)
+    into ``meta.plan``; a default budget it cut is recorded as it will run."""
+    record, finetune = meta.settings, plan.finetune
+    try:
+        val = int(len(loader.dataset) * finetune.val_fraction) if finetune is not None else None
+    except (AttributeError, TypeError):
+        val = None
+    timing, qcfs_train, finetune, steps = make_plan(
+        gm, calib, plan.config, qcfs_train=plan.qcfs_train, finetune_config=finetune, budget=record["budget"],
+        defaults=plan.defaults, device=device, val_images=val)
+    meta.plan = timing.to_dict()
+    log_plan(timing, plan.config.progress)
+    if any(s.cut_from is not None for s in timing.stages):
+        plan = plan.cut(qcfs_train, finetune, steps)
+        if qcfs_train is not None:
+            record["qcfs_train"] = vars(qcfs_train).copy()
+        if finetune is not None:
+            record["finetune"] = vars(finetune).copy()
+            record["finetune_epochs"] = finetune.epochs
+        record["reconstruction_steps"] = steps
+        record["budget"] = dict(planned_work(loader, qcfs_train, finetune), reconstruction_steps=steps)
+    return plan
 
 
 def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = None, *,
@@ -485,8 +521,6 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         ConfigError: a setting out of range or contradicting another (named, with the bound).
         DataError, UnsupportedModelError, UnsupportedLayerError, FoldError, ConversionError.
     """
-    from .finetune import finetune
-
     if config is not None and not isinstance(config, ConvertConfig):
         raise ConfigError(f"config must be a ConvertConfig, got {type(config).__name__}")
     if config is not None and config.membrane_calibration is not None and settings:
@@ -498,134 +532,28 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
     # a loader with its own generator is left as found: the same call gives the same network
     with generators_kept(loader, eval_loader):
         seed_everything(cfg.seed)
-        device = torch.device(cfg.device)
-        record = cfg.settings()
         calib = draw_batches(loader, cfg.calib_batches)
         if not calib:
             raise DataError("the conversion loader is empty: it yielded no batch. Pass a loader with "
                             "at least one batch.")
-        x0, y0 = calib[0]
-        finetune_config = cfg.finetune_config
-        defaults = {"finetune": cfg.finetune_epochs is None and finetune_config is None,
-                    "qcfs": cfg.qcfs_epochs is None and cfg.qcfs_train is None,
-                    "reconstruction": cfg.reconstruction_steps is None}
-        if defaults["finetune"]:
-            epochs, why = _finetune_default(cfg, y0 is not None, loader)
-            cfg = cfg.replace(finetune_epochs=epochs)
-            record.update(finetune_epochs=epochs, finetune_default=why)
-        if finetune_config is None and cfg.finetune_epochs:
-            # no labels: the ANN's outputs are the only targets (LABEL_FREE_DISTILL)
-            unlabelled = {} if y0 is not None else {"distill": LABEL_FREE_DISTILL}
-            finetune_config = finetune_recipe(cfg.T, loader, epochs=cfg.finetune_epochs, seed=cfg.seed,
-                                              max_steps=FINETUNE_MAX_STEPS, reset=cfg.reset, **unlabelled)
-        if finetune_config is not None:
-            record["finetune"] = vars(finetune_config).copy()
-        meta = ConversionMeta(settings=record, seed=cfg.seed)
-        bias_batches = calib[:cfg.bias_batches]
-
-        with _stage(meta, "prepare") as rec:
-            _check_weights(model)
-            gm = prepare(model)
-            gm.to(device)
-            _check_batch(gm, x0, y0, device)
-            rec.changes = {"model": type(model).__name__, "input_shape": list(x0.shape),
-                           "parameters": sum(p.numel() for p in gm.parameters()),
-                           "constructs": rewrite_constructs(gm, (x0.to(device),), maxpool=cfg.maxpool)}
-            if cfg.maxpool == "auto":  # the prefix's max-pooling is kept; every later one averages
-                cfg = cfg.replace(maxpool="avg")
-            check_activations(gm, cfg.maxpool, stage="prepare")  # every refusal at once, early
-            health = _Health(calib[:2], device, cfg.on_collapse)
-            health.finetune_follows = finetune_config is not None and finetune_config.epochs > 0
+        meta = ConversionMeta(settings=cfg.settings(), seed=cfg.seed)
+        state = _Run(model, loader, eval_loader, calib, torch.device(cfg.device), meta, cfg)
+        for stage in STAGES:
+            if not stage.runs(state):
+                continue
+            with _stage(meta, stage.name) as rec:
+                rec.changes = stage.run(state)
+                if stage.checked is not None:
+                    network, what, source, hint = stage.checked(state)
+                    assert_no_batchnorm(network, stage=stage.name)
+                    state.health.check(rec, network, stage.name, what=what, source=source, hint=hint)
+            if stage.then is not None:
+                stage.then(state)
         if eval_loader is not None:
-            meta.accuracy["ann"] = evaluate(gm, eval_loader, device)
-        qcfs_train = _qcfs_training(cfg, gm, health, loader)
-        record["qcfs_epochs"] = qcfs_train.epochs if qcfs_train is not None else 0
-        if qcfs_train is not None:
-            record["qcfs_train"] = vars(qcfs_train).copy()
-        if cfg.reconstruction_steps is None:
-            steps, why = _reconstruction_default(
-                cfg, finetune_config is not None and finetune_config.epochs > 0,
-                qcfs_train is not None and qcfs_train.epochs > 0)
-            cfg = cfg.replace(reconstruction_steps=steps)
-            record.update(reconstruction_steps=steps, reconstruction_default=why)
-        record["budget"] = planned_work(loader, qcfs_train, finetune_config)
-        record["budget"]["reconstruction_steps"] = cfg.reconstruction_steps
-        if qcfs_train is not None and qcfs_train.epochs and cfg.membrane_calibration:
-            # trained at L levels: calibrate against that function, over L steps
-            cfg = cfg.replace(bias_calibration_T=cfg.L)
-            record["bias_calibration_T"] = cfg.L
-
-        with _stage(meta, "fold") as rec:
-            pairs = fold_graph(gm, (x0.to(device),))
-            assert_no_batchnorm(gm, stage="fold")
-            rec.changes = {"folded": [p.to_dict() for p in pairs],
-                           "max_abs_diff": max((p.max_abs_diff or 0.0 for p in pairs), default=0.0)}
-            health.check(rec, gm, "fold", what="the (folded) ANN")
-        if eval_loader is not None:
-            meta.accuracy["folded"] = evaluate(gm, eval_loader, device)
-        if cfg.reconstruction_steps or record["budget"]["qcfs_steps"] != 0 or health.finetune_follows:
-            qcfs_train, finetune_config, cfg = _plan(meta, gm, calib, cfg, qcfs_train, finetune_config,
-                                                     defaults, device, loader)
-
-        with _stage(meta, "qcfs") as rec:
-            # the full loader only where QCFS training reads it; calibration reads the drawn batches
-            qgm = calibrate_qcfs(gm, loader if qcfs_train is not None else calib, L=cfg.L,
-                                 percentile=cfg.percentile, per_channel=cfg.per_channel,
-                                 num_batches=len(calib), maxpool=cfg.maxpool, train=qcfs_train,
-                                 device=device, progress=cfg.progress,
-                                 teacher=model if qcfs_train is not None and qcfs_train.distill > 0 else None)
-            assert_no_batchnorm(qgm, stage="qcfs")
-            rec.changes = dict(qgm.meta["qcfs"], ceil_pools=rewrite_ceil_pools(qgm, (x0.to(device),)))
-            qcfs_source = {name: name[len("qcfs_"):] for name in qgm.meta["qcfs"]["sites"]
-                           if name.startswith("qcfs_")}
-            pooled = qgm.meta["qcfs"].get("maxpool_replaced")
-            hint = (f"max-pooling ({', '.join(pooled)}) was replaced by average pooling, a different "
-                    "function: retrain with it, or pass qcfs_epochs >= 1 to adapt the weights; "
-                    ) if pooled else ""
-            health.check(rec, qgm, "qcfs", what="the QCFS-ANN", source=qcfs_source, hint=hint)
-        if eval_loader is not None:
-            meta.accuracy["qcfs"] = evaluate(qgm, eval_loader, device)
-
-        with _stage(meta, "spiking") as rec:
-            snn = to_spiking(qgm, T=cfg.T, reset=cfg.reset)
-            fixed_T = None if cfg.horizons else cfg.bias_calibration_T
-            if cfg.threshold_calibration:
-                snn = calibrate_thresholds(snn, qgm, bias_batches,
-                                           T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
-                                           num_batches=len(bias_batches))
-            if cfg.bias_calibration:
-                snn = calibrate_bias(snn, qgm, bias_batches, T=fixed_T, horizons=cfg.horizons,
-                                     membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
-                                     num_batches=len(bias_batches))
-            if cfg.reconstruction_steps:
-                horizon = max(cfg.horizons) if cfg.horizons else cfg.bias_calibration_T
-                snn, _ = reconstruct(snn, qgm, calib, steps=cfg.reconstruction_steps,
-                                     levels=horizon if cfg.bias_calibration else None,
-                                     num_batches=len(calib), seed=cfg.seed, progress=cfg.progress)
-            snn.meta["input_shape"] = list(x0.shape[1:])  # batch-free; export_nir's default
-            snn.to(device)
-            assert_no_batchnorm(snn, stage="spiking")
-            rec.changes = dict(snn.meta)
-            if_source = {n: qcfs_source.get(r.get("source"), r.get("source"))
-                         for n, r in snn.meta["neurons"].items()}
-            health.check(rec, snn, "spiking", what=f"the SNN at T={cfg.T}", source=if_source)
-
-        if finetune_config is not None and finetune_config.epochs > 0:
-            with _stage(meta, "finetune") as rec:
-                # distillation learns from the caller's ANN (finetune() works on its own copy)
-                teacher = model if finetune_config.distill > 0 else None
-                snn, history = finetune(snn, loader, config=finetune_config, teacher=teacher,
-                                        device=device, progress=cfg.progress)
-                assert_no_batchnorm(snn, stage="finetune")
-                rec.changes = {"history": history, "steps": sum(h.get("steps", 0) for h in history)}
-                health.check(rec, snn, "finetune", what=f"the fine-tuned SNN at T={cfg.T}",
-                             source=if_source)
-
-        if eval_loader is not None:
-            Ts = sorted(set(cfg.eval_T) | {cfg.T})
-            meta.accuracy["snn"] = {str(t): a for t, a in
-                                    accuracy_by_T(snn, eval_loader, Ts, device).items()}
-            record["eval_images"] = images_in(eval_loader)
+            Ts = sorted(set(state.settings.eval_T) | {state.settings.T})
+            by_T = accuracy_by_T(state.snn, eval_loader, Ts, state.device)
+            meta.accuracy["snn"] = {str(t): a for t, a in by_T.items()}
+            meta.settings["eval_images"] = images_in(eval_loader)
         record_run(meta)
-        say_beyond_ann(meta, cfg.progress)
-        return snn, meta
+        say_beyond_ann(meta, state.settings.progress)
+        return state.snn, meta

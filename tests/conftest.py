@@ -40,20 +40,20 @@ def _no_default_reconstruction():
     training nor fine-tuning runs, T <= 8) is off unless a test asks for it (``reconstruction_steps=``, or the
     ``default_reconstruction`` fixture): hundreds of steps per training-free conversion would
     dominate the suite. tests/test_reconstruct.py covers it. Yields the shipped step count."""
-    from snnconv import pipeline
+    from snnconv import defaults
 
-    shipped = pipeline.RECONSTRUCT_STEPS
+    shipped = defaults.RECONSTRUCT_STEPS
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pipeline, "RECONSTRUCT_STEPS", 0)
+        mp.setattr(defaults, "RECONSTRUCT_STEPS", 0)
         yield shipped
 
 
 @pytest.fixture
 def default_reconstruction(_no_default_reconstruction, monkeypatch):
     """convert()'s reconstruction default as shipped, within one test; its step count."""
-    from snnconv import pipeline
+    from snnconv import defaults
 
-    monkeypatch.setattr(pipeline, "RECONSTRUCT_STEPS", _no_default_reconstruction)
+    monkeypatch.setattr(defaults, "RECONSTRUCT_STEPS", _no_default_reconstruction)
     return _no_default_reconstruction
 
 

@@ -12,12 +12,12 @@ from torch.utils.data import DataLoader, TensorDataset
 import snnconv
 from snnconv import models
 from snnconv.calibration import calibrate_bias
+from snnconv.defaults import QCFS_STEPS, _qcfs_epochs
 from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelError
 from snnconv.fold import fold_batchnorm
 from snnconv.meta import ConversionMeta
 from snnconv.metrics import predictions
 from snnconv.network import SpikingNetwork
-from snnconv.pipeline import QCFS_STEPS, _qcfs_epochs
 from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too

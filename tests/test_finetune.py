@@ -505,14 +505,14 @@ def test_convert_with_finetune_epochs_runs_stage_4(small_digits_ann, digits_load
     assert snn.T == 2
     assert snnconv.find_batchnorm(snn) == []
     # convert()'s own recipe (chosen on the robustness matrix), distilled from the user's ANN
-    from snnconv.pipeline import CONVERT_FINETUNE
+    from snnconv.defaults import CONVERT_FINETUNE
 
     used = meta.settings["finetune"]
     assert {k: used[k] for k in CONVERT_FINETUNE if k != "batch_size"} == {
         k: v for k, v in CONVERT_FINETUNE.items() if k != "batch_size"}
     assert used["batch_size"] == 16  # about 1,300 training images: the smallest batch
     assert used["T"] == 4 and tuple(used["horizons"]) == (1, 2, 4)  # unrolled 2T, readouts at T/2, T, 2T
-    assert used["max_steps_per_epoch"] == snnconv.pipeline.FINETUNE_MAX_STEPS
+    assert used["max_steps_per_epoch"] == snnconv.defaults.FINETUNE_MAX_STEPS
     assert CONVERT_FINETUNE["distill"] > 0 and CONVERT_FINETUNE["train_thresholds"]
 
 
@@ -522,7 +522,7 @@ def test_convert_fine_tunes_small_data_sets_in_smaller_batches(images, loader_ba
     """64 images a batch, halved down to 16 while an epoch of the training split (90%) would
     have fewer than 256 steps; never more than the loader's own; a loader without a sized
     data set keeps its own batches in finetune() and the recipe's number in the settings."""
-    from snnconv.pipeline import _finetune_batch
+    from snnconv.defaults import _finetune_batch
 
     if images is None:
         loader = [torch.zeros(loader_batch, 1)] * 3

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
-from snnconv import pipeline
+from snnconv import defaults
 
 
 def _digits_cnn(train_set, seed: int, epochs: int = 6):
@@ -54,7 +54,7 @@ def test_default_fine_tunes_a_labelled_loader_at_low_T_only(small_digits_ann, di
     assert meta.settings["finetune"]["horizons"] == (2, 4, 8) and meta.settings["finetune"]["T"] == 8
     assert meta.settings["L"] == 4
     budget = meta.settings["budget"]
-    assert budget["finetune_steps_run"] == budget["finetune_steps"] >= pipeline.FINETUNE_MIN_STEPS
+    assert budget["finetune_steps_run"] == budget["finetune_steps"] >= defaults.FINETUNE_MIN_STEPS
     assert budget["finetune_seconds"] > 0 and budget["ann_epoch_steps"] == len(loader)
     assert budget["qcfs_steps"] == 0  # no max-pooling: no QCFS training
 
@@ -85,9 +85,9 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     """With the step caps at 3, a loader of 125 batches is QCFS-trained and fine-tuned for 3
     optimiser steps each, counted in meta and in the samples the loader gave (the planned steps
     are the ones run)."""
-    monkeypatch.setattr(pipeline, "FINETUNE_MAX_STEPS", 3)
-    monkeypatch.setattr(pipeline, "FINETUNE_MIN_STEPS", 3)
-    qcfs = pipeline.QCFSTrainConfig(epochs=1, max_steps=3, seed=0)
+    monkeypatch.setattr(defaults, "FINETUNE_MAX_STEPS", 3)
+    monkeypatch.setattr(defaults, "FINETUNE_MIN_STEPS", 3)
+    qcfs = defaults.QCFSTrainConfig(epochs=1, max_steps=3, seed=0)
     g = torch.Generator().manual_seed(0)
     data = _Counting(torch.rand(2000, 1, 8, 8, generator=g), torch.randint(0, 10, (2000,), generator=g))
     loader = DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
@@ -115,7 +115,7 @@ def test_the_default_budget_is_whole_epochs_that_reach_the_least_steps(images, b
         loader = iter(())
     else:
         loader = DataLoader(TensorDataset(torch.zeros(images, 1), torch.zeros(images)), batch_size=batch)
-    assert pipeline.default_finetune_epochs(loader) == epochs
+    assert defaults.default_finetune_epochs(loader) == epochs
 
 
 def test_max_steps_bounds_the_qcfs_training_steps(small_digits_ann):
@@ -187,8 +187,8 @@ def test_keep_start_lets_a_trained_epoch_win_a_tie_within_the_validation_noise(s
 def test_the_recipe_detaches_the_reset_of_hard_reset_networks_only(small_digits_ann, digits_data):
     """convert(reset="zero") fine-tunes with the reset detached; subtractive reset keeps the
     gradient through it; both keep the converted network as epoch 0."""
-    assert pipeline.finetune_recipe(8, reset="zero").detach_reset
-    assert not pipeline.finetune_recipe(8).detach_reset
+    assert defaults.finetune_recipe(8, reset="zero").detach_reset
+    assert not defaults.finetune_recipe(8).detach_reset
     loader = DataLoader(digits_data[0], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import snnconv
-from snnconv import pipeline
+from snnconv import defaults
 from snnconv import plan as plan_module
 
 #: The default reconstruction's steps in these tests (the shipped 300 take minutes).
@@ -17,7 +17,7 @@ RECONSTRUCT_STEPS = 20
 
 @pytest.fixture(autouse=True)
 def _short_default_reconstruction(monkeypatch):
-    monkeypatch.setattr(pipeline, "RECONSTRUCT_STEPS", RECONSTRUCT_STEPS)
+    monkeypatch.setattr(defaults, "RECONSTRUCT_STEPS", RECONSTRUCT_STEPS)
 
 
 def _convert(model, loader, **kw):

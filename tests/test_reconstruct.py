@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import snnconv
-from snnconv import pipeline
+from snnconv import defaults
 from snnconv.calibration import calibrate_bias, reconstruct
 from snnconv.calibration.reconstruct import _loss
 from snnconv.config import ConvertConfig
@@ -72,7 +72,7 @@ def test_convert_reconstructs_by_default_only_where_no_training_stage_runs(defau
     neither QCFS training ran nor fine-tuning follows; none otherwise."""
     def steps(finetune_follows=False, qcfs_trained=False, **settings):
         cfg = ConvertConfig(**settings).resolved()
-        return pipeline._reconstruction_default(cfg, finetune_follows, qcfs_trained)[0]
+        return defaults._reconstruction_default(cfg, finetune_follows, qcfs_trained)[0]
 
     assert default_reconstruction > 0
     assert steps(T=8) == steps(T=1) == default_reconstruction

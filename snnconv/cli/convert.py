@@ -135,8 +135,8 @@ def _teacher(args, src: str, train):
 
 
 def _cmd_finetune(args) -> int:
+    from ..defaults import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, default_finetune_epochs, finetune_recipe
     from ..finetune import finetune
-    from ..pipeline import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, default_finetune_epochs, finetune_recipe
     # a run folder: fine-tune the converted network, not a previous result
     inside = os.path.join(args.snn, "snn.pt")
     snn, src = load_snn(args, inside if os.path.isfile(inside) else args.snn)
