@@ -414,14 +414,14 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
             eval_loader: Iterable | None = None, **settings: Any) -> tuple[SpikingNetwork, ConversionMeta]:
     """Convert a trained ReLU network into a spiking network of IF neurons.
 
-    Runs prepare -> fold BatchNorm -> QCFS calibration (and QCFS training where asked) -> IF
-    replacement and calibration -> BPTT fine-tuning, with the no-BatchNorm guard after every
-    stage. The caller's ``model`` is never changed. By default a target ``T <= 8`` gets whole
-    epochs of fine-tuning up to at least :data:`FINETUNE_MIN_STEPS` optimiser steps (one epoch
-    of a large data set, at most :data:`FINETUNE_MAX_STEPS` steps each, :func:`finetune_recipe`),
-    distilled from ``model``'s outputs alone where the loader has no labels;
-    ``finetune_epochs=0`` converts without training, which is also what a loader of one batch
-    or ``T >= 16`` gets.
+    Runs the :data:`STAGES` in order: prepare (trace) -> fold BatchNorm -> QCFS calibration (and
+    QCFS training where planned) -> IF replacement and calibration -> BPTT fine-tuning, each
+    guarded (no BatchNorm) and checked (:class:`_Health`). The caller's ``model`` is never
+    changed. By default a target ``T <= 8`` gets whole epochs of fine-tuning up to at least
+    :data:`snnconv.defaults.FINETUNE_MIN_STEPS` optimiser steps, distilled from ``model``'s
+    outputs alone where the loader has no labels; ``finetune_epochs=0`` converts without
+    training, which is also what a loader of one batch or ``T >= 16`` gets
+    (:func:`snnconv.defaults.plan_conversion` decides every such default).
     ``meta.settings`` records every setting as resolved and every default chosen from the data;
     ``meta.settings["budget"]`` the planned optimiser steps of each training stage, the steps
     that ran, their seconds, and the loader's length (one ANN training epoch).
@@ -439,71 +439,12 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
         eval_loader: optional labelled loader (a test set) to record accuracies in ``meta``;
             it is never used to choose anything.
 
-    Settings (keyword arguments, or fields of :class:`ConvertConfig`):
-        T: time steps of the returned network (settable later with ``snn.T``), 1 to
-            :data:`~snnconv.config.MAX_T`.
-        L: QCFS quantisation levels (default ``T``). After QCFS training every calibration
-            targets the QCFS-ANN at these L levels over L steps, the function the network was
-            trained for. Without QCFS training the default membrane and weight calibration
-            target the QCFS-ANN at ``2 * T`` levels; bias-only calibration and ``reset="zero"``
-            at L.
-        percentile: each QCFS threshold starts at this percentile of its site's activations.
-        calib_batches: loader batches for the QCFS thresholds; bias and membrane calibration
-            use the first ``min(4, calib_batches)``, all at once for up to ``2 * T`` steps where
-            they fit the memory, in groups where not (:func:`snnconv.calibration.calibrate_bias`).
-        maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
-            layers up to the first max-pooling, such as a ResNet stem, run once in analog,
-            exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
-            makes every one average pooling, a different function, which QCFS training then
-            adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
-        qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
-            with an unlabelled loader the targets are ``model``'s outputs alone). ``None``
-            (default): :data:`QCFS_STEPS` optimiser steps (in whole epochs of the training
-            split, the last one cut) where ``maxpool="avg"`` replaced max-pooling; none
-            otherwise. ``0``: none.
-        qcfs_train: a :class:`QCFSTrainConfig`.
-        per_channel: one threshold per channel or one per layer. Default: per channel for
-            ``reset="subtract"``, per layer for ``reset="zero"`` (whose plain NIR ``IF`` nodes
-            are read by consumers that need one threshold per layer).
-        reset: ``"subtract"`` (default: reset by subtraction, ``v[0] = theta/2``, the exact QCFS
-            equivalent) or ``"zero"`` (hard reset, ``v[0] = 0``, spikingjelly's
-            ``IFNode(v_reset=0.)``, for NIR consumers and chips whose neurons reset to zero).
-        bias_calibration: after IF replacement, match each layer's mean output to the
-            QCFS-ANN on the calibration batches (:func:`snnconv.calibration.calibrate_bias`).
-        bias_calibration_T: the calibration's horizon. ``None`` (default) with subtractive
-            reset: the membrane calibration at ``2 * T`` steps (each channel's initial membrane
-            absorbs the error, the bias what the membrane's range cannot); one integer: the bias
-            alone for that many steps (the default for ``reset="zero"``: ``T``); two horizons
-            ``(T1, T2)``: bias and initial membrane per channel fitted exactly at both.
-        threshold_calibration: fit each layer's threshold to the QCFS-ANN before the bias
-            calibration (:func:`snnconv.calibration.calibrate_thresholds`). Default: on for
-            ``reset="zero"`` only.
-        weight_calibration: with bias calibration, refit the weights of every layer that reads
-            spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
-            calibration.
-        reconstruction_steps: optimiser steps of the layer-wise reconstruction after the
-            calibration (:func:`snnconv.calibration.reconstruct`: every IF layer's spike rate
-            over T steps fitted by SGD to the QCFS-ANN's site, on the calibration batches; no
-            label is read). ``None`` (default): :data:`RECONSTRUCT_STEPS` where neither QCFS
-            training ran nor fine-tuning follows and ``T <= 8`` (subtractive reset, bias
-            calibration on); 0 otherwise.
-        finetune_epochs: epochs of BPTT fine-tuning, each at most :data:`FINETUNE_MAX_STEPS`
-            optimiser steps; with an unlabelled loader the targets are ``model``'s outputs
-            alone (:data:`LABEL_FREE_DISTILL`). ``None`` (default): where the loader has two
-            batches or more and ``T <= 8`` (:data:`FINETUNE_UP_TO_T`),
-            the epochs that reach :data:`FINETUNE_MIN_STEPS` steps (1 to
-            :data:`FINETUNE_MAX_EPOCHS`); 0 otherwise.
-        finetune_config: a :class:`FinetuneConfig`; with ``distill > 0`` the original
-            ``model`` is the teacher. Without one, :func:`finetune_recipe`.
-        eval_T: extra T values at which to record SNN accuracy (with ``eval_loader``).
-        seed: seeds Python, numpy and torch before any stage.
-        device: where the stages run.
-        progress: progress bars (False silences them).
-        on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer activity
-            on the first two calibration batches goes into that stage's ``meta`` record
-            (:mod:`snnconv.health`). A QCFS site left silent or saturated, or a network at
-            chance while the ANN is not, raises :class:`ConversionError` naming the layers.
-            Silent SNN layers alone warn: fine-tuning can bring them back.
+    Settings (keyword arguments, or fields of :class:`ConvertConfig`, where each is
+    documented): ``T``, ``L``, ``percentile``, ``calib_batches``, ``maxpool``, ``qcfs_epochs``,
+    ``qcfs_train``, ``per_channel``, ``reset``, ``bias_calibration``, ``bias_calibration_T``,
+    ``threshold_calibration``, ``weight_calibration``, ``reconstruction_steps``,
+    ``finetune_epochs``, ``finetune_config``, ``eval_T``, ``seed``, ``device``, ``progress``,
+    ``on_collapse``.
 
     Before QCFS training, the reconstruction or fine-tuning, one step of each is timed and the
     plan (stages, steps, the estimated time on this device, what would make it cheaper) is
