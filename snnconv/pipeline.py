@@ -16,7 +16,7 @@ import contextlib
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import numpy as np
 import torch
@@ -189,7 +189,7 @@ def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Ten
     drawn without moving the global RNG: the calibration batches every stage shares."""
     from .data import SameShape, split_batch
 
-    batches = []
+    batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     same = SameShape("the conversion loader")
     with torch.random.fork_rng(devices=[]):
         for batch in loader:
@@ -299,6 +299,7 @@ def _plan_time(s: _Run) -> None:
 def _qcfs(s: _Run) -> dict:
     """QCFS thresholds (and QCFS training where planned) on the folded ANN."""
     cfg, train = s.settings, s.plan.qcfs_train if s.plan is not None else None
+    assert cfg.L is not None and cfg.per_channel is not None  # (resolved)
     # the full loader only where QCFS training reads it; calibration reads the drawn batches
     s.qgm = calibrate_qcfs(s.gm, s.loader if train is not None else s.calib, L=cfg.L,
                            percentile=cfg.percentile, per_channel=cfg.per_channel,
@@ -320,9 +321,11 @@ def _qcfs_checked(s: _Run) -> Checked:
 def _spiking(s: _Run) -> dict:
     """IF neurons in place of QCFS, then the calibrations and the reconstruction the plan has."""
     cfg = s.settings
+    assert cfg.membrane_calibration is not None and cfg.weight_calibration is not None  # (resolved)
     bias_batches = s.calib[:cfg.bias_batches]
     snn = to_spiking(s.qgm, T=cfg.T, reset=cfg.reset)
-    fixed_T = None if cfg.horizons else cfg.bias_calibration_T
+    # one horizon (an int, or None: T), or two (cfg.horizons)
+    fixed_T = None if cfg.horizons else cast(int | None, cfg.bias_calibration_T)
     if cfg.threshold_calibration:
         snn = calibrate_thresholds(snn, s.qgm, bias_batches,
                                    T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
@@ -332,7 +335,7 @@ def _spiking(s: _Run) -> dict:
                              membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
                              num_batches=len(bias_batches))
     if cfg.reconstruction_steps:
-        horizon = max(cfg.horizons) if cfg.horizons else cfg.bias_calibration_T
+        horizon = max(cfg.horizons) if cfg.horizons else fixed_T
         snn, _ = reconstruct(snn, s.qgm, s.calib, steps=cfg.reconstruction_steps,
                              levels=horizon if cfg.bias_calibration else None,
                              num_batches=len(s.calib), seed=cfg.seed, progress=cfg.progress)
