@@ -291,14 +291,14 @@ def _plan_time(s: _Run) -> None:
     """The folded ANN's accuracy, then the time plan of the training-style stages, if any runs."""
     s.accuracy("folded", s.gm)
     assert s.plan is not None
-    if (s.plan.config.reconstruction_steps or s.meta.settings["budget"]["qcfs_steps"] != 0
-            or s.health.finetune_follows):
+    if s.plan.config.reconstruction_steps or s.meta.settings["budget"]["qcfs_steps"] != 0 or s.plan.finetunes:
         s.plan = _time_plan(s.meta, s.gm, s.calib, s.plan, s.device, s.loader)
 
 
 def _qcfs(s: _Run) -> dict:
     """QCFS thresholds (and QCFS training where planned) on the folded ANN."""
-    cfg, train = s.settings, s.plan.qcfs_train if s.plan is not None else None
+    assert s.plan is not None
+    cfg, train = s.plan.config, s.plan.qcfs_train
     assert cfg.L is not None and cfg.per_channel is not None  # (resolved)
     # the full loader only where QCFS training reads it; calibration reads the drawn batches
     s.qgm = calibrate_qcfs(s.gm, s.loader if train is not None else s.calib, L=cfg.L,
