@@ -26,9 +26,9 @@ import torch
 from common import RESULTS, loaders, trained_ann, write_json
 
 import snnconv
+from snnconv.analysis.metrics import accuracy_by_T, evaluate
+from snnconv.analysis.plots import plot_accuracy_vs_T
 from snnconv.calibration import calibrate_bias
-from snnconv.metrics import accuracy_by_T, evaluate
-from snnconv.plots import plot_accuracy_vs_T
 
 TS = (1, 2, 4, 8, 16, 32)
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from snnconv import models  # noqa: E402
 from snnconv.data import fashion_mnist  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
 from snnconv.progress import progress_bar
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import snnconv  # noqa: E402
 from snnconv import models  # noqa: E402
 from snnconv.calibration.bias import calibrate_bias, calibrate_bias_by_rerun  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:

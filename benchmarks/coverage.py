@@ -27,9 +27,9 @@ import torch
 
 import snnconv
 from snnconv.backends import get
-from snnconv.meta import atomic_write_bytes
+from snnconv.constructs.prefix import analog_prefix
+from snnconv.io.atomic import atomic_write_bytes
 from snnconv.models.tv import NO_IF_FORM, RELU_FAMILY, TVModel, build
-from snnconv.prefix import analog_prefix
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import matrix_anns as rb  # noqa: E402
 
 import snnconv  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
 
 TS = (2, 4, 8, 16, 32)
 VARIANTS = {

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from common import RESULTS, loaders, trained_ann, write_json
 
 import snnconv
+from snnconv.analysis.metrics import accuracy_by_T, evaluate
+from snnconv.analysis.plots import plot_accuracy_vs_T
 from snnconv.data import split_dataset
-from snnconv.finetune import blend
-from snnconv.metrics import accuracy_by_T, evaluate
-from snnconv.plots import plot_accuracy_vs_T
+from snnconv.stages.finetune import blend
 
 TS = (1, 2, 4, 8)
 
@@ -111,7 +111,7 @@ def probe(mode: str, T: int, batch: int, steps: int) -> dict:
     else:
         snn = snnconv.SpikingNetwork.load(os.path.join(RESULTS, "accuracy_vs_T_snn.pt"))
         snn.T = T
-        from snnconv.finetune import checkpointed
+        from snnconv.stages.finetune import checkpointed
 
         runner = checkpointed(snn, mode) if mode != "none" else snn
         runner.train()

@@ -36,9 +36,9 @@ from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
 
 import snnconv  # noqa: E402
 from snnconv import models  # noqa: E402
-from snnconv.fold import fold_batchnorm  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
-from snnconv.nir_io import export_nir  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
+from snnconv.snn.nir_io import export_nir  # noqa: E402
+from snnconv.stages.fold import fold_batchnorm  # noqa: E402
 from snnconv_backends.gpu import GPUBackend  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

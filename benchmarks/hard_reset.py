@@ -37,16 +37,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from snnconv.analysis.metrics import evaluate  # noqa: E402
 from snnconv.calibration import calibrate_bias, calibrate_thresholds, shift_bias  # noqa: E402
 from snnconv.data import digits  # noqa: E402
 from snnconv.demo import train_ann  # noqa: E402
-from snnconv.fold import fold_graph  # noqa: E402
 from snnconv.graph import prepare  # noqa: E402
-from snnconv.meta import atomic_write_bytes  # noqa: E402
-from snnconv.metrics import evaluate  # noqa: E402
+from snnconv.io.atomic import atomic_write_bytes  # noqa: E402
 from snnconv.models import VGG, resnet8, small_cnn  # noqa: E402
-from snnconv.qcfs import calibrate_qcfs  # noqa: E402
-from snnconv.replace import to_spiking  # noqa: E402
+from snnconv.stages.fold import fold_graph  # noqa: E402
+from snnconv.stages.qcfs import calibrate_qcfs  # noqa: E402
+from snnconv.stages.spiking import to_spiking  # noqa: E402
 
 TS = (4, 8, 16, 32)
 METHODS = ("subtract+bias", "zero", "zero+bias", "zero+shift", "zero+shift+bias", "zero+thrk", "zero+thrk+bias",
@@ -95,7 +95,7 @@ def convert_one(qgm, train, method: str, T: int):
     if "bias" in parts:
         snn = calibrate_bias(snn, qgm, train, T=T)
     if "ft" in parts:
-        from snnconv.finetune import FinetuneConfig, finetune
+        from snnconv.stages.finetune import FinetuneConfig, finetune
 
         cfg = FinetuneConfig(epochs=2, T=T, optimizer="adamw", lr=1e-3, seed=0)
         snn, _ = finetune(snn, train, config=cfg, progress=False)

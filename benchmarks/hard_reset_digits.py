@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import snnconv  # noqa: E402
+from snnconv.analysis.metrics import accuracy_by_T, evaluate  # noqa: E402
 from snnconv.data import digits  # noqa: E402
 from snnconv.demo import train_ann  # noqa: E402
-from snnconv.metrics import accuracy_by_T, evaluate  # noqa: E402
 from snnconv.models import small_cnn  # noqa: E402
 
 TS = (1, 2, 4, 8, 16, 32)

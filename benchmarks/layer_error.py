@@ -36,8 +36,8 @@ import matrix_anns as R  # noqa: E402
 import snnconv  # noqa: E402
 from snnconv.calibration.bias import bias_path  # noqa: E402
 from snnconv.graph import module_of  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
-from snnconv.neuron import neurons  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
+from snnconv.snn.neuron import neurons  # noqa: E402
 
 VARIANTS = {"calibrated": {}, "uncalibrated": dict(bias_calibration=False, threshold_calibration=False)}
 

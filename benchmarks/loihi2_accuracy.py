@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Subset
 sys.path.insert(0, os.path.dirname(__file__))
 
 import snnconv  # noqa: E402
-from snnconv.nir_io import export_nir  # noqa: E402
+from snnconv.snn.nir_io import export_nir  # noqa: E402
 from snnconv_backends.loihi2 import Loihi2Program, quantize  # noqa: E402
 from snnconv_backends.loihi2.backend import OPTIONS  # noqa: E402
 
@@ -193,7 +193,7 @@ def main() -> None:
         print(reset, json.dumps(rec, indent=1), flush=True)
     if args.layers_only:
         return
-    from snnconv.meta import atomic_write_bytes
+    from snnconv.io.atomic import atomic_write_bytes
 
     atomic_write_bytes(path, (json.dumps(out, indent=2) + "\n").encode())
     print("wrote", path)

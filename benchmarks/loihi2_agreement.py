@@ -37,9 +37,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "backends")]
 
 import snnconv  # noqa: E402
 from snnconv.backends import get  # noqa: E402
+from snnconv.constructs.prefix import analog_prefix  # noqa: E402
 from snnconv.data import fashion_mnist  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
-from snnconv.prefix import analog_prefix  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 

@@ -44,11 +44,11 @@ from torch.utils.data import DataLoader, TensorDataset
 import snnconv
 from snnconv import models
 from snnconv.backends import get
+from snnconv.constructs.prefix import analog_prefix
 from snnconv.data import fashion_mnist
 from snnconv.errors import SnnconvError
-from snnconv.meta import atomic_write_text
+from snnconv.io.atomic import atomic_write_text
 from snnconv.models.tv import RELU_FAMILY, TVModel, build
-from snnconv.prefix import analog_prefix
 from snnconv_backends.loihi2.quantisation import SECOND_GROUP_ERROR
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
 from snnconv.models import resnet14
-from snnconv.nir_io import export_nir
+from snnconv.snn.nir_io import export_nir
 
 
 def best(fn, repeats: int) -> float:

@@ -90,7 +90,7 @@ def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
         data = _unlabelled(loader) if options.pop("unlabelled", False) else loader
         if "qcfs_distill" in options:  # convert()'s default QCFS steps, distilled from the ANN
             from snnconv.defaults import QCFS_STEPS, _qcfs_epochs
-            from snnconv.qcfs import QCFSTrainConfig
+            from snnconv.stages.qcfs import QCFSTrainConfig
 
             options["qcfs_train"] = QCFSTrainConfig(epochs=_qcfs_epochs(data), max_steps=QCFS_STEPS,
                                                     seed=job["seed"], distill=options.pop("qcfs_distill"))

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 import snnconv
-from snnconv.meta import atomic_write_bytes
+from snnconv.io.atomic import atomic_write_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from matrix_anns import build, datasets, train_ann  # noqa: E402
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         model = train_ann(build("vgg_max", "fmnist"), train, args.epochs, seed, torch.device("cpu"))
         loader = DataLoader(train, batch_size=128, shuffle=True, generator=torch.Generator().manual_seed(seed))
         test_loader = DataLoader(Subset(test, range(args.test)), batch_size=256)
-        ann = snnconv.metrics.evaluate(model, test_loader, "cpu")
+        ann = snnconv.analysis.metrics.evaluate(model, test_loader, "cpu")
         for mode in ("auto", "avg"):
             start = time.perf_counter()
             snn, meta = snnconv.convert(model, loader, T=4, maxpool=mode, seed=seed, progress=False,

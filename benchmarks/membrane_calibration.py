@@ -40,10 +40,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 import matrix_anns as R  # noqa: E402
 
 from snnconv.calibration import calibrate_bias  # noqa: E402
-from snnconv.fold import fold_graph  # noqa: E402
 from snnconv.graph import prepare  # noqa: E402
-from snnconv.qcfs import calibrate_qcfs  # noqa: E402
-from snnconv.replace import to_spiking  # noqa: E402
+from snnconv.stages.fold import fold_graph  # noqa: E402
+from snnconv.stages.qcfs import calibrate_qcfs  # noqa: E402
+from snnconv.stages.spiking import to_spiking  # noqa: E402
 
 TS = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = {"bias@8": dict(T=8), "h4-16": dict(horizons=(4, 16)), "h4-32": dict(horizons=(4, 32)),

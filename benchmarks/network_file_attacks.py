@@ -28,7 +28,7 @@ import json, sys, time, warnings
 warnings.simplefilter("ignore")
 import torch
 from snnconv.errors import SnnconvError
-from snnconv.network import SpikingNetwork
+from snnconv.snn.network import SpikingNetwork
 def status(key):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
 open("/proc/self/clear_refs", "w").write("5")
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from test_untrusted_files import VALUE_ATTACKS, _deflated_bomb, _value_attack
 
     import snnconv
-    from snnconv.files import MAX_FILE_BYTES
+    from snnconv.io.files import MAX_FILE_BYTES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "network_file_attacks.json"))

@@ -267,7 +267,7 @@ def _our_files(root: Path) -> None:
     import torch
 
     import snnconv
-    from snnconv.nir_io import export_nir, from_nir, save_nir
+    from snnconv.snn.nir_io import export_nir, from_nir, save_nir
     sys.path.insert(0, str(HERE.parent.parent / "tests"))
     from test_nir import _convert
 
@@ -317,7 +317,7 @@ def read_theirs(lib: str, nir_path: Path) -> dict[str, tuple[str, str]]:
     import torch
 
     from snnconv.errors import SnnconvError
-    from snnconv.nir_io import from_nir, load_nir
+    from snnconv.snn.nir_io import from_nir, load_nir
 
     data = np.load(nir_path.with_suffix(".npz"))
     res = {}

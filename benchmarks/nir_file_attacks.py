@@ -29,8 +29,8 @@ _CHILD = r"""
 import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 from snnconv.errors import SnnconvError
-from snnconv.nir_io import load_nir
-from snnconv.prefixfile import load_prefix
+from snnconv.snn.nir_io import load_nir
+from snnconv.snn.prefixfile import load_prefix
 vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
 cap = vm + int(float(sys.argv[3]) * 2**30)
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
@@ -97,7 +97,7 @@ def vgg16_volume(folder: str) -> str:
     import nir
     import numpy as np
 
-    from snnconv.nir_io import save_nir
+    from snnconv.snn.nir_io import save_nir
 
     rng = np.random.default_rng(0)
     sizes = [586, 25088, 4096, 4096, 1000]

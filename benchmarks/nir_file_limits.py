@@ -31,7 +31,7 @@ _CHILD = r"""
 import json, resource, sys, time, warnings
 warnings.simplefilter("ignore")
 from snnconv.errors import NIRError
-from snnconv.nir_io import load_nir
+from snnconv.snn.nir_io import load_nir
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
 try:
@@ -56,7 +56,7 @@ def _measure(path: str, **kw) -> dict:
 def _unused_file(folder: str, gib: float) -> str:
     from _nirfiles import tiny_graph
 
-    from snnconv.nir_io import save_nir
+    from snnconv.snn.nir_io import save_nir
 
     path = os.path.join(folder, "unused.nir")
     save_nir(tiny_graph(), path)
@@ -73,7 +73,7 @@ def _unused_file(folder: str, gib: float) -> str:
 def _chain_file(folder: str, n: int) -> str:
     from _nirfiles import chain_graph
 
-    from snnconv.nir_io import save_nir
+    from snnconv.snn.nir_io import save_nir
 
     path = os.path.join(folder, f"chain{n}.nir")
     save_nir(chain_graph(n), path, compression=None)

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 import matrix_anns as R  # noqa: E402
 
 from snnconv import QCFSTrainConfig, calibrate_qcfs, fold_batchnorm  # noqa: E402
-from snnconv.meta import atomic_write_text  # noqa: E402
-from snnconv.metrics import evaluate  # noqa: E402
+from snnconv.analysis.metrics import evaluate  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from snnconv.meta import atomic_write_text  # noqa: E402
+from snnconv.io.atomic import atomic_write_text  # noqa: E402
 
 RUNS = {
     "training-free": {"finetune_epochs": 0, "reconstruction_steps": 2},

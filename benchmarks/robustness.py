@@ -389,12 +389,12 @@ def main(argv=None) -> int:
             result = run_job(job)
         except Exception:
             result = dict(job, error=traceback.format_exc())
-        from snnconv.meta import atomic_write_text
+        from snnconv.io.atomic import atomic_write_text
 
         atomic_write_text(path, json.dumps(result, indent=1) + "\n")
         return 0 if "error" not in result else 1
 
-    from snnconv.meta import atomic_write_text
+    from snnconv.io.atomic import atomic_write_text
 
     jobs = plan(args)
     if args.variants_budget:

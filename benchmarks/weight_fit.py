@@ -63,7 +63,7 @@ def main(argv=None) -> int:
         print(f"{r['features']:>6} inputs, {r['positions']:>5} positions: {'positions' if r['dual'] else 'features'}' "
               f"Gram, {r['seconds']:.1f} s, peak +{r['peak_mib']:.0f} MiB (features' Gram and its "
               f"factor: {r['features_gram_gib']:.2f} GiB)", flush=True)
-    from snnconv.meta import atomic_write_text
+    from snnconv.io.atomic import atomic_write_text
 
     atomic_write_text(args.out, json.dumps(rows, indent=1) + "\n")
     return 0

@@ -32,11 +32,11 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import snnconv
+from snnconv.analysis.metrics import accuracy_by_T
 from snnconv.data import digits
 from snnconv.demo import train_ann
 from snnconv.distributed import launched_distributed, local_device, rank_world
-from snnconv.meta import atomic_write_text
-from snnconv.metrics import accuracy_by_T
+from snnconv.io.atomic import atomic_write_text
 from snnconv.models import small_cnn
 
 

@@ -43,7 +43,7 @@ SHARES = {"tests": 0.35, "gpu_check": 0.3, "convert": 0.35}
 
 
 def _write(path: str, data) -> None:
-    from snnconv.meta import atomic_write_text
+    from snnconv.io.atomic import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1, default=str) + "\n")
 

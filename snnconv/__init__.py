@@ -12,8 +12,6 @@ the backends do) loads no conversion stage.
 import importlib as _importlib
 import importlib.util as _importlib_util
 import logging as _logging
-import sys as _sys
-import types as _types
 
 __version__ = "0.1.0"
 
@@ -24,21 +22,21 @@ _logging.getLogger("spikingjelly").setLevel(_logging.ERROR)
 _EXPORTS: dict[str, str] = {
     "convert": "pipeline",
     "ConvertConfig": "config",
-    "fold_batchnorm": "fold",
+    "fold_batchnorm": "stages.fold",
     "assert_no_batchnorm": "guards",
     "find_batchnorm": "guards",
-    "calibrate_qcfs": "qcfs",
-    "to_spiking": "replace",
-    "finetune": "finetune",
-    "export_nir": "nir_io",
-    "from_nir": "nir_io",
-    "save_nir": "nir_io",
-    "load_nir": "nir_io",
-    "QCFS": "qcfs",
-    "QCFSTrainConfig": "qcfs",
-    "FinetuneConfig": "finetune",
-    "IFNeuron": "neuron",
-    "SpikingNetwork": "network",
+    "calibrate_qcfs": "stages.qcfs",
+    "to_spiking": "stages.spiking",
+    "finetune": "stages.finetune",
+    "export_nir": "snn.nir_io",
+    "from_nir": "snn.nir_io",
+    "save_nir": "snn.nir_io",
+    "load_nir": "snn.nir_io",
+    "QCFS": "stages.qcfs",
+    "QCFSTrainConfig": "stages.qcfs",
+    "FinetuneConfig": "stages.finetune",
+    "IFNeuron": "snn.neuron",
+    "SpikingNetwork": "snn.network",
     "ConversionMeta": "meta",
     "SnnconvError": "errors",
     "FoldError": "errors",
@@ -73,25 +71,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(_types.ModuleType):
-    """``snnconv.finetune`` is the stage's function, as ``from snnconv import finetune`` is.
-
-    Importing the submodule ``snnconv.finetune`` makes the import system bind it to the
-    package's attribute of that name; this property keeps the attribute the function (a value
-    assigned on purpose, other than the submodule, is kept).
-    """
-
-    @property
-    def finetune(self):
-        if "finetune" in self.__dict__:
-            return self.__dict__["finetune"]
-        return _importlib.import_module(".finetune", __name__).finetune
-
-    @finetune.setter
-    def finetune(self, value) -> None:
-        if not isinstance(value, _types.ModuleType):  # the submodule stays in sys.modules only
-            self.__dict__["finetune"] = value
-
-
-_sys.modules[__name__].__class__ = _Package

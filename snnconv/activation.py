@@ -18,9 +18,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError, UnsupportedLayerError
-from .graph import describe_node, module_of, set_module
-from .refusals import Construct, module_path, refusal_message, source_line
+from snnconv.errors import ConfigError, UnsupportedLayerError
+from snnconv.graph import describe_node, module_of, set_module
+from snnconv.refusals import Construct, module_path, refusal_message, source_line
 
 __all__ = ["QCFS", "FloorSTE", "relu_sites", "relu_input", "is_inplace", "qcfs_sites",
            "check_activations", "unsupported_constructs", "max_pools", "replace_maxpool"]

@@ -18,22 +18,18 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
-from .vocabulary import RESETS
+from snnconv.errors import ConfigError
+from snnconv.vocabulary import MAX_T, RESETS
 
 __all__ = ["ConvertConfig", "MAX_T", "MAX_L", "MAX_EPOCHS", "MAXPOOL_MODES", "RESETS"]
 
-#: The largest T (and eval_T, bias_calibration_T) convert() accepts. Direct-encoded conversion
-#: reaches the ANN by T = 64-256 on every network measured; a larger T multiplies every
-#: stage's time and memory (the calibration holds ``batches x T`` activations).
-MAX_T = 1024
 #: The most QCFS quantisation levels (the ANN's activations take L + 1 values).
 MAX_L = 1024
 #: The most epochs of QCFS training or fine-tuning one call may ask for.
 MAX_EPOCHS = 10_000
 #: The most optimiser steps of the reconstruction one call may ask for.
 MAX_STEPS = 1_000_000
-#: ``maxpool`` settings: "auto" keeps the max-pooling of the static analog prefix (snnconv.prefix)
+#: ``maxpool`` settings: "auto" keeps the max-pooling of the static analog prefix (snnconv.constructs.prefix)
 #: and makes every later one average pooling; "avg" makes every one average pooling; "error"
 #: refuses max-pooling.
 MAXPOOL_MODES = ("auto", "avg", "error")
@@ -83,7 +79,7 @@ class ConvertConfig:
             they fit the memory, in groups where not (:func:`snnconv.calibration.calibrate_bias`).
         maxpool: ``"auto"`` (default) keeps the max-pooling of the static analog prefix (the
             layers up to the first max-pooling, such as a ResNet stem, run once in analog,
-            exactly: :mod:`snnconv.prefix`) and makes every later one average pooling; ``"avg"``
+            exactly: :mod:`snnconv.constructs.prefix`) and makes every later one average pooling; ``"avg"``
             makes every one average pooling, a different function, which QCFS training then
             adapts the weights to (see ``qcfs_epochs``); ``"error"`` refuses max-pooling.
         qcfs_epochs: epochs of QCFS-aware training of the ANN (``qcfs_train`` sets the rest;
@@ -131,7 +127,7 @@ class ConvertConfig:
         progress: progress bars (False silences them).
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer activity
             on the first two calibration batches goes into that stage's ``meta`` record
-            (:mod:`snnconv.health`). A QCFS site left silent or saturated, or a network at
+            (:mod:`snnconv.analysis.health`). A QCFS site left silent or saturated, or a network at
             chance while the ANN is not, raises :class:`ConversionError` naming the layers.
             Silent SNN layers alone warn: fine-tuning can bring them back.
 

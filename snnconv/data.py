@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
-from .errors import ConfigError, DataError
+from snnconv.errors import ConfigError, DataError
 
 __all__ = ["SameShape",
     "digits",

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .config import ConvertConfig
-from .data import split_steps
-from .plan import epoch_steps
-from .qcfs import QCFSTrainConfig, max_pools
+from snnconv.config import ConvertConfig
+from snnconv.data import split_steps
+from snnconv.plan import epoch_steps
+from snnconv.stages.qcfs import QCFSTrainConfig, max_pools
 
 __all__ = ["CONVERT_FINETUNE", "FINETUNE_MAX_STEPS", "FINETUNE_MIN_STEPS", "FINETUNE_MAX_EPOCHS",
            "FINETUNE_UP_TO_T", "RECONSTRUCT_STEPS", "LABEL_FREE_DISTILL", "QCFS_STEPS", "LoaderFacts",
@@ -65,7 +65,7 @@ def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 
     networks (``reset="zero"``) train with the reset detached from the graph (Defaults row
     "detach_reset"). ``changes`` override single fields.
     """
-    from .finetune import FinetuneConfig
+    from snnconv.stages.finetune import FinetuneConfig
 
     recipe = dict(CONVERT_FINETUNE)
     if loader is not None:
@@ -157,7 +157,7 @@ def default_finetune_epochs(loader: Any) -> int:
     """Whole epochs of convert()'s fine-tuning (its batch size, at most
     :data:`FINETUNE_MAX_STEPS` steps each) that reach :data:`FINETUNE_MIN_STEPS` steps, between
     1 and :data:`FINETUNE_MAX_EPOCHS`; 1 for a loader without a length."""
-    from .finetune import FinetuneConfig
+    from snnconv.stages.finetune import FinetuneConfig
 
     vf = FinetuneConfig.val_fraction
     batch = _finetune_batch(loader, CONVERT_FINETUNE["batch_size"], vf)
@@ -169,7 +169,7 @@ def default_finetune_epochs(loader: Any) -> int:
 
 def later_maxpool(maxpool: str) -> str:
     """The max-pooling mode past the static analog prefix: ``"auto"`` keeps the prefix's
-    max-pooling (:mod:`snnconv.prefix`) and makes every later one average pooling."""
+    max-pooling (:mod:`snnconv.constructs.prefix`) and makes every later one average pooling."""
     return "avg" if maxpool == "auto" else maxpool
 
 
@@ -185,7 +185,7 @@ class LoaderFacts:
 
     @classmethod
     def of(cls, loader: Any, labelled: bool) -> "LoaderFacts":
-        from .finetune import FinetuneConfig
+        from snnconv.stages.finetune import FinetuneConfig
 
         return cls(labelled=labelled, one_batch=_batches_below(loader, 2),
                    finetune_batch=_finetune_batch(loader, CONVERT_FINETUNE["batch_size"],

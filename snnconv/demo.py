@@ -10,13 +10,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .data import digits
-from .fold import fold_batchnorm
-from .guards import find_batchnorm
-from .models import small_cnn
-from .pipeline import convert, seed_everything
-from .plots import plot_accuracy_vs_T
-from .progress import progress_bar
+from snnconv.analysis.plots import plot_accuracy_vs_T
+from snnconv.data import digits
+from snnconv.guards import find_batchnorm
+from snnconv.models import small_cnn
+from snnconv.pipeline import convert, seed_everything
+from snnconv.progress import progress_bar
+from snnconv.stages.fold import fold_batchnorm
 
 __all__ = ["train_ann", "run_demo", "DEMO_T"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import UnsupportedModelError
+from snnconv.errors import UnsupportedModelError
 
 __all__ = [
     "prepare",
@@ -216,7 +216,7 @@ def capture_pieces(gm: fx.GraphModule, x: torch.Tensor, names: Iterable[str], *,
     """:func:`capture` over the images of ``x``, in pieces whose values fit the memory
     (:func:`snnconv.memory.budget_bytes`; sized from one image: what it keeps and twice its
     largest value): ``(first, end, values)`` per piece, all of ``x`` at once where it fits."""
-    from .memory import budget_bytes, refuse_one_image
+    from snnconv.memory import budget_bytes, refuse_one_image
 
     names = list(names)
     budget = budget_bytes(x.device)

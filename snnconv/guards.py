@@ -10,8 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .errors import BatchNormRemainsError, UnsupportedModelError
-from .graph import describe_node, trace
+from snnconv.errors import BatchNormRemainsError, UnsupportedModelError
+from snnconv.graph import describe_node, trace
 
 __all__ = ["find_batchnorm", "assert_no_batchnorm", "functional_batchnorm_calls"]
 

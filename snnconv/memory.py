@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .errors import ConfigError, ResourceError
+from snnconv.errors import ConfigError, ResourceError
 
 __all__ = ["MEMORY_ENV", "BUDGET_SHARE", "CPU_STEP_BYTES", "TRAINING_FACTOR", "available_bytes",
            "memory_cap", "budget_bytes", "step_budget", "saved_bytes", "images_that_fit",

@@ -22,11 +22,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .calibration import calibrate_bias, calibrate_thresholds, reconstruct
-from .config import ConvertConfig
-from .constructs import rewrite_constructs
-from .data import check_labels, generators_kept
-from .defaults import (
+from snnconv.analysis.health import accuracy_of, activity, chance_level, collapse_report, dead_layers
+from snnconv.analysis.metrics import accuracy_by_T, evaluate
+from snnconv.analysis.summary import images_in, say_beyond_ann
+from snnconv.calibration import calibrate_bias, calibrate_thresholds, reconstruct
+from snnconv.config import ConvertConfig
+from snnconv.constructs.pools import rewrite_ceil_pools
+from snnconv.data import check_labels, generators_kept
+from snnconv.defaults import (
     ConversionPlan,
     GraphFacts,
     LoaderFacts,
@@ -35,19 +38,16 @@ from .defaults import (
     later_maxpool,
     plan_conversion,
 )
-from .errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
-from .fold import fold_graph
-from .graph import prepare
-from .guards import assert_no_batchnorm
-from .health import accuracy_of, activity, chance_level, collapse_report, dead_layers
-from .meta import ConversionMeta, StageRecord
-from .metrics import accuracy_by_T, evaluate
-from .network import SpikingNetwork
-from .plan import log_plan, make_plan, planned_work, record_run
-from .pools import rewrite_ceil_pools
-from .qcfs import calibrate_qcfs, check_activations
-from .replace import to_spiking
-from .summary import images_in, say_beyond_ann
+from snnconv.errors import ConfigError, ConversionError, DataError, ResourceError, UnsupportedModelError
+from snnconv.graph import prepare
+from snnconv.guards import assert_no_batchnorm
+from snnconv.meta import ConversionMeta, StageRecord
+from snnconv.plan import log_plan, make_plan, planned_work, record_run
+from snnconv.snn.network import SpikingNetwork
+from snnconv.stages.fold import fold_graph
+from snnconv.stages.prepare import rewrite_constructs
+from snnconv.stages.qcfs import calibrate_qcfs, check_activations
+from snnconv.stages.spiking import to_spiking
 
 __all__ = ["convert", "ConvertConfig", "STAGES", "Stage", "seed_everything", "draw_batches", "finetune_recipe",
            "default_finetune_epochs"]
@@ -187,7 +187,7 @@ class _Health:
 def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """The first ``n`` batches of ``loader`` as ``(x, y)`` pairs (``y`` None when unlabelled),
     drawn without moving the global RNG: the calibration batches every stage shares."""
-    from .data import SameShape, split_batch
+    from snnconv.data import SameShape, split_batch
 
     batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     same = SameShape("the conversion loader")
@@ -348,7 +348,7 @@ def _spiking(s: _Run) -> dict:
 def _finetune(s: _Run) -> dict:
     """BPTT fine-tuning, distilled from the caller's ANN where the recipe says (finetune()
     works on its own copy)."""
-    from .finetune import finetune
+    from snnconv.stages.finetune import finetune
 
     assert s.plan is not None and s.plan.finetune is not None
     teacher = s.model if s.plan.finetune.distill > 0 else None

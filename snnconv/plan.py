@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .data import split_steps
-from .errors import SnnconvError
-from .memory import TRAINING_FACTOR, budget_bytes, gib, images_that_fit, saved_bytes, step_budget
-from .meta import ConversionMeta
+from snnconv.data import split_steps
+from snnconv.errors import SnnconvError
+from snnconv.memory import TRAINING_FACTOR, budget_bytes, gib, images_that_fit, saved_bytes, step_budget
+from snnconv.meta import ConversionMeta
 
 __all__ = ["TIME_BUDGETS", "MIN_STEPS", "StagePlan", "Plan", "make_plan", "log_plan", "planned_work", "record_run",
            "epoch_steps"]
@@ -221,9 +221,9 @@ def _train_step(model: nn.Module) -> Callable[[torch.Tensor], None]:
 def _provisional_snn(gm: nn.Module, x: torch.Tensor, cfg: Any) -> nn.Module:
     """A spiking network of ``gm`` from one batch's thresholds: the shape of the real one, for
     timing (no calibration)."""
-    from .pools import rewrite_ceil_pools
-    from .qcfs import calibrate_qcfs
-    from .replace import to_spiking
+    from snnconv.constructs.pools import rewrite_ceil_pools
+    from snnconv.stages.qcfs import calibrate_qcfs
+    from snnconv.stages.spiking import to_spiking
 
     x = x[:2]
     qgm = calibrate_qcfs(gm, [x], L=cfg.L, per_channel=cfg.per_channel, num_batches=1, maxpool=cfg.maxpool,

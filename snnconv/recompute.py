@@ -20,10 +20,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .errors import ConfigError
-from .memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, saved_bytes, step_budget
-from .network import SpikingNetwork
-from .neuron import IFNeuron, neurons
+from snnconv.errors import ConfigError
+from snnconv.memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, saved_bytes, step_budget
+from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.neuron import IFNeuron, neurons
 
 __all__ = ["checkpointed", "StepPlan", "plan_step"]
 

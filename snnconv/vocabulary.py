@@ -5,7 +5,11 @@ A leaf: it imports nothing, so every module may import it (the import contracts 
 
 from __future__ import annotations
 
-__all__ = ["RESETS"]
+__all__ = ["RESETS", "MAX_T"]
 
 #: The IF neuron's reset modes: by subtraction of the threshold, or to zero (hard reset).
 RESETS = ("subtract", "zero")
+#: The largest T (and eval_T, bias_calibration_T) convert() accepts and a NIR file may declare.
+#: Direct-encoded conversion reaches the ANN by T = 64-256 on every network measured; a larger T
+#: multiplies every stage's time and memory (the calibration holds ``batches x T`` activations).
+MAX_T = 1024

@@ -88,7 +88,7 @@ def _payload(marker: str) -> str:
 def _mutants(folder: str, marker: str):
     """(name, path) of mutants of the tiny files: byte damage (digest left), structural edits
     and payloads (digest forged)."""
-    from snnconv.nir_io import save_nir
+    from snnconv.snn.nir_io import save_nir
 
     rng = random.Random(0)
     pristine = {}
@@ -146,7 +146,7 @@ def _mutants(folder: str, marker: str):
 
 
 def fuzz_nirfile(folder: str, marker: str) -> None:
-    from snnconv.nir_io import load_nir
+    from snnconv.snn.nir_io import load_nir
 
     for name, path in _mutants(folder, marker):
         run_case(name, lambda p=path: load_nir(p), marker)
@@ -185,7 +185,7 @@ def _accounted(graph, parsed) -> None:
 
 
 def fuzz_nirgraph(folder: str, marker: str) -> None:
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.reader import parse
 
     rng = random.Random(1)
     values = [float("nan"), float("inf"), -1, 0, 2**70, "x", _payload(marker), [1, 2], {"a": {}}, None]
@@ -225,8 +225,8 @@ def _prefix_bytes() -> bytes:
     import torch.fx as fx
     import torch.nn as nn
 
-    from snnconv.network import SpikingNetwork
-    from snnconv.nirformat import ANALOG_PREFIX
+    from snnconv.nir.format import ANALOG_PREFIX
+    from snnconv.snn.network import SpikingNetwork
 
     root = nn.Module()
     g = fx.Graph()
@@ -256,9 +256,9 @@ class _Evil:
 def fuzz_prefix(folder: str, marker: str) -> None:
     import torch
 
-    from snnconv.network import SpikingNetwork
-    from snnconv.nir_io import load_nir
-    from snnconv.prefixfile import load_prefix
+    from snnconv.snn.network import SpikingNetwork
+    from snnconv.snn.nir_io import load_nir
+    from snnconv.snn.prefixfile import load_prefix
 
     good = _prefix_bytes()
     reference = SpikingNetwork.load(io.BytesIO(good))
@@ -362,8 +362,8 @@ def _graph_mutation(graph: dict, rng: random.Random, marker: str) -> None:
 def fuzz_network(folder: str, marker: str) -> None:
     import torch
 
-    from snnconv.digest import content_digest
-    from snnconv.network import SpikingNetwork
+    from snnconv.io.digest import content_digest
+    from snnconv.snn.network import SpikingNetwork
 
     snn, x = _small_network()
     path = os.path.join(folder, "snn.pt")
@@ -415,8 +415,8 @@ def fuzz_network(folder: str, marker: str) -> None:
 def fuzz_checkpoint(folder: str, marker: str) -> None:
     import torch
 
-    from snnconv.checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
-    from snnconv.finetune import CHECKPOINT_NAME, finetune
+    from snnconv.io.checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
+    from snnconv.stages.finetune import CHECKPOINT_NAME, finetune
 
     snn, x = _small_network()
     batches = [(x, torch.randint(0, 3, (8,))) for _ in range(2)]
@@ -451,10 +451,10 @@ if __name__ == "__main__":
     marker = os.path.join(folder, "CODE_RAN")
     cap = _status("VmSize") + MEMORY_CAP
     # the cap applies from here: the imports the readers need are loaded first
-    import snnconv.finetune  # noqa: F401
-    import snnconv.nir_io  # noqa: F401
-    import snnconv.prefixfile  # noqa: F401
-    import snnconv_backends.nirgraph  # noqa: F401
+    import snnconv.nir.reader  # noqa: F401
+    import snnconv.snn.nir_io  # noqa: F401
+    import snnconv.snn.prefixfile  # noqa: F401
+    import snnconv.stages.finetune  # noqa: F401
 
     cap = _status("VmSize") + MEMORY_CAP
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

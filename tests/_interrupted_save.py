@@ -20,13 +20,13 @@ def _stop_before_rename(src, dst):
 
 def main() -> None:
     kind, path = sys.argv[1], sys.argv[2]
-    os.replace = _stop_before_rename  # the rename of snnconv.meta.atomic_write_bytes
+    os.replace = _stop_before_rename  # the rename of snnconv.io.atomic.atomic_write_bytes
     if kind == "nir":
-        from snnconv.nir_io import load_nir, save_nir
+        from snnconv.snn.nir_io import load_nir, save_nir
 
         save_nir(load_nir(path), path, compression=None)
     else:
-        from snnconv.network import SpikingNetwork
+        from snnconv.snn.network import SpikingNetwork
 
         SpikingNetwork.load(path).save(path)
 

@@ -107,7 +107,7 @@ def fixed_point_error(seed: int = 0, batch: int = 256, T: int = 8) -> dict:
     per spiking layer the share of (step, image, neuron) spikes that agree and both spike
     rates; the LI readout's mean and max absolute error and the share of images whose
     time-averaged readout has the same argmax."""
-    from snnconv.nir_io import from_nir
+    from snnconv.snn.nir_io import from_nir
     from snnconv_backends.loihi2 import Loihi2SimBackend
 
     g = chip_net(seed)

@@ -11,7 +11,7 @@ __all__ = ["small_graph"]
 def _neuron(nodes, edges, name, src, theta, reset, shape, v_init=None):
     """Add neuron ``name`` (per-channel ``theta`` over ``shape``) fed by ``src``; returns the node
     consumers read spikes from. ``v_init``: per-channel initial membranes (subtractive reset)."""
-    from snnconv.nirformat import fire_threshold
+    from snnconv.nir.format import fire_threshold
 
     theta = np.asarray(theta, np.float32)
     theta = np.broadcast_to(theta.reshape(-1, *([1] * (len(shape) - 1))), shape).astype(np.float32).copy()

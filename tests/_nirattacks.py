@@ -19,7 +19,7 @@ import h5py
 import nir
 import numpy as np
 
-from snnconv.nirformat import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY, PREFIX_SHA256_KEY
+from snnconv.nir.format import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY, PREFIX_SHA256_KEY
 
 DIGEST_KEY = "snnconv_digest"  # spelled out: the attacker reads it in the file
 VERSION_KEY = "snnconv_nir_version"
@@ -38,7 +38,7 @@ def _tag(h: Any, tag: bytes, payload: bytes) -> None:
 
 
 def _feed(h: Any, value: Any) -> None:
-    """snnconv.digest.content_digest's encoding, with :class:`Zeros` hashed in blocks (checked
+    """snnconv.io.digest.content_digest's encoding, with :class:`Zeros` hashed in blocks (checked
     against content_digest by test_the_attackers_digest_is_snnconvs)."""
     if isinstance(value, Zeros):
         dtype = np.dtype(value.dtype)
@@ -134,7 +134,7 @@ def dense_graph(n_in: int, n_out: int, dtype: Any = np.float32) -> nir.NIRGraph:
 def two_neuron_graph(extra_edge: tuple[str, str] | None = None) -> nir.NIRGraph:
     """input(3) -> fc1 -> n1 -> fc2 -> n2 -> fc3 -> output(2), both subtractive neurons, plus
     ``extra_edge``."""
-    from snnconv.nirformat import fire_threshold, graph_metadata, neuron_metadata, spec_threshold
+    from snnconv.nir.format import fire_threshold, graph_metadata, neuron_metadata, spec_threshold
 
     rng = np.random.default_rng(1)
     theta = np.full(4, 0.75, np.float32)

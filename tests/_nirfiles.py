@@ -7,7 +7,7 @@ from typing import Any
 import nir
 import numpy as np
 
-from snnconv.nirformat import fire_threshold, graph_metadata, neuron_metadata, spec_threshold
+from snnconv.nir.format import fire_threshold, graph_metadata, neuron_metadata, spec_threshold
 
 
 def tiny_graph(reset: str = "subtract", T: int = 4, hidden: int = 4) -> nir.NIRGraph:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from snnconv.neuron import neurons
+from snnconv.snn.neuron import neurons
 
 
 class FunctionalBN(nn.Module):

@@ -1,4 +1,4 @@
-"""snnconv.analysis: spike counts agree with SpikingNetwork.run, synaptic operations are exact."""
+"""snnconv.analysis.activity: spike counts agree with SpikingNetwork.run, synaptic operations are exact."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from snnconv.analysis import E_AC_PJ, E_MAC_PJ, SpikeAnalysis, _structural, analyse, backend_record
+from snnconv.analysis.activity import E_AC_PJ, E_MAC_PJ, SpikeAnalysis, _structural, analyse, backend_record
 
 
 def test_spike_counts_and_rates_agree_with_run(small_digits_snn, digits_data):

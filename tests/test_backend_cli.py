@@ -7,7 +7,7 @@ import torch
 
 import snnconv
 from snnconv.cli import main
-from snnconv.nir_io import export_nir, save_nir
+from snnconv.snn.nir_io import export_nir, save_nir
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 
@@ -28,16 +28,16 @@ def test_run_prints_accuracy_spikes_synops_and_energy(digits_nir, capsys):
     assert "spikes per neuron layer" in out and "synaptic operations" in out
     assert "pJ per AC" in out and "Horowitz" in out
     # every neuron layer of the file is listed
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.reader import parse
 
-    for op in parse(snnconv.nir_io.load_nir(digits_nir)).neurons:
+    for op in parse(snnconv.snn.nir_io.load_nir(digits_nir)).neurons:
         assert f"\n{op.name} " in out
 
 
 def test_run_accuracy_is_the_cpu_backend_accuracy(digits_nir, digits_data, capsys):
     _, test = digits_data
     x, y = test.tensors
-    graph = snnconv.nir_io.load_nir(digits_nir)
+    graph = snnconv.snn.nir_io.load_nir(digits_nir)
     r = snnconv.backends.get("cpu").compile(graph).run(x[:50], 3)
     acc = 100 * float((r.outputs.mean(0).argmax(1) == y[:50]).float().mean())
     assert main(["run", str(digits_nir), "--data", "digits", "--T", "3", "--limit", "50",

@@ -15,10 +15,10 @@ from _zoo import NARROW as _NARROW
 import snnconv
 from snnconv import models
 from snnconv.errors import BackendError
-from snnconv.nir_io import export_nir
+from snnconv.nir.reader import parse
+from snnconv.snn.nir_io import export_nir
 from snnconv_backends import get
 from snnconv_backends.cpu import compile_parsed
-from snnconv_backends.nirgraph import parse
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 
@@ -169,8 +169,8 @@ def test_synaptic_operations_agree_with_spikingjelly_op_counter():
     assert sum(result.synops[n] for n in direct) == theirs
     # and the MACs are the ANN's synapses (padding excluded): per image, once (not x T), the
     # same total as the torch network's analysis (what evaluate and the report show)
-    from snnconv.analysis import analyse
-    from snnconv.energy import conv_macs
+    from snnconv.analysis.activity import analyse
+    from snnconv.analysis.energy import conv_macs
 
     conv = parsed.op(direct[0])
     w = conv.params["weight"]

@@ -144,7 +144,7 @@ needs_lava = pytest.mark.skipif(not _check(lava_python())[0], reason="no Lava si
                                              (signal.SIGINT, 130, "interrupted")])
 def test_snnconv_run_on_lava_interrupted_leaves_no_process_and_no_file(small_digits_snn, tmp_path,
                                                                         request, sig, code, said):
-    from snnconv.nir_io import export_nir, save_nir
+    from snnconv.snn.nir_io import export_nir, save_nir
 
     path = tmp_path / "snn.nir"
     save_nir(export_nir(small_digits_snn), path)
@@ -193,7 +193,7 @@ def test_the_lava_worker_ends_when_its_parent_dies(small_digits_snn, tmp_path):
     import numpy as np
     import torch
 
-    from snnconv.nir_io import export_nir
+    from snnconv.snn.nir_io import export_nir
     from snnconv_backends.lava import WORKER, LavaBackend
 
     program = LavaBackend().compile(export_nir(small_digits_snn))

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import snnconv
 from snnconv.calibration import calibrate_bias
 from snnconv.errors import DataError, StageOrderError
-from snnconv.neuron import IFNeuron, neurons
-from snnconv.qcfs import QCFS
+from snnconv.snn.neuron import IFNeuron, neurons
+from snnconv.stages.qcfs import QCFS
 
 
 def _layer_means(model, x, kind, T=None):
@@ -73,7 +73,7 @@ def test_bias_calibration_does_not_lower_accuracy_at_its_T(qcfs_and_snn, digits_
     qcfs, snn, train = qcfs_and_snn
     _, test = digits_loaders
     calibrated = calibrate_bias(snn, qcfs, train, T=4)
-    from snnconv.metrics import accuracy_by_T
+    from snnconv.analysis.metrics import accuracy_by_T
 
     assert accuracy_by_T(calibrated, test, [4])[4] >= accuracy_by_T(snn, test, [4])[4] - 1.0
 

@@ -14,10 +14,10 @@ from torch.utils.data import DataLoader, Subset
 
 import snnconv
 from snnconv import finetune
+from snnconv.analysis.metrics import evaluate
 from snnconv.data import MAX_UNSIZED_BATCHES
 from snnconv.errors import CheckpointError, ConfigError, DataError, ResourceError, UnsupportedModelError
 from snnconv.memory import refuse_one_image
-from snnconv.metrics import evaluate
 
 
 def _model():

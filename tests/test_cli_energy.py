@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snnconv.analysis import analyse
+from snnconv.analysis.activity import analyse
+from snnconv.analysis.energy import ARITHMETIC, E_MAC_PJ, conv_macs
 from snnconv.cli import main
-from snnconv.energy import ARITHMETIC, E_MAC_PJ, conv_macs
-from snnconv.nir_io import export_nir, save_nir
+from snnconv.snn.nir_io import export_nir, save_nir
 from snnconv_backends.loihi2.cost import CHIP_MODEL
 
 
@@ -149,8 +149,8 @@ def test_a_concatenation_marker_on_other_weights_is_refused():
     import numpy as np
 
     from snnconv.errors import NIRError
-    from snnconv.nirformat import CONCAT_OP, OP_KEY
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.format import CONCAT_OP, OP_KEY
+    from snnconv.nir.reader import parse
 
     snn, _ = _fire_snn(T=2)
     graph = export_nir(snn)

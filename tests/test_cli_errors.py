@@ -13,7 +13,7 @@ import torch
 
 from snnconv.cli import main
 from snnconv.models import small_cnn
-from snnconv.nir_io import export_nir, save_nir
+from snnconv.snn.nir_io import export_nir, save_nir
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -138,7 +138,7 @@ def test_reading_a_nir_file_with_per_channel_scales_warns_nothing(tmp_path):
     import nir
     from _nirfiles import tiny_graph
 
-    from snnconv.nir_io import from_nir, load_nir, save_nir
+    from snnconv.snn.nir_io import from_nir, load_nir, save_nir
 
     graph = tiny_graph(hidden=4)
     graph.nodes["shortcut"] = nir.Scale(np.array([1.0, 2.0, 3.0, 4.0], np.float32))

@@ -21,7 +21,7 @@ SCREENSHOT = os.path.join(ROOT, "runs", "report-screenshot.png")
 COMMANDS = ["demo", "convert", "finetune", "evaluate", "export", "inspect", "run", "check", "report",
             "backends"]
 HAS_NIR_AND_BACKENDS = all(importlib.util.find_spec(m) is not None
-                           for m in ("snnconv.nir_io", "snnconv.backends"))
+                           for m in ("snnconv.snn.nir_io", "snnconv.backends"))
 
 
 def _chromium() -> str | None:

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 
 import snnconv
 from snnconv.backends import get
-from snnconv.clip import CappedReLU, rewrite_clips
-from snnconv.constructs import rewrite_constructs
+from snnconv.constructs.clip import CappedReLU, rewrite_clips
+from snnconv.constructs.means import rewrite_means
+from snnconv.constructs.pools import drop_idle_ceil_mode, fold_adaptive_pools
+from snnconv.constructs.prefix import AnalogPrefix, analog_prefix, split_prefix
 from snnconv.errors import UnsupportedLayerError
 from snnconv.graph import prepare
-from snnconv.means import rewrite_means
-from snnconv.pools import drop_idle_ceil_mode, fold_adaptive_pools
-from snnconv.prefix import AnalogPrefix, analog_prefix, split_prefix
-from snnconv.qcfs import calibrate_qcfs, qcfs_sites
+from snnconv.stages.prepare import rewrite_constructs
+from snnconv.stages.qcfs import calibrate_qcfs, qcfs_sites
 
 
 class _Clipped(nn.Module):
@@ -238,7 +238,7 @@ class _Shuffle(nn.Module):
 
 
 def test_channel_shuffles_and_chunks_become_one_hot_convolutions_bit_for_bit():
-    from snnconv.channels import rewrite_channel_moves
+    from snnconv.constructs.channels import rewrite_channel_moves
 
     torch.manual_seed(0)
     model = _Shuffle().eval()

@@ -11,14 +11,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
 from snnconv import models
+from snnconv.analysis.metrics import predictions
 from snnconv.calibration import calibrate_bias
 from snnconv.defaults import QCFS_STEPS, _qcfs_epochs
 from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelError
-from snnconv.fold import fold_batchnorm
 from snnconv.meta import ConversionMeta
-from snnconv.metrics import predictions
-from snnconv.network import SpikingNetwork
-from snnconv.qcfs import QCFSTrainConfig, qcfs_sites
+from snnconv.snn.network import SpikingNetwork
+from snnconv.stages.fold import fold_batchnorm
+from snnconv.stages.qcfs import QCFSTrainConfig, qcfs_sites
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 
@@ -326,7 +326,7 @@ def test_default_qcfs_training_is_a_number_of_steps_in_whole_epochs():
     from torch.utils.data import DataLoader, TensorDataset
 
     from snnconv.plan import planned_work
-    from snnconv.qcfs import QCFSTrainConfig
+    from snnconv.stages.qcfs import QCFSTrainConfig
 
     def loader(n):
         return DataLoader(TensorDataset(torch.zeros(n, 1), torch.zeros(n)), batch_size=128)

@@ -9,9 +9,9 @@ import torch.nn as nn
 
 import snnconv
 from snnconv.backends import get
+from snnconv.constructs.prefix import analog_prefix
 from snnconv.errors import UnsupportedLayerError
 from snnconv.models.tv import NO_IF_FORM, RELU_FAMILY, build
-from snnconv.prefix import analog_prefix
 
 pytest.importorskip("torchvision")
 

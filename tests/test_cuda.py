@@ -12,8 +12,8 @@ from _interrupting import Interrupt, InterruptingDataset
 from torch.utils.data import DataLoader
 
 from snnconv import finetune
-from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
-from snnconv.neuron import neurons
+from snnconv.snn.neuron import neurons
+from snnconv.stages.finetune import CHECKPOINT_NAME, read_checkpoint
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
               pytest.mark.usefixtures("no_tf32")]  # float32 on the GPU as on CPU

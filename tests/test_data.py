@@ -293,8 +293,8 @@ def test_split_steps_counts_the_batches_split_loader_gives(n, batch, drop_last, 
 def test_a_batch_of_another_shape_after_the_first_is_refused_by_index():
     """Batches of 8x8, 8x8, 9x9, 8x8 images: a DataError naming batch 2, from every pass."""
     import snnconv
+    from snnconv.analysis.metrics import evaluate
     from snnconv.errors import DataError
-    from snnconv.metrics import evaluate
     from snnconv.models import small_cnn
 
     g = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 import snnconv
 from snnconv import finetune
-from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
+from snnconv.stages.finetune import CHECKPOINT_NAME, read_checkpoint
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -1,4 +1,4 @@
-"""snnconv.analysis.evaluation_record: what ``evaluation.json`` holds, measured as its parts are."""
+"""snnconv.analysis.activity.evaluation_record: what ``evaluation.json`` holds, measured as its parts are."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 from torch.utils.data import DataLoader
 
-from snnconv.analysis import ANALYSIS_IMAGES, analyse, evaluation_record
-from snnconv.metrics import accuracy_by_T
+from snnconv.analysis.activity import ANALYSIS_IMAGES, analyse, evaluation_record
+from snnconv.analysis.metrics import accuracy_by_T
 
 
 def test_evaluation_record_is_accuracy_by_T_and_the_first_batch_analysed(small_digits_snn, digits_data):

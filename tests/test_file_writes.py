@@ -12,9 +12,9 @@ import pytest
 import torch
 from _nirfiles import same_graph, tiny_graph
 
-from snnconv.meta import atomic_write_bytes, stale_temporaries
-from snnconv.network import SpikingNetwork
-from snnconv.nir_io import load_nir, save_nir
+from snnconv.io.atomic import atomic_write_bytes, stale_temporaries
+from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.nir_io import load_nir, save_nir
 
 _WORKER = os.path.join(os.path.dirname(__file__), "_interrupted_save.py")
 

@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 import snnconv
 from snnconv import FinetuneConfig, finetune
+from snnconv.analysis.metrics import accuracy_by_T
 from snnconv.data import split_dataset
 from snnconv.errors import ConfigError, DataError, StageOrderError
-from snnconv.finetune import CHECKPOINT_NAME, blend, checkpointed
-from snnconv.metrics import accuracy_by_T
-from snnconv.neuron import IFNeuron, neurons
+from snnconv.snn.neuron import IFNeuron, neurons
+from snnconv.stages.finetune import CHECKPOINT_NAME, blend, checkpointed
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import snnconv
 from snnconv import models
 from snnconv.errors import FoldError
-from snnconv.fold import fold_weights
+from snnconv.stages.fold import fold_weights
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 import snnconv
 from snnconv.cli import main
-from snnconv.digest import content_digest
+from snnconv.constructs.prefix import analog_prefix
 from snnconv.errors import CheckpointError, NIRError, UnsupportedModelError
-from snnconv.graphfile import check_graph, graph_from_dict
-from snnconv.network import SpikingNetwork
-from snnconv.nirformat import PREFIX_FILE_KEY, PREFIX_SHA256_KEY
-from snnconv.prefix import analog_prefix
-from snnconv.prefixfile import load_prefix, save_prefix
+from snnconv.io.digest import content_digest
+from snnconv.nir.format import PREFIX_FILE_KEY, PREFIX_SHA256_KEY
+from snnconv.snn.graphfile import check_graph, graph_from_dict
+from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.prefixfile import load_prefix, save_prefix
 
 MARKER = "pwned"  # relative (the tests run in tmp_path): no dot, no slash in the payloads
 RUN = f"getattr(__import__('os'),'system')('touch {MARKER}')"

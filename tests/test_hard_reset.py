@@ -8,8 +8,8 @@ from spikingjelly.activation_based import functional, neuron, surrogate
 from torch.utils.data import DataLoader
 
 import snnconv
-from snnconv.network import SpikingNetwork
-from snnconv.neuron import IFNeuron, neurons
+from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.neuron import IFNeuron, neurons
 
 
 def _sj_hard(x_seq: torch.Tensor, theta: float) -> torch.Tensor:

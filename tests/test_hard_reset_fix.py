@@ -12,19 +12,19 @@ from _probes import run_with_spikes, spikingjelly_run
 from torch.utils.data import DataLoader
 
 import snnconv
+from snnconv.analysis.metrics import evaluate
 from snnconv.calibration import calibrate_thresholds, shift_bias
 from snnconv.errors import DataError, StageOrderError
-from snnconv.metrics import evaluate
-from snnconv.neuron import IFNeuron, neurons
-from snnconv.qcfs import calibrate_qcfs
-from snnconv.replace import to_spiking
+from snnconv.snn.neuron import IFNeuron, neurons
+from snnconv.stages.qcfs import calibrate_qcfs
+from snnconv.stages.spiking import to_spiking
 
 
 @pytest.fixture(scope="module")
 def digits_qcfs(_small_digits_ann, digits_data):
     """(QCFS-ANN, train loader, test loader) of the width-8 digits SmallCNN, L=8."""
-    from snnconv.fold import fold_graph
     from snnconv.graph import prepare
+    from snnconv.stages.fold import fold_graph
 
     train_set, test_set = digits_data
     train = DataLoader(train_set, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
@@ -69,8 +69,8 @@ def test_residual_network_scales_both_branches_of_the_add():
     from snnconv.models import CifarResNet
 
     torch.manual_seed(0)
-    from snnconv.fold import fold_graph
     from snnconv.graph import prepare
+    from snnconv.stages.fold import fold_graph
 
     model = prepare(CifarResNet([1, 1], [4, 8], num_classes=3, in_channels=1).eval())
     x = torch.rand(32, 1, 8, 8)

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from snnconv.errors import BackendError, NIRError
-from snnconv.nir_io import from_nir
+from snnconv.nir.reader import parse
+from snnconv.snn.nir_io import from_nir
 from snnconv_backends.cpu import CPUBackend
 from snnconv_backends.gpu import GPUBackend
-from snnconv_backends.nirgraph import parse
 
 T = 6
 F = np.float32
@@ -116,8 +116,8 @@ def test_golden_trajectory(kind, executor):
 def test_the_tie_does_not_spike_and_the_step_is_the_modules():
     """The step functions themselves: a membrane landing exactly on the threshold stays; the
     torch module with the surrogate (training mode) gives the same forward values."""
-    from snnconv.neuron import LeakyNeuron, leaky_sequence
-    from snnconv_backends.nirleaky import leaky_params
+    from snnconv.nir.leaky import leaky_params
+    from snnconv.snn.neuron import LeakyNeuron, leaky_sequence
 
     node, x, want = lif_case()
     p = leaky_params(parse(_graph(node, 3)).op("n").params)
@@ -240,7 +240,7 @@ def test_the_fine_tuning_stage_trains_a_leaky_network_read_from_nir():
 
 def test_a_leaky_graph_survives_a_file_round_trip(tmp_path):
     """save_nir / load_nir keep every parameter: the same outputs on the cpu backend."""
-    from snnconv.nir_io import load_nir, save_nir
+    from snnconv.snn.nir_io import load_nir, save_nir
 
     g = _net(seed=3)
     save_nir(g, tmp_path / "leaky.nir")

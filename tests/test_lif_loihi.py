@@ -18,12 +18,12 @@ from _lif_nets import chip_cubalif, chip_li, chip_lif, chip_net, fixed_point_err
 
 import snnconv  # noqa: F401  (imports snnconv_backends in the supported order)
 from snnconv.errors import BackendError
-from snnconv.nir_io import from_nir
+from snnconv.nir.reader import parse
+from snnconv.snn.nir_io import from_nir
 from snnconv_backends.cpu import CPUBackend
 from snnconv_backends.gpu import GPUBackend
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import CLOCK, LOIHI, Loihi2SimBackend, bias_current, quantize
-from snnconv_backends.nirgraph import parse
 
 T = 6
 CHIP = {"lif": chip_lif, "cubalif": chip_cubalif, "li": chip_li}

@@ -207,7 +207,7 @@ def test_bad_input_and_options_are_refused():
 def test_sim_matches_the_float_snn_up_to_quantisation(trained_digits_cnn, digits_loaders):
     """On a converted digits CNN (pooling between convolutions, per-channel thresholds) the
     8-bit simulator keeps the cpu backend's (float) decisions and each layer's spike counts."""
-    from snnconv.nir_io import export_nir
+    from snnconv.snn.nir_io import export_nir
 
     train, test = digits_loaders
     x, y = next(iter(test))

@@ -22,7 +22,7 @@ from _loihi_nets import small_graph
 from _loihi_stem import stem_snn
 
 import snnconv
-from snnconv.nir_io import export_nir
+from snnconv.snn.nir_io import export_nir
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import Loihi2SimBackend, QuantisationWarning, quantize
 
@@ -50,7 +50,7 @@ def _dead_channel(reset: str, seed: int = 1):
 
 def _prefix_input(snn, x):
     with torch.no_grad():
-        return snnconv.prefix.analog_prefix(snn)(x)
+        return snnconv.constructs.prefix.analog_prefix(snn)(x)
 
 
 @pytest.mark.parametrize("reset", ["subtract", "zero"])
@@ -142,7 +142,7 @@ def test_rescaling_a_neuron_changes_neither_float_spikes_nor_the_integer_network
 
 def test_run_warns_and_strict_exits_1(tmp_path, capsys):
     from snnconv.cli import main
-    from snnconv.nirfile import save_nir
+    from snnconv.nir.file import save_nir
 
     path = tmp_path / "dead.nir"
     save_nir(_dead_channel("zero"), path)
@@ -270,9 +270,9 @@ def test_a_linear_bottleneck_runs_as_one_convolution():
 @pytest.mark.parametrize("reset", ["subtract", "zero"])
 def test_saturating_biases_are_clipped_without_changing_a_spike(reset):
     """A bias beyond threshold + |most negative input| (fires at every step) or below -(largest
-    input) (never fires) is clipped to that bound: the IF neuron's spikes (snnconv.neuron.if_step)
+    input) (never fires) is clipped to that bound: the IF neuron's spikes (snnconv.snn.neuron.if_step)
     are the same for any input within the bounds, any initial membrane in [0, theta]."""
-    from snnconv.neuron import if_step
+    from snnconv.snn.neuron import if_step
     from snnconv_backends.loihi2.quantisation import _saturating_bias
 
     rng = np.random.default_rng(0)

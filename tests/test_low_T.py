@@ -121,7 +121,7 @@ def test_the_default_budget_is_whole_epochs_that_reach_the_least_steps(images, b
 def test_max_steps_bounds_the_qcfs_training_steps(small_digits_ann):
     """QCFS training of 5 epochs over 20 training batches with ``max_steps=7`` runs 7 optimiser
     steps (counted in meta: planned and run), ending inside its first epoch."""
-    from snnconv.qcfs import QCFSTrainConfig
+    from snnconv.stages.qcfs import QCFSTrainConfig
 
     g = torch.Generator().manual_seed(0)
     data = _Counting(torch.rand(352, 1, 8, 8, generator=g), torch.randint(0, 10, (352,), generator=g))
@@ -138,7 +138,7 @@ def test_max_steps_bounds_the_qcfs_training_steps(small_digits_ann):
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
 def test_qcfs_max_steps_must_be_a_positive_count(bad):
     from snnconv.errors import ConfigError
-    from snnconv.qcfs import QCFSTrainConfig
+    from snnconv.stages.qcfs import QCFSTrainConfig
 
     with pytest.raises(ConfigError, match="max_steps"):
         QCFSTrainConfig(epochs=1, max_steps=bad)
@@ -170,7 +170,7 @@ def test_keep_start_lets_a_trained_epoch_win_a_tie_within_the_validation_noise(s
     """An epoch that scores what the start scores (a learning rate too small to move it) is
     returned, not the start: the start's score is handicapped by one binomial standard error of
     the validation split, whose size the history records through the margin."""
-    from snnconv.finetune import start_margin
+    from snnconv.stages.finetune import start_margin
 
     train, _ = digits_loaders
     _, history = snnconv.finetune(small_digits_snn, train, keep_start=True, T=2, epochs=1,

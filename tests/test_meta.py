@@ -9,7 +9,8 @@ import stat
 import pytest
 import torch
 
-from snnconv.meta import ConversionMeta, StageRecord, atomic_write_bytes, atomic_write_text
+from snnconv.io.atomic import atomic_write_bytes, atomic_write_text
+from snnconv.meta import ConversionMeta, StageRecord
 
 
 def _meta() -> ConversionMeta:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from snnconv.calibration.membrane import fire, spike_counts
-from snnconv.neuron import IFNeuron, channel_view, fire_subtractive_, fire_zero, if_sequence, if_step
+from snnconv.snn.neuron import IFNeuron, channel_view, fire_subtractive_, fire_zero, if_sequence, if_step
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -1,4 +1,4 @@
-"""NIR export, the strict reader (snnconv_backends.nirgraph.parse), files and round trips."""
+"""NIR export, the strict reader (snnconv.nir.reader.parse), files and round trips."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from _zoo import NARROW as _NARROW
 import snnconv
 from snnconv import models
 from snnconv.errors import NIRError, SnnconvError
-from snnconv.network import SpikingNetwork
-from snnconv.neuron import IFNeuron, Scale, TimeExpand, neurons
-from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
-from snnconv_backends.nirgraph import KINDS, ParsedGraph, parse
+from snnconv.nir.reader import KINDS, ParsedGraph, parse
+from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand, neurons
+from snnconv.snn.nir_io import export_nir, from_nir, load_nir, save_nir
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from snnconv.cli import main
-from snnconv.neuron import neurons
-from snnconv.nir_io import from_nir, load_nir
+from snnconv.snn.neuron import neurons
+from snnconv.snn.nir_io import from_nir, load_nir
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -8,7 +8,7 @@ import torch
 from test_hard_reset import _sj_hard
 from test_nir import _assert_same_run, _convert, _through_file
 
-from snnconv.neuron import IFNeuron
+from snnconv.snn.neuron import IFNeuron
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
               pytest.mark.usefixtures("no_tf32")]  # float32 on the GPU as on CPU

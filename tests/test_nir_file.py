@@ -19,10 +19,10 @@ import pytest
 from _nirfiles import chain_graph, same_graph, tiny_graph
 
 from snnconv.config import MAX_T
-from snnconv.digest import UnverifiedFileWarning
 from snnconv.errors import NIRError
-from snnconv.nir_io import load_nir, save_nir
-from snnconv.nirfile import DIGEST_KEY, VERSION_KEY
+from snnconv.io.digest import UnverifiedFileWarning
+from snnconv.nir.file import DIGEST_KEY, VERSION_KEY
+from snnconv.snn.nir_io import load_nir, save_nir
 
 
 def _saved(tmp_path, graph=None, name="net.nir", **kw):
@@ -225,7 +225,7 @@ _MEASURE = r"""
 import json, resource, sys, warnings
 warnings.simplefilter("ignore")
 from snnconv.errors import SnnconvError
-from snnconv.nir_io import load_nir
+from snnconv.snn.nir_io import load_nir
 
 def status(key):
     return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
@@ -256,7 +256,7 @@ def _measured_loads(paths: list[str]) -> dict[str, dict]:
 
 
 def test_the_attackers_digest_is_snnconvs(tmp_path):
-    from snnconv.digest import content_digest
+    from snnconv.io.digest import content_digest
 
     tree = {"a": np.zeros((3, 5), np.float64), "b": ["x", b"y", np.float32(2)], "c": {"d": "e"}}
     assert attacks.digest(tree) == content_digest(tree)
@@ -327,7 +327,7 @@ def test_storage_beyond_the_rules_is_refused_by_name(tmp_path, change, match):
 def test_an_edge_from_a_neuron_into_an_integrator_is_refused_by_name(tmp_path, extra):
     """The reader used to drop every hidden-node input of an integrator, not only its own
     reset edge; the graph ran as if the edge were not there."""
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.reader import parse
 
     graph = attacks.two_neuron_graph(extra)
     with pytest.raises(NIRError, match=f"edge '{extra[0]}' -> '{extra[1]}'"):
@@ -339,7 +339,7 @@ def test_an_edge_from_a_neuron_into_an_integrator_is_refused_by_name(tmp_path, e
 
 
 def test_a_reset_scale_feeding_another_integrator_is_refused():
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.reader import parse
 
     with pytest.raises(NIRError, match="node 'n2': no single reset Scale"):
         parse(attacks.two_neuron_graph(("n2_reset", "n1")))
@@ -347,8 +347,8 @@ def test_a_reset_scale_feeding_another_integrator_is_refused():
 
 def test_the_same_spikes_routed_through_a_node_keep_their_meaning():
     """The refused edge's legitimate form: n1's spikes reach n2 through a sum node."""
-    from snnconv.nirformat import OP_KEY, SUM_OP
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.format import OP_KEY, SUM_OP
+    from snnconv.nir.reader import parse
 
     graph = attacks.two_neuron_graph(("n1_fire", "route"))
     graph.nodes["route"] = nir.Scale(np.ones(4, np.float32), metadata={OP_KEY: SUM_OP})
@@ -437,7 +437,7 @@ def test_snnconv_run_refuses_a_fifo_as_the_prefix_file_without_waiting(tmp_path)
 def test_only_regular_files_are_read(tmp_path, kind):
     import socket
 
-    from snnconv.prefixfile import load_prefix
+    from snnconv.snn.prefixfile import load_prefix
 
     target = tmp_path / "x.pt"
     if kind == "fifo":
@@ -465,7 +465,7 @@ def test_snnconv_export_refuses_a_fifo_without_waiting(tmp_path):
 
 
 def test_open_regular_bounds_the_size(tmp_path):
-    from snnconv.files import open_regular
+    from snnconv.io.files import open_regular
 
     path = tmp_path / "big.bin"
     with open(path, "wb") as fh:

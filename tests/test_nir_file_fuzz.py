@@ -17,9 +17,9 @@ from _nirfiles import same_graph, tiny_graph
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snnconv.digest import UnverifiedFileWarning
 from snnconv.errors import NIRError
-from snnconv.nir_io import load_nir, save_nir
+from snnconv.io.digest import UnverifiedFileWarning
+from snnconv.snn.nir_io import load_nir, save_nir
 
 _STRUCTURAL = ("swap", "remove", "add dataset", "add group", "soft link", "external link",
                "external storage", "virtual")
@@ -142,7 +142,7 @@ def test_each_reader_gives_an_snnconv_error_or_a_correct_load_within_the_budget(
     graphs, the known hostile files (digests forged) and every kind of path. Each case ends in
     a snnconv error or a correct load, runs no code (a payload would create a marker file), and
     adds less than the read budget to the child's resident memory."""
-    from snnconv.files import MAX_FILE_BYTES
+    from snnconv.io.files import MAX_FILE_BYTES
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([_ROOT, os.path.join(_ROOT, "backends")])}
     children = {}

@@ -14,10 +14,10 @@ from test_nir import _convert
 
 from snnconv import backends
 from snnconv.errors import BackendError, DataError, NIRError
-from snnconv.nir_io import export_nir, from_nir, load_nir, save_nir
-from snnconv.nirformat import COMPARE, FORMAT_VERSION, engine_threshold, predates_v_reset, spec_threshold
+from snnconv.nir.format import COMPARE, FORMAT_VERSION, engine_threshold, predates_v_reset, spec_threshold
+from snnconv.nir.reader import parse
+from snnconv.snn.nir_io import export_nir, from_nir, load_nir, save_nir
 from snnconv_backends.gpu import GPUBackend
-from snnconv_backends.nirgraph import parse
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snnconv.errors import NIRError
-from snnconv.nir_io import from_nir, load_nir
+from snnconv.snn.nir_io import from_nir, load_nir
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nir"
 FILES = sorted(FIXTURES.glob("*.nir"))

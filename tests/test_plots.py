@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from snnconv.plots import plot_accuracy_vs_T, plot_history
+from snnconv.analysis.plots import plot_accuracy_vs_T, plot_history
 
 
 @pytest.mark.parametrize("draw", [

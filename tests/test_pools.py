@@ -10,11 +10,11 @@ import torch.nn as nn
 
 import snnconv
 from snnconv.backends import get
+from snnconv.constructs.pools import ceil_pool_parts, fold_adaptive_pools, rewrite_ceil_pools
+from snnconv.constructs.prefix import analog_prefix
 from snnconv.graph import prepare
-from snnconv.network import SpikingNetwork
-from snnconv.neuron import Scale
-from snnconv.pools import ceil_pool_parts, fold_adaptive_pools, rewrite_ceil_pools
-from snnconv.prefix import analog_prefix
+from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.neuron import Scale
 
 
 def _same_on_cpu(snn, x, T=4):

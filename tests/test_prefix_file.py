@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 import snnconv
 from snnconv.cli import main
+from snnconv.constructs.prefix import analog_prefix
 from snnconv.data import digits
 from snnconv.errors import NIRError
-from snnconv.nirformat import PREFIX_FILE_KEY, PREFIX_SHA256_KEY
-from snnconv.prefix import analog_prefix
-from snnconv.prefixfile import load_prefix, save_prefix
+from snnconv.nir.format import PREFIX_FILE_KEY, PREFIX_SHA256_KEY
+from snnconv.snn.prefixfile import load_prefix, save_prefix
 from snnconv_backends import get
 
 

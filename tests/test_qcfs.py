@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import snnconv
 from snnconv import models
 from snnconv.errors import BatchNormRemainsError, ConfigError, DataError, UnsupportedLayerError
-from snnconv.fold import fold_batchnorm
-from snnconv.qcfs import QCFS, QCFSTrainConfig, make_optimizer, qcfs_sites, relu_sites
+from snnconv.stages.fold import fold_batchnorm
+from snnconv.stages.qcfs import QCFS, QCFSTrainConfig, make_optimizer, qcfs_sites, relu_sites
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 
@@ -450,7 +450,7 @@ def test_training_records_history_and_keeps_accuracy():
             F.cross_entropy(ann(x), y).backward()
             opt.step()
     ann.eval()
-    from snnconv.metrics import evaluate
+    from snnconv.analysis.metrics import evaluate
 
     base = snnconv.calibrate_qcfs(ann, loader, L=2, progress=False)
     trained = snnconv.calibrate_qcfs(ann, loader, L=2, progress=False,

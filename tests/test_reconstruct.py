@@ -14,7 +14,7 @@ from snnconv.calibration import calibrate_bias, reconstruct
 from snnconv.calibration.reconstruct import _loss
 from snnconv.config import ConvertConfig
 from snnconv.errors import ConfigError, StageOrderError
-from snnconv.qcfs import QCFS
+from snnconv.stages.qcfs import QCFS
 
 
 def _converted(ann, images, T):

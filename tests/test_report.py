@@ -9,8 +9,8 @@ import re
 import pytest
 from _pagetext import visible_text
 
+from snnconv.analysis.report import load_run, write_report
 from snnconv.errors import DataError
-from snnconv.report import load_run, write_report
 
 META = {
     "accuracy": {"ann": 91.0, "folded": 91.0, "qcfs": 90.5, "snn": {"1": 40.0, "2": 70.0, "4": 88.0}},
@@ -99,7 +99,7 @@ def test_a_finetuned_snn_above_its_ann_is_said_in_the_headline(tmp_path):
 
 
 def test_backend_results_on_few_images_stay_off_the_plot_and_are_named(tmp_path):
-    from snnconv.report import few_images
+    from snnconv.analysis.report import few_images
 
     _write(tmp_path, "meta.json", CONVERTED)
     record = {"backend": "lava", "T": 4, "data": "cifar10", "agreement": 100.0, "synops_total": 1.0, "wall_s": 1.0}

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 import snnconv
 from snnconv import finetune
 from snnconv.errors import CheckpointError
-from snnconv.finetune import CHECKPOINT_NAME, read_checkpoint
+from snnconv.stages.finetune import CHECKPOINT_NAME, read_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "_finetune_worker.py")
 # Not a speed bound: without it a worker that never checkpoints would hang the suite for ever.
@@ -285,7 +285,7 @@ def test_a_checkpoint_of_a_run_with_other_settings_is_refused(small_digits_snn, 
 def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_default(small_digits_snn,
                                                                             digits_loaders, tmp_path):
     """A checkpoint written before ``distill`` was a setting: that run had the default (0)."""
-    from snnconv.checkpoint import write_checkpoint as _write_checkpoint
+    from snnconv.io.checkpoint import write_checkpoint as _write_checkpoint
 
     train, _ = digits_loaders
     run = dict(T=2, epochs=2, max_steps_per_epoch=2, checkpoint_every=1, checkpoint_dir=str(tmp_path),

@@ -308,7 +308,7 @@ def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
         small_digits_ann, digits_data, monkeypatch):
     """Wide activations get smaller chunks (page faults, see network.CHUNK_BYTES); chunking
     changes how the work is cut, never the result."""
-    from snnconv import network
+    from snnconv.snn import network
     from snnconv.calibration import calibrate_bias
     from snnconv.graph import largest_value
 
@@ -334,7 +334,7 @@ def test_snn_forward_chunks_shrink_to_the_byte_cap_and_hooks_see_only_the_real_c
     """snn(x) on a CPU cuts its batch to chunk_size // T inputs and fewer where the largest
     value would pass the byte cap (measured once per input shape, with no hooks run): the same
     readout as one pass, and a layer's hook sees one call per chunk."""
-    from snnconv import network
+    from snnconv.snn import network
     from snnconv.graph import largest_value
 
     loader = DataLoader(digits_data[0], batch_size=50)
@@ -524,7 +524,7 @@ def test_per_channel_thresholds_are_scaled_on_the_channel_dimension_before_a_lin
     model = _LinearOnLastDim().eval()
     x = torch.randn(64, 1, 6, 4)
     qcfs = snnconv.calibrate_qcfs(model, [x], L=4, per_channel=True, progress=False)
-    lam = next(iter(snnconv.qcfs.qcfs_sites(qcfs).values())).lam
+    lam = next(iter(snnconv.stages.qcfs.qcfs_sites(qcfs).values())).lam
     assert lam.shape == (4,) and lam.std() > 0.05 * lam.mean(), "channels must differ for the test"
     snn = snnconv.to_spiking(qcfs, T=4)
     with torch.no_grad():

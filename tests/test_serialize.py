@@ -14,11 +14,11 @@ import torch.nn.functional as F
 import snnconv
 from snnconv import models
 from snnconv.config import MAX_T
-from snnconv.digest import UnverifiedFileWarning, content_digest
 from snnconv.errors import CheckpointError, UnsupportedModelError
-from snnconv.fold import fold_batchnorm
-from snnconv.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
-from snnconv.neuron import neurons
+from snnconv.io.digest import UnverifiedFileWarning, content_digest
+from snnconv.snn.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
+from snnconv.snn.neuron import neurons
+from snnconv.stages.fold import fold_batchnorm
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 
@@ -230,7 +230,7 @@ def test_damaged_payloads_are_refused(tmp_path, how):
 
 def test_only_listed_functions_are_saved():
     """The function table is the allow-list: arithmetic and pooling, nothing that runs code."""
-    from snnconv.network import FUNCTIONS
+    from snnconv.snn.network import FUNCTIONS
 
     assert FUNCTIONS["operator.add"] is operator.add
     assert not any(name.startswith(("os.", "subprocess.", "builtins.eval", "builtins.exec"))
@@ -348,10 +348,10 @@ def test_a_T_above_the_bound_is_refused(tmp_path):
 
 
 def test_a_network_with_an_analog_prefix_saves_and_loads_bit_identically(tmp_path):
-    """A max-pooling stem runs once in analog (snnconv.prefix); the file holds it as a nested
+    """A max-pooling stem runs once in analog (snnconv.constructs.prefix); the file holds it as a nested
     graph, and the loaded network gives the same outputs."""
     import snnconv
-    from snnconv.prefix import analog_prefix
+    from snnconv.constructs.prefix import analog_prefix
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),

@@ -7,7 +7,7 @@ import io
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from snnconv.summary import beyond_ann, images_in, say_beyond_ann
+from snnconv.analysis.summary import beyond_ann, images_in, say_beyond_ann
 
 HISTORY = {"name": "finetune", "changes": {"history": [{"epoch": 1, "loss": 1.0}], "check_accuracy": 80.0}}
 

@@ -32,7 +32,7 @@ TUTORIALS = os.path.join(os.path.dirname(HERE), "tutorials")
 NOTEBOOKS = ["01_train_resnet18_cifar10", "02_convert", "03_finetune_bptt", "04_nir_and_backends",
              "05_analysis"]
 HAS_NIR_AND_BACKENDS = all(importlib.util.find_spec(m) is not None
-                           for m in ("snnconv.nir_io", "snnconv.backends"))
+                           for m in ("snnconv.snn.nir_io", "snnconv.backends"))
 
 papermill = pytest.importorskip("papermill", reason="papermill is in the test extra (pip install -e .[test])")
 

@@ -17,13 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import snnconv
-from snnconv.checkpoint import read_checkpoint, write_checkpoint
 from snnconv.cli import main
-from snnconv.digest import content_digest
 from snnconv.errors import CheckpointError
-from snnconv.files import MAX_FILE_BYTES
-from snnconv.finetune import CHECKPOINT_NAME, finetune
-from snnconv.network import SpikingNetwork
+from snnconv.io.checkpoint import read_checkpoint, write_checkpoint
+from snnconv.io.digest import content_digest
+from snnconv.io.files import MAX_FILE_BYTES
+from snnconv.snn.network import SpikingNetwork
+from snnconv.stages.finetune import CHECKPOINT_NAME, finetune
 
 
 class _Net(nn.Module):
@@ -214,7 +214,7 @@ def test_reading_forged_files_stays_within_the_budget(saved, tmp_path):
     _deflated_bomb(path, tmp_path / "bomb.pt", MAX_FILE_BYTES + 2**24)
     script = textwrap.dedent("""
         import json, resource, sys, torch
-        from snnconv.network import SpikingNetwork
+        from snnconv.snn.network import SpikingNetwork
         from snnconv.errors import SnnconvError
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         out = {}

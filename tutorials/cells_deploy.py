@@ -46,17 +46,17 @@ AUGMENT = False
 '''),
     code(SETUP),
     md('''
-This notebook needs the NIR exporter (`snnconv.nir_io`) and the backends (`snnconv_backends`).
+This notebook needs the NIR exporter (`snnconv.snn.nir_io`) and the backends (`snnconv_backends`).
 If this build lacks them, the next cell stops here with a message instead of faking results.
 '''),
     code('''
 import importlib.util
-missing = [m for m in ("snnconv.nir_io", "snnconv.backends") if importlib.util.find_spec(m) is None]
+missing = [m for m in ("snnconv.snn.nir_io", "snnconv.backends") if importlib.util.find_spec(m) is None]
 if missing:
     raise RuntimeError(f"this snnconv build lacks {missing}: notebook 04 needs the NIR exporter "
                        "and the backends; install a release that has them")
 import snnconv.backends
-from snnconv import prefixfile
+from snnconv.snn import prefixfile
 '''),
     code(DATA),
     md('''
@@ -118,7 +118,7 @@ is the torch network's prediction; **agreement** is the share of images on which
 predicts the same class. Each result is written to `out_dir/backends/NAME.json`.
 '''),
     code('''
-from snnconv.analysis import backend_record
+from snnconv.analysis.activity import backend_record
 
 prefix = prefixfile.load_prefix(graph, nir_path)
 x = torch.cat([b[0] for b in test_loader])[:n_images]
@@ -209,7 +209,7 @@ AUGMENT = False
     code(SETUP),
     code(DATA),
     code('''
-from snnconv.analysis import analyse
+from snnconv.analysis.activity import analyse
 ''' + LOAD_SNN + '''
 snn = snn.to(device)
 T = T or snn.T
@@ -297,8 +297,8 @@ Everything above, with notebook 02-04's results, on one self-contained HTML page
 `snnconv report OUT_DIR` writes the same page from the command line.
 '''),
     code('''
-from snnconv.metrics import accuracy_by_T
-from snnconv.report import write_report
+from snnconv.analysis.metrics import accuracy_by_T
+from snnconv.analysis.report import write_report
 
 acc = accuracy_by_T(snn, test_loader, sorted({1, 2, 4, T}), device)
 with open(os.path.join(out_dir, "evaluation.json"), "w") as fh:

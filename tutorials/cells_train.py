@@ -86,7 +86,7 @@ bfloat16 autocast on a GPU. The checkpoint (`ann.pt`, a state dict) is written t
 file and renamed after every epoch, so an interrupted run leaves a usable file.
 '''),
     code('''
-from snnconv.metrics import evaluate
+from snnconv.analysis.metrics import evaluate
 
 opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=weight_decay)
 steps = epochs * len(train_loader)
@@ -418,7 +418,7 @@ compares it with the one `convert()` recorded; with `extra_epochs > 0` it then t
 epochs more, with a checkpoint in `out_dir/finetune`.
 '''),
     code('''
-from snnconv.metrics import accuracy_by_T
+from snnconv.analysis.metrics import accuracy_by_T
 from snnconv.pipeline import finetune_recipe
 
 recipe = finetune_recipe(T, train_loader, epochs=ft["epochs"], seed=seed)

@@ -21,9 +21,8 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-
-from .engine import Plan, Stats, check_options, check_T, compiled_loop
-from .registry import Backend, Program, RunResult, parse_graph
+from snnconv_backends.engine import Plan, PlanProgram, Stats, check_options, compiled_loop, dtype_option
+from snnconv_backends.registry import Backend, RunResult, parse_graph
 
 __all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed", "parse_graph"]
 
@@ -35,59 +34,10 @@ _OPTIONS = {
     "threads": None,        # torch threads during run (None: leave torch's setting)
     "neuron": "loop",       # "loop": in-place torch ops; "compiled": one fused kernel per neuron
                             # layer through torch.compile (needs a C++ compiler; compiles once)
-    "dt": 1.0,              # the time step the graph is read at (r * dt = 1; nirgraph.parse)
+    "dt": 1.0,              # the time step the graph is read at (r * dt = 1; snnconv.nir.reader.parse)
     "compare": None,        # IF nodes stating no comparison: None (NIR's ">") or ">="
 }
 _NEURON = ("loop", "compiled")
-
-
-def dtype_option(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        value = str(value).replace("torch.", "")
-    if value not in allowed:
-        raise BackendError(f"backend {backend!r}: dtype {value!r} is not supported; choose one of "
-                           f"{', '.join(allowed)}")
-    return allowed[value]
-
-
-class PlanProgram(Program):
-    """What the cpu and gpu programs share: a compiled :class:`Plan`, its input shape and T."""
-
-    name = "cpu"
-    plan: Plan
-    chunk_size: int
-
-    @property
-    def input_shape(self) -> tuple[int, ...]:
-        """The batch-free input shape the graph takes."""
-        return self.plan.input_shape
-
-    @property
-    def default_T(self) -> int | None:
-        """The T recorded in the graph's metadata (the one it was exported at), if any."""
-        return self.plan.parsed.T
-
-    def _checked(self, x: torch.Tensor, T: int | None) -> tuple[torch.Tensor, bool, int]:
-        """``(x, is_sequence, T)`` after the shape, dtype and T checks (T defaults to the graph's)."""
-        if T is None:
-            T = self.default_T
-            if T is None:
-                raise BackendError(f"backend {self.name!r}: give T (the graph records none)")
-        T = check_T(T)
-        x, seq = self.plan.check_input(x, T)
-        return x, seq, T
-
-    def _chunking(self, x: torch.Tensor, seq: bool, T: int) -> tuple[int, int]:
-        """``(B, per)``: the batch size and how many inputs one chunk of ``chunk_size`` holds."""
-        B = x.shape[1] if seq else x.shape[0]
-        per = max(1, self.chunk_size // T) if self.chunk_size else B
-        return B, per
-
-    def _run_chunks(self, x: torch.Tensor, T: int, seq: bool, per: int, stats: Stats) -> torch.Tensor:
-        """The plan run on ``per`` inputs at a time, the readouts joined along the batch."""
-        parts = x.split(per, dim=1 if seq else 0)
-        outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 class CPUProgram(PlanProgram):
@@ -135,7 +85,7 @@ def _threads(n: int | None):
 
 def compile_parsed(parsed: Any, *, dtype: torch.dtype = torch.float32, chunk_size: int = 256,
                    threads: int | None = None, neuron: str = "loop") -> CPUProgram:
-    """A :class:`CPUProgram` for an already parsed graph (``nirgraph.parse``)."""
+    """A :class:`CPUProgram` for an already parsed graph (``snnconv.nir.reader.parse``)."""
     plan = Plan(parsed, device=torch.device("cpu"), dtype=dtype, backend="cpu",
                 neuron_loop=compiled_loop if neuron == "compiled" else None)
     return CPUProgram(plan, chunk_size=chunk_size, threads=threads)

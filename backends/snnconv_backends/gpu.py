@@ -27,10 +27,8 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-
-from .cpu import PlanProgram, dtype_option, parse_graph
-from .engine import Plan, Stats, check_options, compiled_loop
-from .registry import Backend, RunResult
+from snnconv_backends.engine import Plan, PlanProgram, Stats, check_options, compiled_loop, dtype_option
+from snnconv_backends.registry import Backend, RunResult, parse_graph
 
 __all__ = ["GPUBackend", "GPUProgram", "DTYPES"]
 
@@ -44,7 +42,7 @@ _OPTIONS = {
     "chunk_size": 0,           # time-folded samples per chunk (0: the whole batch at once)
     "count_ties": False,       # count membranes within tie_tolerance of the threshold (uses the loop)
     "tie_tolerance": 1e-6,     # relative to the threshold
-    "dt": 1.0,                 # the time step the graph is read at (r * dt = 1; nirgraph.parse)
+    "dt": 1.0,                 # the time step the graph is read at (r * dt = 1; snnconv.nir.reader.parse)
     "compare": None,           # IF nodes stating no comparison: None (NIR's ">") or ">="
 }
 _NEURON = ("auto", "compiled", "loop")

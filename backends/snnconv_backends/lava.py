@@ -28,11 +28,10 @@ import numpy as np
 import torch
 
 from snnconv.errors import BackendError
-
-from . import loihi2
-from .loihi2.backend import attach_fidelity
-from .loihi2.simulate import connection_synops, static_eval, static_input
-from .registry import Backend, Program, RunResult, parse_graph
+from snnconv_backends import loihi2
+from snnconv_backends.loihi2.backend import attach_fidelity
+from snnconv_backends.loihi2.simulate import connection_synops, static_eval, static_input
+from snnconv_backends.registry import Backend, Program, RunResult, parse_graph
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_group", "WORKER"]
 

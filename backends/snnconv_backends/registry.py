@@ -76,18 +76,17 @@ def check_finite(x: torch.Tensor, backend: str) -> None:
 
 def parse_graph(graph: Any, backend: str, dt: Any = 1.0, compare: Any = None):
     """``graph`` (a ``nir.NIRGraph``) read by the strict reader at time step ``dt`` (and the
-    IF comparison ``compare``: None, the file's or the spec's; see ``nirgraph.parse``); what it
+    IF comparison ``compare``: None, the file's or the spec's; see ``snnconv.nir.reader.parse``); what it
     refuses (a node type or parameter no executor runs, a malformed graph) is a
     ``BackendError`` naming ``backend``, the reader's ``NIRError`` its cause."""
     import nir
 
     from snnconv.errors import NIRError
-
-    from .nirgraph import parse
+    from snnconv.nir.reader import parse
 
     if not isinstance(graph, nir.NIRGraph):
         raise BackendError(f"backend {backend!r} compiles a nir.NIRGraph, got {type(graph).__name__}"
-                           " (read a file with nir.read or snnconv.nir_io.load_nir)")
+                           " (read a file with nir.read or snnconv.snn.nir_io.load_nir)")
     try:
         return parse(graph, dt=dt, compare=compare)
     except NIRError as exc:

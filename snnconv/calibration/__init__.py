@@ -11,8 +11,8 @@
 All of them work on a copy and record what they did in ``result.meta``.
 """
 
-from .bias import calibrate_bias
-from .reconstruct import reconstruct
-from .thresholds import DEFAULT_FACTORS, calibrate_thresholds, shift_bias
+from snnconv.calibration.bias import calibrate_bias
+from snnconv.calibration.reconstruct import reconstruct
+from snnconv.calibration.thresholds import DEFAULT_FACTORS, calibrate_thresholds, shift_bias
 
 __all__ = ["calibrate_bias", "reconstruct", "calibrate_thresholds", "shift_bias", "DEFAULT_FACTORS"]

@@ -13,16 +13,25 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import ConfigError, StageOrderError
-from ..graph import GroupStore, NodeOutputs, call_counts, largest_value, module_of, prepare, run_grouped, run_lockstep
-from ..memory import budget_bytes, refuse_one_image
-from ..network import SpikingNetwork, check_T, images_per_chunk
-from ..neuron import IFNeuron, TimeExpand, channel_view, neurons
-from ..qcfs import QCFS
-from ..replace import LAYERS
-from .membrane import charge_counts, counted, fire, fit_shift
-from .reference import calibration_batches, reference_means, reference_sites
-from .weights import RIDGE, WeightCalibration
+from snnconv.calibration.membrane import charge_counts, counted, fire, fit_shift
+from snnconv.calibration.reference import calibration_batches, reference_means, reference_sites
+from snnconv.calibration.weights import RIDGE, WeightCalibration
+from snnconv.errors import ConfigError, StageOrderError
+from snnconv.graph import (
+    GroupStore,
+    NodeOutputs,
+    call_counts,
+    largest_value,
+    module_of,
+    prepare,
+    run_grouped,
+    run_lockstep,
+)
+from snnconv.memory import budget_bytes, refuse_one_image
+from snnconv.snn.network import SpikingNetwork, check_T, images_per_chunk
+from snnconv.snn.neuron import IFNeuron, TimeExpand, channel_view, neurons
+from snnconv.stages.qcfs import QCFS
+from snnconv.stages.spiking import LAYERS
 
 __all__ = ["calibrate_bias", "calibrate_bias_by_rerun", "bias_path", "apply_shift"]
 

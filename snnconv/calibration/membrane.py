@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..neuron import IFNeuron, channel_view, fire_subtractive_
-from .reference import channel_sums
+from snnconv.calibration.reference import channel_sums
+from snnconv.snn.neuron import IFNeuron, channel_view, fire_subtractive_
 
 __all__ = ["spike_counts", "charge_counts", "fire", "counted", "fit_shift"]
 
@@ -17,8 +17,8 @@ __all__ = ["spike_counts", "charge_counts", "fire", "counted", "fit_shift"]
 def spike_counts(mod: IFNeuron, seq: torch.Tensor, steps: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Per channel (dim 1 of a step), the spikes of IF ``mod`` on the input ``seq`` ``[T, b,
     ...]`` over the first ``t`` steps, summed over the images and positions, for each ``t`` in
-    ``steps`` (float64). The same arithmetic as :func:`snnconv.neuron.fire_subtractive_` and
-    :func:`~snnconv.neuron.fire_zero`, step by step (the same spikes, tested), but the spike
+    ``steps`` (float64). The same arithmetic as :func:`snnconv.snn.neuron.fire_subtractive_` and
+    :func:`~snnconv.snn.neuron.fire_zero`, step by step (the same spikes, tested), but the spike
     train is never stored: a running count per position is all calibration needs."""
     step = seq[0]
     dims = [d for d in range(step.dim()) if d != 1]

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError, StageOrderError
-from ..graph import prepare
-from ..memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, saved_bytes, step_budget
-from ..network import SpikingNetwork, check_T
-from ..neuron import channel_view, neurons
-from ..progress import progress_bar
-from ..qcfs import QCFS
-from .reference import calibration_batches, qcfs_levels
+from snnconv.calibration.reference import calibration_batches, qcfs_levels
+from snnconv.errors import ConfigError, StageOrderError
+from snnconv.graph import prepare
+from snnconv.memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, saved_bytes, step_budget
+from snnconv.progress import progress_bar
+from snnconv.snn.network import SpikingNetwork, check_T
+from snnconv.snn.neuron import channel_view, neurons
+from snnconv.stages.qcfs import QCFS
 
 __all__ = ["reconstruct", "RECONSTRUCT_LR", "RECONSTRUCT_BATCH"]
 

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..data import SameShape, split_batch
-from ..errors import DataError
-from ..graph import capture_pieces, module_of
-from ..qcfs import QCFS
+from snnconv.data import SameShape, split_batch
+from snnconv.errors import DataError
+from snnconv.graph import capture_pieces, module_of
+from snnconv.stages.qcfs import QCFS
 
 __all__ = ["calibration_batches", "reference_sites", "qcfs_levels", "reference_means", "channel_sums",
            "channel_mean"]

@@ -12,9 +12,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..graph import call_counts, capture_pieces, module_of
-from ..neuron import IFNeuron
-from .reference import channel_mean, qcfs_levels
+from snnconv.calibration.reference import channel_mean, qcfs_levels
+from snnconv.graph import call_counts, capture_pieces, module_of
+from snnconv.snn.neuron import IFNeuron
 
 __all__ = ["RIDGE", "INT32_MAX", "WeightCalibration", "WeightFit", "columns", "layer_output", "upper_gram",
            "count_gram"]

@@ -24,8 +24,8 @@ import signal
 import sys
 import threading
 
-from . import check, convert, evaluate, nir
-from .common import Parser, UsageError, check_device, one_line, parents
+from snnconv.cli import check, convert, evaluate, nir
+from snnconv.cli.common import Parser, UsageError, check_device, one_line, parents
 
 __all__ = ["main", "build_parser"]
 
@@ -37,7 +37,7 @@ COMMANDS = (convert.add_demo, convert.add_convert, convert.add_finetune, evaluat
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``snnconv`` parser: one subcommand per task, shared flags from :func:`common.parents`."""
-    from .. import __version__
+    from snnconv import __version__
 
     pa = parents()
     parser = Parser(prog="snnconv", description=__doc__.replace("``", ""),  # plain text, not reST
@@ -61,7 +61,7 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code (0 ok, 1 a check failed, 2 usage or input error,
     3 unexpected error, 130 interrupted, 143 terminated)."""
-    from ..errors import SnnconvError
+    from snnconv.errors import SnnconvError
 
     parser = build_parser()
     try:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from .common import UsageError, add_command, load_model
+from snnconv.cli.common import UsageError, add_command, load_model
 
 __all__ = ["add_check"]
 
 
 def _cmd_check(args) -> int:
-    from .. import models
-    from ..fold import fold_batchnorm
-    from ..guards import find_batchnorm
+    from snnconv import models
+    from snnconv.guards import find_batchnorm
+    from snnconv.stages.fold import fold_batchnorm
 
     in_channels = args.in_channels or 3
     classes = args.num_classes or 10

@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..data import DATASETS, TEST_EVERY
-from ..progress import duration
+from snnconv.data import DATASETS, TEST_EVERY
+from snnconv.progress import duration
 
 __all__ = ["UsageError", "check_device", "Parser", "FLAGS", "PARENTS", "parents", "add_command", "say", "out_dir",
            "write_json", "datasets", "loaders", "num_classes", "model_builder", "data_source", "DOWNLOAD_HINT",
@@ -239,7 +239,7 @@ def load_snn(args, path: str, name: str = "snn.pt"):
         UsageError: no network there, or a file of another run than the folder's meta.json (a
             leftover of an earlier run in the same folder).
     """
-    from ..network import SpikingNetwork
+    from snnconv.snn.network import SpikingNetwork
 
     src = snn_path(path, name)
     snn = SpikingNetwork.load(src)
@@ -255,7 +255,8 @@ def load_snn(args, path: str, name: str = "snn.pt"):
 
 def write_json(path: str, data) -> None:
     """``data`` as indented JSON, written atomically."""
-    from ..meta import atomic_write_text, jsonable
+    from snnconv.io.atomic import atomic_write_text
+    from snnconv.meta import jsonable
 
     atomic_write_text(path, json.dumps(data, indent=2, default=jsonable) + "\n")
 
@@ -266,7 +267,7 @@ DOWNLOAD_HINT = "give --download (with --data-root DIR: where the files go)"
 
 def _full_datasets(args):
     """``(train, test)`` of ``--data``: a dataset by name, or a folder of images."""
-    from ..data import image_folder, load
+    from snnconv.data import image_folder, load
 
     if args.data not in DATASETS:  # a folder (data_source checked it)
         return image_folder(args.data, image_size=args.image_size)
@@ -384,7 +385,7 @@ def _zoo_or_import(spec: str) -> Callable[[int, int], Any]:
     ``package.module:factory`` (called without arguments, the current folder importable)."""
     import importlib
 
-    from .. import models
+    from snnconv import models
 
     if ":" not in spec:
         if spec in models.names():
@@ -432,7 +433,7 @@ def _zoo_or_import(spec: str) -> Callable[[int, int], Any]:
 def model_builder(spec: str | None) -> Callable[[int, int], Any]:
     """The builder of ``--model`` (:func:`_zoo_or_import`); UsageError without ``--model``."""
     if not spec:
-        from .. import models
+        from snnconv import models
 
         raise UsageError(f"give --model NAME (a zoo model: {', '.join(models.names())}) or your own "
                          "as --model package.module:factory")
@@ -440,12 +441,12 @@ def model_builder(spec: str | None) -> Callable[[int, int], Any]:
 
 
 def _read_state(path: str, trusted: str):
-    """The tensors of a ``torch.save`` file, read with :func:`snnconv.torchfile.load_untrusted`
+    """The tensors of a ``torch.save`` file, read with :func:`snnconv.io.torchfile.load_untrusted`
     (weights only); a file of pickled objects is refused, naming what it holds."""
     import torch
 
-    from ..errors import CheckpointError, SnnconvError
-    from ..torchfile import load_untrusted
+    from snnconv.errors import CheckpointError, SnnconvError
+    from snnconv.io.torchfile import load_untrusted
 
     try:
         return load_untrusted(path, "state dict")
@@ -471,8 +472,8 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
     """
     import torch
 
-    from .. import models
-    from ..errors import SnnconvError
+    from snnconv import models
+    from snnconv.errors import SnnconvError
 
     if not os.path.isfile(path):
         raise UsageError(f"{path} is a folder, not a saved model" if os.path.isdir(path)
@@ -508,10 +509,10 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
 
 
 def evaluation(args, snn, test_loader, Ts: list[int], label: str) -> dict:
-    """``evaluation.json``'s record (:func:`snnconv.analysis.evaluation_record`), announced, with
+    """``evaluation.json``'s record (:func:`snnconv.analysis.activity.evaluation_record`), announced, with
     the data it was measured on (``data``, ``images``) and the network's run id."""
-    from ..analysis import evaluation_record
-    from ..summary import images_in
+    from snnconv.analysis.activity import evaluation_record
+    from snnconv.analysis.summary import images_in
 
     say(args, f"evaluating {label} at T = {', '.join(map(str, Ts))} ...")
     rec = evaluation_record(snn, test_loader, Ts, device=args.device, label=label,

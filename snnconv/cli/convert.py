@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 
-from .common import (
+from snnconv.cli.common import (
     UsageError,
     add_command,
     count,
@@ -31,7 +31,7 @@ _WEIGHTS_OR_TRAIN = ("give --weights FILE (a trained state dict of --model) or -
 
 
 def _cmd_demo(args) -> int:
-    from ..demo import run_demo
+    from snnconv.demo import run_demo
 
     run_demo(args.out or "runs/demo", seed=args.seed, progress=not args.quiet, device=args.device)
     return 0
@@ -40,10 +40,10 @@ def _cmd_demo(args) -> int:
 def _cmd_convert(args) -> int:
     import torch
 
-    from ..demo import train_ann
-    from ..meta import atomic_write_bytes
-    from ..pipeline import convert
-    from ..plots import plot_accuracy_vs_T
+    from snnconv.analysis.plots import plot_accuracy_vs_T
+    from snnconv.demo import train_ann
+    from snnconv.io.atomic import atomic_write_bytes
+    from snnconv.pipeline import convert
 
     build = model_builder(args.model)  # an unknown model is said first, before any other advice
     fixed = [f for f, v in (("--num-classes", args.num_classes), ("--in-channels", args.in_channels)) if v]
@@ -135,8 +135,8 @@ def _teacher(args, src: str, train):
 
 
 def _cmd_finetune(args) -> int:
-    from ..defaults import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, default_finetune_epochs, finetune_recipe
-    from ..finetune import finetune
+    from snnconv.defaults import CONVERT_FINETUNE, FINETUNE_MAX_STEPS, default_finetune_epochs, finetune_recipe
+    from snnconv.stages.finetune import finetune
     # a run folder: fine-tune the converted network, not a previous result
     inside = os.path.join(args.snn, "snn.pt")
     snn, src = load_snn(args, inside if os.path.isfile(inside) else args.snn)

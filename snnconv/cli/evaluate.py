@@ -5,8 +5,18 @@ from __future__ import annotations
 import json
 import os
 
-from ..energy import format_arithmetic
-from .common import UsageError, add_command, evaluation, load_snn, loaders, print_accuracy, say, time_steps, write_json
+from snnconv.analysis.energy import format_arithmetic
+from snnconv.cli.common import (
+    UsageError,
+    add_command,
+    evaluation,
+    load_snn,
+    loaders,
+    print_accuracy,
+    say,
+    time_steps,
+    write_json,
+)
 
 __all__ = ["add_evaluate", "add_report"]
 
@@ -44,7 +54,7 @@ def _cmd_evaluate(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from ..report import write_report
+    from snnconv.analysis.report import write_report
 
     if os.path.isfile(args.run_dir):
         folder = os.path.dirname(args.run_dir) or "."

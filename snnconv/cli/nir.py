@@ -10,8 +10,8 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
-from ..energy import arithmetic_energy, format_arithmetic
-from .common import (
+from snnconv.analysis.energy import arithmetic_energy, format_arithmetic
+from snnconv.cli.common import (
     Heartbeat,
     UsageError,
     add_command,
@@ -36,8 +36,8 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def _cmd_export(args) -> int:
     """``snnconv export NETWORK.pt OUT.nir``: a SpikingNetwork.save file to a NIR file."""
-    from ..nir_io import export_nir, save_nir
-    from ..prefixfile import save_prefix
+    from snnconv.snn.nir_io import export_nir, save_nir
+    from snnconv.snn.prefixfile import save_prefix
 
     snn, args.network = load_snn(args, args.network)
     args.out = args.nir_out or args.out or os.path.join(os.path.dirname(args.network), "snn.nir")
@@ -62,7 +62,7 @@ def _cmd_export(args) -> int:
 def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
     import numpy as np
 
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.reader import parse
 
     parsed = parse(graph)
     rows, totals = [], {"ops": 0, "neuron layers": 0, "neurons": 0, "parameters": 0}
@@ -93,8 +93,8 @@ def _inspect_rows(graph) -> tuple[list[list[str]], dict[str, int]]:
 
 def _cmd_inspect(args) -> int:
     """``snnconv inspect FILE.nir``: one row per op (node, type, shape, thresholds, parameters)."""
-    from ..nir_io import load_nir
-    from ..nirformat import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY
+    from snnconv.nir.format import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY
+    from snnconv.snn.nir_io import load_nir
 
     args.file = nir_path(args.file)
     graph = load_nir(args.file)
@@ -135,7 +135,7 @@ def record_name(rec: dict, data: str, settings: dict) -> str:
 
 
 def _backend_options(pairs: list[str]) -> dict:
-    from ..errors import BackendError
+    from snnconv.errors import BackendError
 
     out = {}
     for pair in pairs or []:
@@ -167,11 +167,11 @@ def _cmd_run(args) -> int:
     import torch
     from torch.utils.data import DataLoader
 
-    from .. import backends
-    from ..analysis import static_macs
-    from ..errors import SnnconvError
-    from ..nir_io import from_nir, load_nir
-    from ..prefixfile import load_prefix
+    from snnconv import backends
+    from snnconv.analysis.activity import static_macs
+    from snnconv.errors import SnnconvError
+    from snnconv.snn.nir_io import from_nir, load_nir
+    from snnconv.snn.prefixfile import load_prefix
 
     args.file = nir_path(args.file)
     graph = load_nir(args.file, dt=args.dt)
@@ -228,7 +228,7 @@ def _cmd_run(args) -> int:
             labels.append(y)
             extra = dict(r.extra or {})
             beat.update(len(y))
-    from snnconv_backends.nirgraph import parse
+    from snnconv.nir.reader import parse
 
     sizes = {op.name: op.out_shape for op in parse(graph, dt=args.dt).ops if op.kind == "neuron"}
     timed = seconds if seconds > 0 else time.perf_counter() - t_start  # the backend's own time, else wall
@@ -261,7 +261,7 @@ def _cmd_run(args) -> int:
             print(("WARNING: " if fidelity["warnings"] else "") + line)
             if fidelity["warnings"]:
                 warnings.warn(line, _quantisation_warning(), stacklevel=2)
-    from ..analysis import backend_record
+    from snnconv.analysis.activity import backend_record
 
     # the batches as one RunResult-like record
     merged = SimpleNamespace(outputs=torch.cat(outputs, 1), synops=synops, macs=macs, extra=extra)
@@ -314,7 +314,7 @@ def _quantisation_warning() -> type[Warning]:
 
 def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: int, T: int) -> dict:
     """The synaptic operations table (per image); returns the arithmetic comparison
-    (:func:`snnconv.energy.arithmetic_energy`) of the run."""
+    (:func:`snnconv.analysis.energy.arithmetic_energy`) of the run."""
     print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
     rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
     analog = 0.0
@@ -341,7 +341,7 @@ def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: i
 
 def _cmd_backends(args) -> int:
     """``snnconv backends``: every installed backend, usable or not, and why not."""
-    from .. import backends
+    from snnconv import backends
 
     rows = [["backend", "usable", "why not"]]
     for name, (ok, reason) in backends.available().items():

@@ -9,10 +9,10 @@ from typing import Callable
 
 import torch.nn as nn
 
-from ..errors import ConfigError
-from .resnet import BasicBlock, CifarResNet, resnet8, resnet14, resnet18, resnet20
-from .small import SmallCNN, small_cnn
-from .vgg import VGG, vgg11, vgg16
+from snnconv.errors import ConfigError
+from snnconv.models.resnet import BasicBlock, CifarResNet, resnet8, resnet14, resnet18, resnet20
+from snnconv.models.small import SmallCNN, small_cnn
+from snnconv.models.vgg import VGG, vgg11, vgg16
 
 __all__ = ["get", "names", "BasicBlock", "CifarResNet", "resnet8", "resnet14", "resnet18",
            "resnet20", "VGG", "vgg11", "vgg16", "SmallCNN", "small_cnn"]

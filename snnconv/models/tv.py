@@ -3,7 +3,7 @@
 :data:`RELU_FAMILY` lists the ReLU-family classifiers (each converts, exports to NIR and runs on
 the cpu backend) with the small input the test suite builds each at (32 px, or the smallest size
 its torchvision builder takes or at which it stays quick; a ``ceil_mode`` pooling that adds a
-window is written exactly, :mod:`snnconv.pools`); ``large`` marks those
+window is written exactly, :mod:`snnconv.constructs.pools`); ``large`` marks those
 only the benchmark builds. :data:`NO_IF_FORM` lists classifiers with a construct that has no IF
 form, and the construct. :func:`build` makes one with ``num_classes=10`` and BatchNorm statistics
 from a few random batches (weights as torchvision initialises them).

@@ -24,9 +24,10 @@ through pooling/flatten) are each spike times its structural fan-out through tha
 per graph; for a layer fed directly by spikes this is spikingjelly's ``SynOpCounter`` count.
 """
 
-from .kernels import compiled_loop
-from .ops import WEIGHTED
-from .plan import Plan, check_options, check_T
-from .stats import Stats
+from snnconv_backends.engine.kernels import compiled_loop
+from snnconv_backends.engine.ops import WEIGHTED
+from snnconv_backends.engine.plan import Plan, check_options, check_T
+from snnconv_backends.engine.program import PlanProgram, dtype_option
+from snnconv_backends.engine.stats import Stats
 
-__all__ = ["Plan", "Stats", "check_options", "check_T", "compiled_loop", "WEIGHTED"]
+__all__ = ["Plan", "PlanProgram", "Stats", "check_options", "check_T", "compiled_loop", "dtype_option", "WEIGHTED"]

@@ -11,7 +11,7 @@ import torch
 from snnconv.errors import BackendError
 
 if TYPE_CHECKING:
-    from .stats import Stats
+    from snnconv_backends.engine.stats import Stats
 
 __all__ = ["if_loop", "compiled_loop"]
 

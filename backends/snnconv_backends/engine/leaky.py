@@ -1,5 +1,5 @@
 """The leaky neurons of the dense executor (NIR's ``LIF``, ``CubaLIF``, ``LI``): the step
-functions of :mod:`snnconv.neuron` over T steps, so that every executor means the same."""
+functions of :mod:`snnconv.snn.neuron` over T steps, so that every executor means the same."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from snnconv.neuron import leaky_sequence
-
-from ..nirleaky import leaky_params
+from snnconv.nir.leaky import leaky_params
+from snnconv.snn.neuron import leaky_sequence
 
 if TYPE_CHECKING:
-    from .stats import Stats
+    from snnconv_backends.engine.stats import Stats
 
 __all__ = ["leaky_fn"]
 

@@ -10,13 +10,12 @@ import numpy as np
 import torch
 
 from snnconv.errors import BackendError
-
-from ..nirleaky import SPIKING, STATEFUL
-from ..registry import check_finite
-from .kernels import if_loop
-from .leaky import leaky_fn
-from .ops import OP_BUILDERS, RUNNABLE, to_tensor
-from .stats import Stats, fanouts, macs_per_image
+from snnconv.nir.leaky import SPIKING, STATEFUL
+from snnconv_backends.engine.kernels import if_loop
+from snnconv_backends.engine.leaky import leaky_fn
+from snnconv_backends.engine.ops import OP_BUILDERS, RUNNABLE, to_tensor
+from snnconv_backends.engine.stats import Stats, fanouts, macs_per_image
+from snnconv_backends.registry import check_finite
 
 __all__ = ["Plan", "check_options", "check_T"]
 
@@ -56,7 +55,7 @@ class Plan:
     """A parsed graph bound to a device and dtype; ``run`` executes it on one batch.
 
     Args:
-        parsed: a ``ParsedGraph`` from :func:`snnconv_backends.nirgraph.parse`.
+        parsed: a ``ParsedGraph`` from :func:`snnconv.nir.reader.parse`.
         device, dtype: where and in which float type to compute.
         backend: the backend's name (for error messages).
         neuron_loop: ``(u, theta, T, static, reset, v0=None) -> (spikes, batch sums or None)``

@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from snnconv.energy import conv_macs, linear_macs
-
-from ..nirleaky import SPIKING
-from .ops import PASS, WEIGHTED, flatten_dims
+from snnconv.analysis.energy import conv_macs, linear_macs
+from snnconv.nir.leaky import SPIKING
+from snnconv_backends.engine.ops import PASS, WEIGHTED, flatten_dims
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from snnconv_backends.engine.plan import Plan
 
 __all__ = ["Stats", "fanouts", "folded", "macs_per_image"]
 
@@ -114,7 +113,7 @@ def _structural(op: Any, x: torch.Tensor) -> torch.Tensor:
 
 def macs_per_image(ops: list[Any]) -> dict[str, float]:
     """Multiply-accumulates of the ANN per weighted op, for one input: its synapses
-    (:func:`snnconv.energy.conv_macs`, padding excluded; a linear layer's weights)."""
+    (:func:`snnconv.analysis.energy.conv_macs`, padding excluded; a linear layer's weights)."""
     macs = {}
     for op in ops:
         p = op.params

@@ -118,28 +118,28 @@ mantissas at compile time, and saturation, wrapping and bias clipping are counte
 """
 
 # the ``X as X`` imports: public names importable from here, outside __all__
-from .backend import Loihi2Program, Loihi2SimBackend
-from .backend import check_input as check_input
-from .chip import CLOCK, LOIHI
-from .chip import CORES_PER_CHIP as CORES_PER_CHIP
-from .chip import E_MAC_FP32 as E_MAC_FP32
-from .chip import E_NEURON_UPDATE as E_NEURON_UPDATE
-from .chip import E_SPIKE as E_SPIKE
-from .chip import E_SYNOP as E_SYNOP
-from .chip import FIRST_VTH as FIRST_VTH
-from .chip import NEURONS_PER_CORE as NEURONS_PER_CORE
-from .chip import STEP_SECONDS as STEP_SECONDS
-from .chip import SYNAPSES_PER_CORE as SYNAPSES_PER_CORE
-from .cost import energy, resources
-from .fidelity import FLUSH_TOLERANCE as FLUSH_TOLERANCE
-from .fidelity import RATE_TOLERANCE as RATE_TOLERANCE
-from .fidelity import QuantisationWarning as QuantisationWarning
-from .network import Connection, Population, QuantizedNetwork
-from .quantisation import quantize
-from .report import build_result as build_result
-from .report import format_report
-from .report import quantisation_report as quantisation_report
-from .simulate import bias_current, run_quantized
+from snnconv_backends.loihi2.backend import Loihi2Program, Loihi2SimBackend
+from snnconv_backends.loihi2.backend import check_input as check_input
+from snnconv_backends.loihi2.chip import CLOCK, LOIHI
+from snnconv_backends.loihi2.chip import CORES_PER_CHIP as CORES_PER_CHIP
+from snnconv_backends.loihi2.chip import E_MAC_FP32 as E_MAC_FP32
+from snnconv_backends.loihi2.chip import E_NEURON_UPDATE as E_NEURON_UPDATE
+from snnconv_backends.loihi2.chip import E_SPIKE as E_SPIKE
+from snnconv_backends.loihi2.chip import E_SYNOP as E_SYNOP
+from snnconv_backends.loihi2.chip import FIRST_VTH as FIRST_VTH
+from snnconv_backends.loihi2.chip import NEURONS_PER_CORE as NEURONS_PER_CORE
+from snnconv_backends.loihi2.chip import STEP_SECONDS as STEP_SECONDS
+from snnconv_backends.loihi2.chip import SYNAPSES_PER_CORE as SYNAPSES_PER_CORE
+from snnconv_backends.loihi2.cost import energy, resources
+from snnconv_backends.loihi2.fidelity import FLUSH_TOLERANCE as FLUSH_TOLERANCE
+from snnconv_backends.loihi2.fidelity import RATE_TOLERANCE as RATE_TOLERANCE
+from snnconv_backends.loihi2.fidelity import QuantisationWarning as QuantisationWarning
+from snnconv_backends.loihi2.network import Connection, Population, QuantizedNetwork
+from snnconv_backends.loihi2.quantisation import quantize
+from snnconv_backends.loihi2.report import build_result as build_result
+from snnconv_backends.loihi2.report import format_report
+from snnconv_backends.loihi2.report import quantisation_report as quantisation_report
+from snnconv_backends.loihi2.simulate import bias_current, run_quantized
 
 __all__ = ["Loihi2SimBackend", "Loihi2Program", "QuantizedNetwork", "Population", "Connection",
            "quantize", "run_quantized", "bias_current", "resources", "energy", "format_report",

@@ -11,14 +11,13 @@ import numpy as np
 import torch
 
 from snnconv.errors import BackendError
-
-from ..registry import Backend, Program, RunResult, check_finite, parse_graph
-from .chip import STEP_SECONDS
-from .fidelity import QuantisationWarning, check, summary
-from .network import QuantizedNetwork
-from .quantisation import quantize
-from .report import build_result
-from .simulate import RuntimeCounters, run_quantized
+from snnconv_backends.loihi2.chip import STEP_SECONDS
+from snnconv_backends.loihi2.fidelity import QuantisationWarning, check, summary
+from snnconv_backends.loihi2.network import QuantizedNetwork
+from snnconv_backends.loihi2.quantisation import quantize
+from snnconv_backends.loihi2.report import build_result
+from snnconv_backends.loihi2.simulate import RuntimeCounters, run_quantized
+from snnconv_backends.registry import Backend, Program, RunResult, check_finite, parse_graph
 
 __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
@@ -116,7 +115,7 @@ def attach_fidelity(q: QuantizedNetwork, res: RunResult, x: torch.Tensor, T: int
     (:class:`QuantisationWarning`) where they depart beyond the tolerances."""
     ref, decisions = None, None
     if reference:
-        from ..cpu import compile_parsed
+        from snnconv_backends.cpu import compile_parsed
 
         with torch.no_grad():
             float_run = compile_parsed(q.graph).run(x.detach().cpu().float(), T)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from snnconv.energy import E_MAC_PJ
+from snnconv.analysis.energy import E_MAC_PJ
 
 __all__ = ["LOIHI", "FIRST_VTH", "CLOCK", "E_SYNOP", "E_NEURON_UPDATE", "E_SPIKE", "E_MAC_FP32",
            "CORES_PER_CHIP", "NEURONS_PER_CORE", "SYNAPSES_PER_CORE", "STEP_SECONDS"]
@@ -38,7 +38,7 @@ CLOCK = "__clock__"
 E_SYNOP = 23.6e-12          # J per synaptic spike operation
 E_NEURON_UPDATE = 52e-12    # J per active neuron update
 E_SPIKE = 1.7e-12           # J per spike sent within a tile
-#: J per fp32 multiply-accumulate of the ANN: :data:`snnconv.energy.E_MAC_PJ` (Horowitz, ISSCC
+#: J per fp32 multiply-accumulate of the ANN: :data:`snnconv.analysis.energy.E_MAC_PJ` (Horowitz, ISSCC
 #: 2014, 45 nm), the per-MAC figure the SNN literature uses for the ANN on GPU-class hardware
 #: (an optimistic one: it leaves out memory traffic).
 E_MAC_FP32 = E_MAC_PJ * 1e-12

@@ -8,9 +8,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..engine.stats import macs_per_image
-from ..nirgraph import ParsedGraph
-from .chip import (
+from snnconv.nir.reader import ParsedGraph
+from snnconv_backends.engine.stats import macs_per_image
+from snnconv_backends.loihi2.chip import (
     CLOCK,
     CORES_PER_CHIP,
     E_MAC_FP32,
@@ -20,11 +20,11 @@ from .chip import (
     NEURONS_PER_CORE,
     SYNAPSES_PER_CORE,
 )
-from .network import Connection, QuantizedNetwork
+from snnconv_backends.loihi2.network import Connection, QuantizedNetwork
 
 __all__ = ["resources", "energy", "ann_macs", "CHIP_MODEL"]
 
-#: The chip comparison's name, as every path prints it (the arithmetic one: snnconv.energy).
+#: The chip comparison's name, as every path prints it (the arithmetic one: snnconv.analysis.energy).
 CHIP_MODEL = "a published chip's figures (Loihi 1, Davies et al. 2018) against a 45 nm MAC"
 
 
@@ -69,7 +69,7 @@ def resources(q: QuantizedNetwork) -> dict[str, Any]:
 def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
            spike_total: float, macs: Mapping[str, float]) -> dict[str, Any]:
     """Energy per image from synaptic ops, neuron updates and spikes, against the ANN's MACs;
-    ``snn_over_ann`` is their ratio, SNN / ANN (:mod:`snnconv.energy`'s convention)."""
+    ``snn_over_ann`` is their ratio, SNN / ANN (:mod:`snnconv.analysis.energy`'s convention)."""
     steps = T + q.depth
     neurons = sum(p.size for p in q.populations) + 1
     syn = float(sum(synops.values())) / B

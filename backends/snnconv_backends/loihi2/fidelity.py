@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .network import QuantizedNetwork
+from snnconv_backends.loihi2.network import QuantizedNetwork
 
 __all__ = ["QuantisationWarning", "RATE_TOLERANCE", "FLUSH_TOLERANCE", "MIN_RATE", "DECISION_TOLERANCE",
            "MIN_IMAGES", "flushed",

@@ -7,7 +7,7 @@ Lava's fixed-point LIF (``AbstractPyLifModelFixed``), per step::
     v = clip24(trunc(v * (4096 - dv) / 4096) + u + bias)
     s = v > vth << 6;  v = 0 where s
 
-is NIR's forward-Euler step (:mod:`snnconv.neuron`) in integer units ``v_int = S * v`` with
+is NIR's forward-Euler step (:mod:`snnconv.snn.neuron`) in integer units ``v_int = S * v`` with
 ``S = (vth << 6) / v_threshold``, when::
 
     LIF:      du = 4095 (no current memory), dv = round(4096 * dt / tau),
@@ -37,8 +37,7 @@ from typing import Any
 import numpy as np
 
 from snnconv.errors import BackendError
-
-from .chip import LOIHI
+from snnconv_backends.loihi2.chip import LOIHI
 
 __all__ = ["LeakySpec", "leaky_spec"]
 

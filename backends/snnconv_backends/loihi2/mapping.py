@@ -10,10 +10,9 @@ import torch
 from torch.nn import grad as nn_grad
 
 from snnconv.errors import BackendError
-
-from ..nirgraph import ParsedGraph
-from ..nirleaky import SPIKING
-from .ops import LINEAR_KINDS, apply_op, conv_params
+from snnconv.nir.leaky import SPIKING
+from snnconv.nir.reader import ParsedGraph
+from snnconv_backends.loihi2.ops import LINEAR_KINDS, apply_op, conv_params
 
 __all__ = ["Mapper", "chain_kind", "pool_then_conv", "conv_then_conv", "pair_as_conv", "chain_as_conv",
            "compose", "fanout"]

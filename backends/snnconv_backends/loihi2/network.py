@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from snnconv.errors import BackendError
-
-from ..nirgraph import ParsedGraph
+from snnconv.nir.reader import ParsedGraph
 
 __all__ = ["Connection", "Population", "QuantizedNetwork", "per_neuron_values"]
 

@@ -9,15 +9,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from snnconv.errors import BackendError
-
-from ..nirgraph import ParsedGraph
-from ..nirleaky import SPIKING
-from ..registry import parse_graph
-from .chip import CLOCK, FIRST_VTH, LOIHI
-from .leaky import leaky_spec
-from .mapping import Mapper, chain_as_conv, chain_kind, compose, fanout
-from .network import Connection, Population, QuantizedNetwork, per_neuron_values
-from .ops import conv_params
+from snnconv.nir.leaky import SPIKING
+from snnconv.nir.reader import ParsedGraph
+from snnconv_backends.loihi2.chip import CLOCK, FIRST_VTH, LOIHI
+from snnconv_backends.loihi2.leaky import leaky_spec
+from snnconv_backends.loihi2.mapping import Mapper, chain_as_conv, chain_kind, compose, fanout
+from snnconv_backends.loihi2.network import Connection, Population, QuantizedNetwork, per_neuron_values
+from snnconv_backends.loihi2.ops import conv_params
+from snnconv_backends.registry import parse_graph
 
 __all__ = ["quantize"]
 

@@ -7,9 +7,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..registry import RunResult
-from .cost import ann_macs, energy, resources
-from .network import QuantizedNetwork
+from snnconv_backends.loihi2.cost import ann_macs, energy, resources
+from snnconv_backends.loihi2.network import QuantizedNetwork
+from snnconv_backends.registry import RunResult
 
 __all__ = ["quantisation_report", "build_result", "format_report"]
 

@@ -8,9 +8,9 @@ from typing import Any, Mapping, cast
 import numpy as np
 import torch
 
-from .chip import LOIHI
-from .network import Connection, Population, QuantizedNetwork
-from .ops import apply_op, convolve
+from snnconv_backends.loihi2.chip import LOIHI
+from snnconv_backends.loihi2.network import Connection, Population, QuantizedNetwork
+from snnconv_backends.loihi2.ops import apply_op, convolve
 
 __all__ = ["static_eval", "static_input", "bias_current", "RuntimeCounters", "run_quantized", "connection_synops"]
 

@@ -1,0 +1,666 @@
+"""The strict NIR reader every snnconv executor shares: ``parse(graph) -> ParsedGraph``.
+
+``parse`` turns a ``nir.NIRGraph`` (nir 1.0.8) into a flat tuple of :class:`Op` in topological
+order, with batch-free shapes checked on every edge and the neurons rebuilt with their exact
+discrete-time meaning. It never guesses: whatever it cannot read exactly is refused with
+:class:`snnconv.errors.NIRError` naming the node or edge.
+
+Neurons (both with ``theta`` per layer, shape ``()``, or per channel, shape ``(C,)``; ``theta``
+is always the threshold compared with ``>=``)::
+
+    reset "subtract" (three standard nodes: X = I(r * dt = 1), X_fire = Threshold(t),
+    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X, t = theta/2 compared as X's
+    metadata states: ">=" in format 1, ">" with t = nextafter(theta/2, 0) in format 2):
+        h[t] = v[t-1] + x[t] / theta;  s[t] = h[t] >= 1;  v[t] = h[t] - s[t];  v[0] = 1/2
+    reset "zero" (one node X = IF(r * dt = 1, v_threshold, v_reset=0)): NIR's IF, firing on
+    v > v_threshold (theta = nextafter(v_threshold, inf)) unless its metadata says ">="
+    (format 1: theta = v_threshold):
+        h[t] = v[t-1] + x[t];  s[t] = h[t] >= theta;  v[t] = h[t] * (1 - s[t]);  v[0] = 0
+
+An IF of a file older than v_reset (graph metadata ``nir_file_version`` below 1.0.6, recorded
+by ``load_nir``) resets by subtraction in absolute units and is refused with that reason.
+
+The subtractive pattern is collapsed into one ``"neuron"`` op named ``X``; consumers of
+``X_fire`` read ``X``'s spikes, and the reset edge is not an input. Any other edge from a
+hidden node into an ``I`` node (another neuron's ``Threshold`` or reset ``Scale``, or
+``X_fire -> X`` itself) is refused naming the edge: spikes reach an integrator through a
+synapse. A node with several incoming edges receives their sum, in edge order
+(``((a + b) + c)``). An ``Identity`` node, or a ``Scale``
+of ones marked ``metadata["snnconv_op"] == "sum"`` (nir 1.0.8 cannot write ``Identity`` to a
+file), becomes a ``"sum"`` op; a diagonal 1x1 ``Conv2d`` or ``Linear`` marked ``"scale"`` a
+``"scale"`` op.
+
+Op kinds and their ``params`` (numpy float32 arrays; python ints and tuples):
+
+==============  ======================================================================
+kind            params
+==============  ======================================================================
+input, output   (none)
+conv1d, conv2d  weight, bias, stride, padding, dilation, groups (tuples per spatial dim)
+affine          weight ``(out, in)``, bias ``(out,)``
+linear          weight ``(out, in)``
+avgpool2d       kernel_size, stride, padding, adaptive (bool: ``AdaptiveAvgPool2d`` in torch,
+                which rounds differently from ``AvgPool2d``; kernel = stride = in / out)
+sumpool2d       kernel_size, stride, padding
+flatten         start_dim, end_dim (batch-free, as written in the node)
+scale           scale (the node's full batch-free shape)
+sum             (none)
+neuron          theta (shape ``()`` or ``(C,)``), reset ("subtract" | "zero")
+lif, cubalif,   Euler coefficients at ``dt`` (:mod:`snnconv.nir.leaky`)
+li
+==============  ======================================================================
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import nir
+import numpy as np
+
+from snnconv.errors import NIRError
+from snnconv.nir.format import (
+    ADAPTIVE_AVGPOOL,
+    COMPARES,
+    CONCAT_OP,
+    FORMAT_VERSION,
+    FORMAT_VERSIONS,
+    MODULE_KEY,
+    NEURON_KEY,
+    OP_KEY,
+    RESETS,
+    SCALE_OP,
+    SOURCE_VERSION_KEY,
+    SPEC_COMPARE,
+    SUM_OP,
+    engine_threshold,
+    fire_threshold,
+    integration_gain,
+    legacy_if_reason,
+    predates_v_reset,
+    spec_threshold,
+)
+from snnconv.nir.leaky import LEAKY_KINDS, read_leaky
+from snnconv.nir.values import array as _array
+from snnconv.nir.values import conv_params as _conv_params
+from snnconv.nir.values import diagonal_scale as _diagonal_scale
+from snnconv.nir.values import integer as _int
+from snnconv.nir.values import integers as _ints
+from snnconv.nir.values import meta as _meta
+from snnconv.nir.values import type_shape as _type_shape
+from snnconv.nir.values import window_out as _window_out
+
+__all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
+
+KINDS = ("input", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d", "flatten",
+         "scale", "sum", "neuron", "output") + LEAKY_KINDS
+
+_SUPPORTED = ("Input, Output, Conv1d, Conv2d, Affine, Linear, AvgPool2d, SumPool2d, Flatten, "
+              "Scale, Identity, IF (r * dt = 1, v_reset = 0) and the I/Threshold/Scale(-theta) neuron; "
+              "LIF, CubaLIF, LI")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a parsed graph.
+
+    Attributes:
+        name: the node name in the NIR graph (for a neuron: the ``I`` or ``IF`` node's name).
+        kind: one of :data:`KINDS`.
+        inputs: names of the ops whose outputs are summed, in edge order, into this op's input.
+        params: see the module docstring (read-only).
+        in_shape: batch-free input shape (``None`` for the input op).
+        out_shape: batch-free output shape.
+    """
+
+    name: str
+    kind: str
+    inputs: tuple[str, ...]
+    params: Mapping[str, Any]
+    in_shape: tuple[int, ...] | None
+    out_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParsedGraph:
+    """A NIR graph as ops in topological order (``ops[0]`` the input, ``ops[-1]`` the output).
+
+    Attributes:
+        reset: ``"subtract"`` or ``"zero"``, shared by every neuron.
+        T: the number of steps the network was exported at (graph metadata), or ``None``.
+        metadata: the graph's metadata with plain python values (read-only).
+    """
+
+    ops: tuple[Op, ...]
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    reset: str
+    T: int | None
+    metadata: Mapping[str, Any]
+
+    def op(self, name: str) -> Op:
+        """The op called ``name`` (``KeyError`` listing the names when there is none)."""
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(f"no op {name!r}; ops: {[o.name for o in self.ops]}")
+
+    @property
+    def neurons(self) -> tuple[Op, ...]:
+        """The neuron ops, in topological order."""
+        return tuple(op for op in self.ops if op.kind == "neuron")
+
+
+def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np.ndarray:
+    """A neuron threshold of the neuron's full shape as shape ``()`` or ``(C,)``."""
+    if full.size == 0:
+        raise NIRError(f"node '{where}': empty threshold")
+    if (full <= 0).any():
+        raise NIRError(f"node '{where}': thresholds must be positive; found min {float(full.min())!r}. "
+                       "A non-positive threshold makes the neuron fire on every step; fix the graph.")
+    flat = full.reshape(-1)
+    if per_channel is not True and (flat == flat[0]).all():
+        return np.array(flat[0], dtype=np.float32)
+    if full.ndim == 0:
+        return full.astype(np.float32)
+    per = full.reshape(full.shape[0], -1)
+    if not (per == per[:, :1]).all():
+        raise NIRError(f"node '{where}': the threshold varies within a channel; snnconv runs "
+                       "thresholds per layer or per channel (dim 0 of the batch-free shape) only")
+    return np.ascontiguousarray(per[:, 0], dtype=np.float32)
+
+
+def _compare(where: str, meta: Mapping[str, Any], required: bool, default: str) -> str:
+    """The comparison a neuron node states (``default`` where it states none)."""
+    if "compare" not in meta:
+        if required:
+            raise NIRError(
+                f"node '{where}': neuron metadata lacks 'compare'. The I/Threshold/Scale pattern "
+                "is read as snnconv's subtractive IF only when the integrator's metadata says so")
+        return default
+    got = meta["compare"]
+    if got not in COMPARES:
+        raise NIRError(f"node '{where}': neuron metadata compare={got!r}; snnconv reads "
+                       f"{' or '.join(map(repr, COMPARES))}")
+    return got
+
+
+def _check_neuron_meta(where: str, meta: Mapping[str, Any], reset: str, v_init: float,
+                       required: bool) -> None:
+    expected = {"reset": reset, "v_init": v_init}
+    for key, want in expected.items():
+        if key not in meta:
+            if required:
+                raise NIRError(
+                    f"node '{where}': neuron metadata lacks {key!r} (expected {want!r}). The "
+                    "I/Threshold/Scale pattern is read as snnconv's subtractive IF only when the "
+                    "integrator's metadata says so (NIR's Threshold alone has no reset)")
+            continue
+        got = meta[key]
+        same = (abs(float(got) - want) == 0.0) if isinstance(want, float) and isinstance(got, (int, float)) \
+            else got == want
+        if not same:
+            raise NIRError(f"node '{where}': neuron metadata {key}={got!r}, but snnconv reads this "
+                           f"node only with {key}={want!r}")
+
+
+def _check_gain(name: str, r: np.ndarray, dt: float, what: str) -> None:
+    """Refuse an integrator whose per-step gain ``r * dt`` is not 1 (snnconv integrates once)."""
+    gain = integration_gain(r, dt)
+    if (gain != 1).any():
+        bad = float(np.asarray(r, np.float64).reshape(-1)[int(np.argmax((gain != 1).reshape(-1)))])
+        raise NIRError(f"node '{name}': {what} with r = {bad!r} at dt = {dt!r} integrates "
+                       f"r * dt = {bad * dt!r} per step; snnconv's neurons integrate their input "
+                       f"once per step (r * dt = 1). Read the graph with dt = 1 / r "
+                       f"(dt={1.0 / bad if bad else float('inf')!r})")
+
+
+# --- the parser --------------------------------------------------------------------------------
+
+_NODE_KINDS: tuple[tuple[type, str], ...] = (
+    (nir.Input, "input"), (nir.Output, "output"), (nir.Conv1d, "conv1d"), (nir.Conv2d, "conv2d"),
+    (nir.Affine, "affine"), (nir.Linear, "linear"), (nir.AvgPool2d, "avgpool2d"),
+    (nir.SumPool2d, "sumpool2d"), (nir.Flatten, "flatten"), (nir.Scale, "scale"),
+    (nir.ir.graph.Identity, "sum"), (nir.I, "integrator"), (nir.Threshold, "threshold"),
+    (nir.IF, "if"),
+    (nir.LIF, "lif"), (nir.CubaLIF, "cubalif"), (nir.LI, "li"),
+)
+
+
+def _node_kind(name: str, node: Any) -> str:
+    if isinstance(node, nir.NIRGraph):
+        raise NIRError(f"node '{name}' is a nested NIRGraph; snnconv reads flat graphs only "
+                       "(inline the subgraph's nodes and edges)")
+    for cls, kind in _NODE_KINDS:
+        if type(node) is cls:  # exact: a subclass may mean something else
+            return kind
+    raise NIRError(f"node '{name}' has type {type(node).__name__}, which snnconv cannot run "
+                   f"exactly. Supported: {_SUPPORTED}")
+
+
+def _edges(graph: Any) -> list[tuple[str, str]]:
+    edges = []
+    seen = set()
+    for i, edge in enumerate(list(getattr(graph, "edges", None) or [])):
+        try:
+            src, dst = edge
+        except (TypeError, ValueError):
+            raise NIRError(f"edge #{i} is {edge!r}, not a (source, target) pair") from None
+        src, dst = (e.decode("utf8") if isinstance(e, bytes) else e for e in (src, dst))
+        if not isinstance(src, str) or not isinstance(dst, str):
+            raise NIRError(f"edge #{i} ({src!r} -> {dst!r}) does not name two nodes")
+        for end, role in ((src, "source"), (dst, "target")):
+            if end not in graph.nodes:
+                raise NIRError(f"dangling edge '{src}' -> '{dst}': its {role} '{end}' is not a node of "
+                               "the graph")
+        if (src, dst) in seen:
+            raise NIRError(f"edge '{src}' -> '{dst}' appears twice; a node's inputs are summed, so "
+                           "a repeated edge would count its source twice. Remove the duplicate.")
+        seen.add((src, dst))
+        edges.append((src, dst))
+    return edges
+
+
+def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None) -> ParsedGraph:
+    """Read ``graph`` strictly: ops in topological order, shapes checked, neurons exact.
+
+    A neuron node means what NIR's spec says (``IF`` fires on ``v > v_threshold`` and resets to
+    ``v_reset``) unless snnconv's metadata states otherwise (see :mod:`snnconv.nir.format`); the
+    ops' ``theta`` is always the threshold compared with ``>=``.
+
+    Args:
+        graph: the graph.
+        dt: the time step it is read at (NIR is continuous time): an integrator ``I`` or ``IF``
+            with resistance ``r`` integrates ``r * dt`` of its input per step, which must be 1.
+            snnconv's files have ``r = 1`` (``dt = 1``), spikingjelly's default ``r = 1e4``.
+        compare: the comparison of ``IF`` nodes that state none: ``None`` (NIR's ``">"``), or
+            ``">="`` for files whose producer simulates ``v >= v_threshold`` against the spec
+            (spikingjelly, sinabs), to reproduce that producer's own simulation at ties.
+
+    Raises:
+        NIRError: naming the node or edge, for an unknown node type, a dangling or duplicate
+            edge, inconsistent shapes, a cycle other than the subtractive neuron's reset loop,
+            a missing or repeated Input/Output, a non-positive threshold, neurons that are not
+            exactly snnconv's IF (``r * dt != 1``, a reset value or initial state it does not
+            implement), mixed reset modes, an IF of a file older than ``v_reset`` (it resets by
+            subtraction in absolute units) or a format version this reader does not know.
+    """
+    if not isinstance(graph, nir.NIRGraph):
+        raise NIRError(f"expected a nir.NIRGraph, got {type(graph).__name__}")
+    if isinstance(dt, bool) or not isinstance(dt, (int, float, np.floating)) \
+            or not math.isfinite(float(dt)) or dt <= 0:
+        raise NIRError(f"dt must be a positive finite number (the time step), got {dt!r}")
+    dt = float(dt)
+    compare_default = SPEC_COMPARE if compare is None else compare
+    if compare_default not in COMPARES:
+        raise NIRError(f"compare must be None or one of {COMPARES}, got {compare!r}")
+    metadata = _meta(graph)
+    fmt = metadata.get("snnconv_format")
+    if fmt is not None and fmt not in FORMAT_VERSIONS:
+        raise NIRError(f"graph metadata snnconv_format={fmt!r}: this snnconv reads formats "
+                       f"{FORMAT_VERSIONS} (a newer snnconv wrote it?)")
+    source_version = metadata.get(SOURCE_VERSION_KEY)
+    legacy = predates_v_reset(source_version)
+    nodes = getattr(graph, "nodes", None)
+    if not isinstance(nodes, dict) or not nodes:
+        raise NIRError("the NIR graph has no nodes")
+    for name in nodes:
+        if not isinstance(name, str) or not name:
+            raise NIRError(f"node name {name!r} is not a non-empty string")
+    kinds = {name: _node_kind(name, node) for name, node in nodes.items()}
+    edges = _edges(graph)
+    ins: dict[str, list[str]] = {n: [] for n in nodes}
+    outs: dict[str, list[str]] = {n: [] for n in nodes}
+    for src, dst in edges:
+        ins[dst].append(src)
+        outs[src].append(dst)
+
+    for role in ("input", "output"):
+        found = [n for n, k in kinds.items() if k == role]
+        if len(found) != 1:
+            what = "no" if not found else f"{len(found)} ({', '.join(found)})"
+            raise NIRError(f"the graph has {what} {role.capitalize()} node(s); snnconv reads graphs "
+                           f"with exactly one Input and one Output")
+    (input_name,) = [n for n, k in kinds.items() if k == "input"]
+    (output_name,) = [n for n, k in kinds.items() if k == "output"]
+    if ins[input_name]:
+        raise NIRError(f"edge '{ins[input_name][0]}' -> '{input_name}' leads into the Input node")
+    if outs[output_name]:
+        raise NIRError(f"edge '{output_name}' -> '{outs[output_name][0]}' leaves the Output node")
+
+    # --- neurons: collapse I -> Threshold -> Scale -> I into one op; read IF nodes ---
+    alias: dict[str, str] = {}  # a Threshold's name -> its neuron's name
+    own_reset: dict[str, str] = {}  # an integrator's name -> its reset Scale's name
+    hidden: set[str] = set()  # Threshold and reset Scale nodes folded into a neuron
+    neuron_params: dict[str, dict[str, Any]] = {}
+    neuron_shapes: dict[str, tuple[int, ...]] = {}
+    for name, kind in kinds.items():
+        node = nodes[name]
+        meta = _meta(node)
+        granularity = meta.get("threshold")
+        per_channel = {"per_channel": True, "per_layer": False}.get(granularity) \
+            if isinstance(granularity, str) else None
+        if kind == "integrator":
+            r = _array(node.r, name, "r")
+            _check_gain(name, r, dt, "an integrator")
+            fed = outs[name]
+            if len(fed) != 1 or kinds[fed[0]] != "threshold":
+                raise NIRError(
+                    f"node '{name}': an I node must feed exactly one Threshold (the subtractive "
+                    f"neuron pattern I -> Threshold -> Scale(-theta) -> I); it feeds {fed}")
+            fire = fed[0]
+            if ins[fire] != [name]:
+                raise NIRError(f"node '{fire}': the neuron's Threshold must receive only '{name}', "
+                               f"got {ins[fire]}")
+            resets = [s for s in outs[fire] if kinds[s] == "scale" and outs[s] == [name]]
+            if len(resets) != 1:
+                raise NIRError(f"node '{name}': no single reset Scale from '{fire}' back into "
+                               f"'{name}' (found {resets}); a bare I node has no exact spiking meaning")
+            reset = resets[0]
+            if ins[reset] != [fire]:
+                raise NIRError(f"node '{reset}': the reset Scale must receive only '{fire}', got "
+                               f"{ins[reset]}")
+            v_meta = meta.get("v_init")
+            calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
+            _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
+                               "subtract", 0.5, required=True)
+            compare = _compare(name, meta, required=True, default=SPEC_COMPARE)
+            scale = _array(nodes[reset].scale, reset, "scale")
+            threshold = _array(nodes[fire].threshold, fire, "threshold")
+            if not (scale.shape == threshold.shape == r.shape):
+                raise NIRError(f"node '{name}': the neuron's shapes disagree: I {r.shape}, "
+                               f"Threshold '{fire}' {threshold.shape}, Scale '{reset}' {scale.shape}")
+            theta_full = -scale
+            if (theta_full <= 0).any():
+                raise NIRError(f"node '{reset}': the reset Scale must be -theta with theta > 0; "
+                               f"found max {float(scale.max())!r}. Non-positive thresholds are refused")
+            v0: Any = np.float32(0.5)
+            if calibrated:
+                v0 = np.asarray(v_meta, dtype=np.float64)
+                if v0.shape == (1,):
+                    v0 = v0.reshape(())  # one value for the layer
+                if v0.ndim > 1 or (v0.ndim == 1 and v0.shape[0] != r.shape[0]) \
+                        or not np.isfinite(v0).all() or (v0 < 0).any() or (v0 > 1).any():
+                    raise NIRError(f"node '{name}': metadata v_init must be a number or one value "
+                                   f"per channel ({r.shape[0]}), each in [0, 1]; got shape "
+                                   f"{v0.shape}")
+                v0 = v0.astype(np.float32)
+            v_full = np.broadcast_to(v0.reshape(v0.shape + (1,) * (len(r.shape) - v0.ndim)), r.shape)
+            expected = fire_threshold(theta_full, v_full)
+            if compare == ">":
+                expected = spec_threshold(expected)
+            if not np.array_equal(threshold, expected):
+                raise NIRError(f"node '{fire}': threshold must be exactly theta * (1 - v_init) "
+                               f"{'(one float32 step below it, compared with >)' if compare == '>' else ''}"
+                               f"(theta = -scale of '{reset}', v_init from the metadata: "
+                               f"{'calibrated' if calibrated else '1/2'}); it is not")
+            neuron_params[name] = {"theta": _theta_compact(theta_full, name, per_channel),
+                                   "reset": "subtract", "v_init": v0}
+            neuron_shapes[name] = r.shape
+            alias[fire] = name
+            own_reset[name] = reset
+            hidden.update((fire, reset))
+        elif kind == "if":
+            r = _array(node.r, name, "r")
+            v_th = _array(node.v_threshold, name, "v_threshold")
+            v_reset = _array(node.v_reset if node.v_reset is not None else np.zeros_like(v_th),
+                             name, "v_reset")
+            if not (r.shape == v_th.shape == v_reset.shape):
+                raise NIRError(f"node '{name}': IF parameter shapes disagree: r {r.shape}, "
+                               f"v_threshold {v_th.shape}, v_reset {v_reset.shape}")
+            if legacy and NEURON_KEY not in meta:
+                raise NIRError(legacy_if_reason(name, source_version))
+            _check_gain(name, r, dt, "an IF")
+            if (v_reset != 0).any():
+                raise NIRError(f"node '{name}': IF with v_reset != 0; snnconv's hard-reset neuron "
+                               "resets to 0")
+            _check_neuron_meta(name, meta, "zero", 0.0, required=False)
+            compare = _compare(name, meta, required=False, default=compare_default)
+            neuron_params[name] = {"theta": _theta_compact(engine_threshold(v_th, compare), name,
+                                                           per_channel), "reset": "zero"}
+            neuron_shapes[name] = r.shape
+    for name, kind in kinds.items():
+        if kind == "threshold" and name not in hidden:
+            raise NIRError(f"node '{name}': a Threshold outside the I -> Threshold -> Scale(-theta) -> I "
+                           "neuron pattern; snnconv has no exact meaning for it")
+
+    # --- op inputs, in edge order ---
+    names = [n for n in nodes if n not in hidden]
+    op_inputs: dict[str, list[str]] = {}
+    users: dict[str, list[str]] = {n: [] for n in names}
+    for name in names:
+        # an integrator's own reset edge is its neuron's recurrence, not an input
+        srcs = [s for s in ins[name] if s != own_reset.get(name)]
+        for s in srcs:
+            if s in hidden and s not in alias:
+                raise NIRError(f"edge '{s}' -> '{name}': the reset Scale '{s}' may feed only its "
+                               "own integrator")
+            if s in alias and kinds[name] == "integrator":
+                raise NIRError(f"edge '{s}' -> '{name}': the spikes of neuron '{alias[s]}' go "
+                               f"straight into the integrator of neuron '{name}', without a "
+                               "synapse; snnconv reads an I node's inputs only from synapse, "
+                               "pooling or sum nodes (and its own reset Scale). Route them "
+                               "through a node (e.g. a Scale of ones) or remove the edge")
+        op_inputs[name] = [alias.get(s, s) for s in srcs]
+        for s in op_inputs[name]:
+            users[s].append(name)
+    for name in names:
+        if name != input_name and not op_inputs[name]:
+            raise NIRError(f"node '{name}' has no incoming edge; every node except the Input must "
+                           "be fed")
+        if name != output_name and not users[name]:
+            raise NIRError(f"node '{name}': its output goes nowhere (no edge from it to another "
+                           "node); connect it or remove it")
+
+    # --- topological order (Kahn; ties broken by first appearance in the edge list) ---
+    rank = {input_name: -1}
+    for i, (src, dst) in enumerate(edges):
+        for n in (alias.get(src, src), alias.get(dst, dst)):
+            rank.setdefault(n, i)
+    pending = {n: len(op_inputs[n]) for n in names}
+    heap = [(rank.get(n, len(edges)), n) for n in names if pending[n] == 0]
+    heapq.heapify(heap)
+    order: list[str] = []
+    while heap:
+        _, n = heapq.heappop(heap)
+        order.append(n)
+        for u in users[n]:
+            pending[u] -= 1
+            if pending[u] == 0:
+                heapq.heappush(heap, (rank.get(u, len(edges)), u))
+    if len(order) != len(names):
+        stuck = [n for n in names if pending[n] > 0]
+        n = stuck[0]
+        src = next(s for s in op_inputs[n] if s in stuck)
+        raise NIRError(f"the graph has a cycle through edge '{src}' -> '{n}' (nodes "
+                       f"{', '.join(stuck)}); the only recurrence snnconv reads is a subtractive "
+                       "neuron's reset edge X_fire -> X_reset -> X")
+
+    # --- shapes and params, in order ---
+    out_shape: dict[str, tuple[int, ...]] = {}
+    ops: list[Op] = []
+    for name in order:
+        node = nodes[name]
+        kind = kinds[name]
+        in_names = tuple(op_inputs[name])
+        incoming = None
+        if in_names:
+            incoming = out_shape[in_names[0]]
+            for s in in_names[1:]:
+                if out_shape[s] != incoming:
+                    raise NIRError(f"inconsistent shapes into '{name}': edge '{in_names[0]}' -> '{name}' "
+                                   f"brings {incoming}, edge '{s}' -> '{name}' brings {out_shape[s]}; "
+                                   "summed inputs must have one shape")
+        if kind in LEAKY_KINDS:
+            kind, params, in_shape, shape = read_leaky(name, node, kind, dt)
+        else:
+            kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
+                                                     neuron_params.get(name), neuron_shapes.get(name))
+        if incoming is not None and in_shape != incoming:
+            raise NIRError(f"inconsistent shapes on edge '{in_names[0]}' -> '{name}': it brings "
+                           f"{incoming}, node '{name}' ({type(node).__name__}) takes {in_shape}")
+        out_shape[name] = shape
+        ops.append(Op(name=name, kind=kind, inputs=in_names, params=MappingProxyType(params),
+                      in_shape=in_shape, out_shape=shape))
+
+    # --- graph-level facts ---
+    reset_by = {op.params["reset"]: op.name for op in ops if op.kind == "neuron"}
+    if len(reset_by) > 1:
+        raise NIRError(f"mixed reset modes: neuron '{reset_by['subtract']}' reset_by by subtraction, "
+                       f"neuron '{reset_by['zero']}' reset_by to zero; snnconv runs one reset mode per "
+                       "network")
+    declared = metadata.get("reset")
+    if declared is not None and declared not in RESETS:
+        raise NIRError(f"graph metadata reset={declared!r}; expected one of {RESETS}")
+    if reset_by and declared is not None and declared not in reset_by:
+        raise NIRError(f"graph metadata says reset={declared!r}, but neuron "
+                       f"'{next(iter(reset_by.values()))}' reset_by by "
+                       f"{'subtraction' if 'subtract' in reset_by else 'zero'}")
+    reset = next(iter(reset_by)) if reset_by else (declared or "subtract")
+    T = metadata.get("T")
+    if T is not None:
+        if isinstance(T, bool) or not isinstance(T, (int, float)) or not math.isfinite(T) \
+                or T != int(T) or T < 1:
+            raise NIRError(f"graph metadata T={T!r} is not a positive integer")
+        T = int(T)
+    return ParsedGraph(ops=tuple(ops), input_shape=ops[0].out_shape, output_shape=ops[-1].out_shape,
+                       reset=reset, T=T, metadata=MappingProxyType(metadata))
+
+
+# --- one reader per node kind: (name, node, kind, metadata, incoming shape) -> the op ----------
+
+def _read_input(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    shape = _type_shape(getattr(node, "input_type", None), "input", name)
+    if shape is None:
+        raise NIRError(f"node '{name}': the Input node has no shape")
+    return kind, {}, None, shape
+
+
+def _read_output(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    shape = _type_shape(getattr(node, "output_type", None), "output", name)
+    if shape is None:
+        raise NIRError(f"node '{name}': the Output node has no shape")
+    return kind, {}, shape, shape
+
+
+def _read_conv(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    params, in_shape, shape = _conv_params(name, node, 1 if kind == "conv1d" else 2, incoming)
+    if meta.get(OP_KEY) == SCALE_OP:
+        return _diagonal_scale(name, params, in_shape, shape)
+    if meta.get(OP_KEY) == CONCAT_OP:
+        _placement(name, params)
+    return kind, params, in_shape, shape
+
+
+def _read_dense(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    weight = _array(node.weight, name, "weight", ndim=2)
+    params = {"weight": weight}
+    if kind == "affine":
+        bias = _array(node.bias, name, "bias")
+        if bias.shape != (weight.shape[0],):
+            raise NIRError(f"node '{name}': bias has shape {bias.shape}, expected ({weight.shape[0]},)")
+        params["bias"] = bias
+    if meta.get(OP_KEY) == SCALE_OP:
+        return _diagonal_scale(name, params, (weight.shape[1],), (weight.shape[0],))
+    if meta.get(OP_KEY) == CONCAT_OP:
+        _placement(name, params)
+    return kind, params, (weight.shape[1],), (weight.shape[0],)
+
+
+def _placement(name: str, params: dict) -> None:
+    """A concatenation's part (``{"snnconv_op": "concat"}``): checked to be a one-hot placement
+    (a 1x1 weight of zeros and ones, one one per input channel, at most one per output channel,
+    no bias) and marked ``params["placement"] = True`` (its spikes pass on unchanged: the energy
+    counts charge the weighted layer after it)."""
+    w = np.asarray(params["weight"])
+    bias = params.get("bias")
+    m: Any = w.reshape(w.shape[0], -1) if w.ndim == 2 else w.reshape(w.shape[0], w.shape[1], -1)
+    ok = (w.ndim == 2 or (m.shape[2] == 1 and params.get("groups", 1) == 1
+                          and all(int(v) == 1 for v in np.ravel(params.get("stride", 1)))
+                          and not np.any(params.get("padding", 0))))
+    m = m.reshape(m.shape[0], m.shape[1])
+    ok = ok and bool(np.isin(m, (0.0, 1.0)).all()) and bool((m.sum(0) == 1).all()) and bool((m.sum(1) <= 1).all())
+    if not ok or (bias is not None and np.any(np.asarray(bias) != 0)):
+        raise NIRError(f"node '{name}': marked as a concatenation's part ({OP_KEY}={CONCAT_OP!r}) but its "
+                       "weight is not a one-hot 1x1 placement without bias")
+    params["placement"] = True
+
+
+def _read_pool(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    kernel = _ints(node.kernel_size, 2, name, "kernel_size", minimum=1)
+    stride = _ints(node.stride, 2, name, "stride", minimum=1)
+    padding = _ints(node.padding, 2, name, "padding")
+    if incoming is None or len(incoming) != 3:
+        raise NIRError(f"node '{name}': 2-d pooling needs a (C, H, W) input; it receives {incoming}")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise NIRError(f"node '{name}': padding {padding} is more than half the kernel {kernel}")
+    out = tuple(_window_out(n, k, s, p, 1, name)
+                for n, k, s, p in zip(incoming[1:], kernel, stride, padding))
+    params: dict[str, Any] = {"kernel_size": kernel, "stride": stride, "padding": padding}
+    if kind == "avgpool2d":
+        adaptive = meta.get(MODULE_KEY) == ADAPTIVE_AVGPOOL
+        if adaptive and not (stride == kernel and padding == (0, 0) and all(
+                n == k * o for n, k, o in zip(incoming[1:], kernel, out))):
+            raise NIRError(f"node '{name}': marked AdaptiveAvgPool2d but kernel {kernel}, stride "
+                           f"{stride}, padding {padding} do not tile the input {incoming}")
+        params["adaptive"] = adaptive
+    return kind, params, incoming, (incoming[0], *out)
+
+
+def _read_flatten(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    declared = _type_shape(getattr(node, "input_type", None), "input", name)
+    in_shape = declared if declared is not None else incoming
+    if in_shape is None:
+        raise NIRError(f"node '{name}': Flatten has no input shape")
+    n = len(in_shape)
+    start = _int(node.start_dim, name, "start_dim")
+    end = _int(node.end_dim, name, "end_dim")
+    s, e = start % n if -n <= start < n else None, end % n if -n <= end < n else None
+    if s is None or e is None or s > e:
+        raise NIRError(f"node '{name}': start_dim={start}, end_dim={end} do not fit its batch-free "
+                       f"input {in_shape} (NIR shapes have no batch dimension: torch's "
+                       "flatten(x, 1) is Flatten(start_dim=0))")
+    out = (*in_shape[:s], math.prod(in_shape[s:e + 1]), *in_shape[e + 1:])
+    return kind, {"start_dim": start, "end_dim": end}, in_shape, out
+
+
+def _read_scale(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    scale = _array(node.scale, name, "scale")
+    if scale.ndim == 0:
+        raise NIRError(f"node '{name}': a Scale needs an array of the signal's shape")
+    if meta.get(OP_KEY) == SUM_OP:
+        if (scale != 1).any():
+            raise NIRError(f"node '{name}': marked as a sum node but its scale is not all ones")
+        return "sum", {}, scale.shape, scale.shape
+    return kind, {"scale": scale}, scale.shape, scale.shape
+
+
+def _read_sum(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
+    declared = _type_shape(getattr(node, "input_type", None), "input", name)
+    shape = declared if declared is not None else incoming
+    return kind, {}, shape, shape
+
+
+#: node kind -> its reader (the neurons are read with their pattern, in parse())
+_READERS = MappingProxyType({
+    "input": _read_input, "output": _read_output, "conv1d": _read_conv, "conv2d": _read_conv,
+    "affine": _read_dense, "linear": _read_dense, "avgpool2d": _read_pool, "sumpool2d": _read_pool,
+    "flatten": _read_flatten, "scale": _read_scale, "sum": _read_sum,
+})
+
+
+def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
+             neuron: dict[str, Any] | None, neuron_shape: tuple[int, ...] | None):
+    """(kind, params, in_shape, out_shape) of one node."""
+    if kind in ("integrator", "if"):
+        if neuron is None or neuron_shape is None:  # pragma: no cover (parse() sets both)
+            raise NIRError(f"node '{name}': neuron parameters were not read")
+        return "neuron", dict(neuron), neuron_shape, neuron_shape
+    reader = _READERS.get(kind)
+    if reader is None:  # pragma: no cover (parse() admits only the kinds of the node table)
+        raise NIRError(f"node '{name}': cannot read a {kind!r} node here")
+    return reader(name, node, kind, _meta(node), incoming)
