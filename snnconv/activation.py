@@ -232,7 +232,7 @@ def _neighbours(gm: fx.GraphModule, node: fx.Node) -> str:
 # identities at inference (dropout). Anything else (clamp, abs, max, min, a product of two
 # activations, normalisation...) is refused by name.
 
-_ALLOWED_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+ACCEPTED_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
                     nn.ConvTranspose3d, nn.Linear, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
                     nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.Flatten,
                     nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
@@ -284,7 +284,7 @@ def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool:
         return None
     mod = module_of(gm, node)
     if node.op == "call_module":
-        if isinstance(mod, _ALLOWED_MODULES) or isinstance(mod, QCFS) or type(mod).__name__ in (
+        if isinstance(mod, ACCEPTED_MODULES) or isinstance(mod, QCFS) or type(mod).__name__ in (
                 "IFNeuron", "Scale", "TimeExpand"):
             return None
         if maxpool == "avg" and type(mod) in _MAX_POOLS:

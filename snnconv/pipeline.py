@@ -44,6 +44,7 @@ from snnconv.guards import assert_no_batchnorm
 from snnconv.meta import ConversionMeta, StageRecord
 from snnconv.plan import log_plan, make_plan, planned_work, record_run
 from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.nir_io import no_nir_form
 from snnconv.stages.fold import fold_graph
 from snnconv.stages.prepare import rewrite_constructs
 from snnconv.stages.qcfs import calibrate_qcfs, check_activations
@@ -269,6 +270,7 @@ def _prepare(s: _Run) -> dict:
                "parameters": sum(p.numel() for p in s.gm.parameters()),
                "constructs": rewrite_constructs(s.gm, (x0.to(s.device),), maxpool=s.config.maxpool)}
     check_activations(s.gm, later_maxpool(s.config.maxpool), stage="prepare")  # every refusal at once, early
+    changes["no_nir_form"] = no_nir_form(s.gm)  # what export_nir would refuse, known before the work
     s.health = _Health(s.calib[:2], s.device, s.config.on_collapse)
     return changes
 

@@ -21,7 +21,7 @@ STAGES = ("snnconv.pipeline", "snnconv.stages", "snnconv.calibration", "snnconv.
 #: package, the neurons' step (stage-free) and the energy figures, with the packages around them.
 ALLOWED = {"snnconv", "snnconv.errors", "snnconv.vocabulary",
            "snnconv.nir", "snnconv.nir.format", "snnconv.nir.reader", "snnconv.nir.leaky",
-           "snnconv.nir.values", "snnconv.snn", "snnconv.snn.neuron", "snnconv.analysis",
+           "snnconv.nir.values", "snnconv.nir.ops", "snnconv.snn", "snnconv.snn.neuron", "snnconv.analysis",
            "snnconv.analysis.energy"}
 
 MODULES = ["snnconv_backends", "snnconv_backends.registry", "snnconv.nir.reader",

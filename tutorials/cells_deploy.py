@@ -56,7 +56,7 @@ if missing:
     raise RuntimeError(f"this snnconv build lacks {missing}: notebook 04 needs the NIR exporter "
                        "and the backends; install a release that has them")
 import snnconv.backends
-from snnconv.snn import prefixfile
+from snnconv.snn.prefixfile import load_prefix, save_prefix
 '''),
     code(DATA),
     md('''
@@ -73,7 +73,7 @@ reads it back. The ResNets of these notebooks have no such stem, so there is onl
 T = snn.T
 graph = snnconv.export_nir(snn)       # the input shape recorded by convert()
 nir_path = os.path.join(out_dir, "snn.nir")
-prefix_path = prefixfile.save_prefix(snn, graph, nir_path)  # None: no analog prefix
+prefix_path = save_prefix(snn, graph, nir_path)  # None: no analog prefix
 snnconv.save_nir(graph, nir_path)
 print(f"exported {snn_file} (T={T}) -> {nir_path} ({os.path.getsize(nir_path) / 1e6:.2f} MB)"
       + (f" and its analog prefix {prefix_path}" if prefix_path else ""))
@@ -120,7 +120,7 @@ predicts the same class. Each result is written to `out_dir/backends/NAME.json`.
     code('''
 from snnconv.analysis.activity import backend_record
 
-prefix = prefixfile.load_prefix(graph, nir_path)
+prefix = load_prefix(graph, nir_path)
 x = torch.cat([b[0] for b in test_loader])[:n_images]
 y = torch.cat([b[1] for b in test_loader])[:n_images]
 with torch.no_grad():

@@ -61,13 +61,7 @@ class CPUProgram(PlanProgram):
         start = time.perf_counter()
         with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
             out = self._run_chunks(x, T, seq, per, stats)
-        seconds = time.perf_counter() - start
-        macs = {k: v * B for k, v in self.plan.macs_per_image.items()}
-        extra = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""),
-                 "chunk_inputs": per, "static_ops": list(self.plan.static_ops),
-                 "seconds": seconds, "reset": self.plan.reset}
-        spikes, synops = stats.finish(self.plan)
-        return RunResult(outputs=out, spikes=spikes, synops=synops, macs=macs, extra=extra)
+        return self._result(out, stats, B, T, per, time.perf_counter() - start)
 
 
 @contextlib.contextmanager

@@ -116,16 +116,11 @@ class GPUProgram(PlanProgram):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - start
-            spikes, synops = stats.finish(self.plan)
-        macs = {k: v * B for k, v in self.plan.macs_per_image.items()}
-        extra = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""),
-                 "device": str(dev), "deterministic": self.deterministic, "neuron": self.neuron,
-                 "chunk_inputs": per, "static_ops": list(self.plan.static_ops), "seconds": seconds,
-                 "reset": self.plan.reset}
-        if self.plan.tie_tolerance is not None:
-            extra["threshold_ties"] = stats.ties
-            extra["tie_tolerance"] = self.plan.tie_tolerance
-        return RunResult(outputs=out, spikes=spikes, synops=synops, macs=macs, extra=extra)
+            result = self._result(out, stats, B, T, per, seconds, device=str(dev),
+                                  deterministic=self.deterministic, neuron=self.neuron)
+        if self.plan.tie_tolerance is not None:  # counted by the run, summed by the result's stats
+            result.extra.update(threshold_ties=stats.ties, tie_tolerance=self.plan.tie_tolerance)
+        return result
 
 
 class GPUBackend(Backend):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import numbers
 import operator
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.fx as fx
@@ -278,16 +278,13 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     steps = (T,) if horizons is None else horizons
     gm = out.net
     calls = call_counts(gm)
-    plan, shifts = [], {}
+    plan: list[tuple] = []
+    shifts: dict[str, Any] = {}
     for node in gm.graph.nodes:
-        neuron_mod = module_of(gm, node)
-        if not isinstance(neuron_mod, IFNeuron):
+        site = _shift_site(gm, node, snn, target_mean, bias_path, shifts)
+        if site is None:
             continue
-        source = snn.meta["neurons"].get(str(node.target), {}).get("source")
-        hit = bias_path(gm, node)
-        if _target(target_mean, source) is None or hit is None:
-            shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
-            continue
+        neuron_mod, source, hit = site
         if calls.get(str(node.target), 0) != 1 or not _shift_reaches_only(gm, node, hit, calls):
             return _rerun(snn, T, batches, target_mean, out, horizons, membrane, wfit)
         plan.append((node.name, neuron_mod, str(node.target), source, module_of(gm, hit[0])))
@@ -527,6 +524,21 @@ def _grouped(out: SpikingNetwork, snn: SpikingNetwork, T: int, batches: list, ta
     return result
 
 
+def _shift_site(gm: fx.GraphModule, node: fx.Node, snn: SpikingNetwork, target_mean: Any, find: Callable,
+                shifts: dict) -> tuple[IFNeuron, Any, Any] | None:
+    """``(neuron, its QCFS source, find(gm, node))`` when ``node`` is an IF neuron with a QCFS
+    reference and a bias to shift; else None, with a skipped neuron recorded in ``shifts``."""
+    neuron_mod = module_of(gm, node)
+    if not isinstance(neuron_mod, IFNeuron):
+        return None
+    source = snn.meta["neurons"].get(str(node.target), {}).get("source")
+    site = find(gm, node)
+    if _target(target_mean, source) is None or site is None:
+        shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
+        return None
+    return neuron_mod, source, site
+
+
 def _target(target_mean: Any, source: Any) -> Any:
     """The reference mean(s) of QCFS site ``source``, or None."""
     if isinstance(target_mean, tuple):
@@ -546,14 +558,10 @@ def _rerun(snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
         if wfit is not None and node.name in wfit.plan:
             values = (_value_at(gm, x, node.args[0].name) for x in batches)  # one batch's at a time
             wfit.fit(node, values, [(k, 0, len(x)) for k, x in enumerate(batches)])
-        neuron_mod = module_of(gm, node)
-        if not isinstance(neuron_mod, IFNeuron):
+        site = _shift_site(gm, node, snn, target_mean, _bias_layer, shifts)
+        if site is None:
             continue
-        source = snn.meta["neurons"].get(str(node.target), {}).get("source")
-        layer = _bias_layer(gm, node)
-        if _target(target_mean, source) is None or layer is None:
-            shifts[str(node.target)] = "skipped: no QCFS reference or no bias to shift"
-            continue
+        neuron_mod, source, layer = site
         # the neuron's own spikes ([T*b, ...]), one batch's at a time: counted, not re-run
         parts = [counted(None, _value_at(gm, x, node.name), T, k, (T,) if horizons is None else horizons)
                  for k, x in enumerate(batches)]

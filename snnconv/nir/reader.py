@@ -85,6 +85,7 @@ from snnconv.nir.format import (
     spec_threshold,
 )
 from snnconv.nir.leaky import LEAKY_KINDS, read_leaky
+from snnconv.nir.ops import OPS
 from snnconv.nir.values import array as _array
 from snnconv.nir.values import conv_params as _conv_params
 from snnconv.nir.values import diagonal_scale as _diagonal_scale
@@ -96,8 +97,8 @@ from snnconv.nir.values import window_out as _window_out
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 
-KINDS = ("input", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d", "flatten",
-         "scale", "sum", "neuron", "output") + LEAKY_KINDS
+#: Every op kind of a parsed graph (:data:`snnconv.nir.ops.OPS`).
+KINDS = tuple(OPS)
 
 _SUPPORTED = ("Input, Output, Conv1d, Conv2d, Affine, Linear, AvgPool2d, SumPool2d, Flatten, "
               "Scale, Identity, IF (r * dt = 1, v_reset = 0) and the I/Threshold/Scale(-theta) neuron; "
@@ -221,14 +222,12 @@ def _check_gain(name: str, r: np.ndarray, dt: float, what: str) -> None:
 
 # --- the parser --------------------------------------------------------------------------------
 
-_NODE_KINDS: tuple[tuple[type, str], ...] = (
-    (nir.Input, "input"), (nir.Output, "output"), (nir.Conv1d, "conv1d"), (nir.Conv2d, "conv2d"),
-    (nir.Affine, "affine"), (nir.Linear, "linear"), (nir.AvgPool2d, "avgpool2d"),
-    (nir.SumPool2d, "sumpool2d"), (nir.Flatten, "flatten"), (nir.Scale, "scale"),
-    (nir.ir.graph.Identity, "sum"), (nir.I, "integrator"), (nir.Threshold, "threshold"),
-    (nir.IF, "if"),
-    (nir.LIF, "lif"), (nir.CubaLIF, "cubalif"), (nir.LI, "li"),
-)
+#: The node kinds of snnconv's IF neuron (NIR's IF, or the I/Threshold pattern read in parse()).
+_NEURON_NODES = {"IF": "if", "I": "integrator", "Threshold": "threshold"}
+#: NIR node type -> node kind: the op it is read as (:data:`snnconv.nir.ops.OPS`), or a neuron part.
+_NODE_KINDS: tuple[tuple[type, str], ...] = tuple(
+    (getattr(nir, node) if hasattr(nir, node) else getattr(nir.ir.graph, node), _NEURON_NODES.get(node, op))
+    for op, kind in OPS.items() for node in kind.nodes)
 
 
 def _node_kind(name: str, node: Any) -> str:

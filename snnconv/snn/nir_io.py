@@ -41,7 +41,7 @@ from __future__ import annotations
 import keyword
 import operator
 import re
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import nir
 import numpy as np
@@ -73,7 +73,8 @@ from snnconv.snn.network import SpikingNetwork, check_T
 from snnconv.snn.neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
 from snnconv.stages.spiking import insert_time_expand, unique_name
 
-__all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "NIR_FORMAT_VERSION"]
+__all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "no_nir_form", "NIR_FORMAT_VERSION", "WRITERS",
+           "NO_NIR_FORM"]
 
 NIR_FORMAT_VERSION = FORMAT_VERSION
 
@@ -171,9 +172,9 @@ class _Exporter:
         mod = module_of(self.gm, n)
         what = (f"module '{n.target}' of type {type(mod).__name__}" if mod is not None
                 else f"fx node '{n.name}' ({describe_node(n)})")
-        return NIRError(f"{what} has no NIR form{': ' + why if why else ''}. NIR export knows "
-                        "Conv1d/Conv2d, Linear, AvgPool2d, AdaptiveAvgPool2d, Flatten, Dropout and "
-                        "Identity (inference), Scale, IFNeuron, TimeExpand and residual adds")
+        known = ", ".join(c.__name__ for kinds, _ in WRITERS for c in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        return NIRError(f"{what} has no NIR form{': ' + why if why else ''}. NIR export writes the "
+                        f"modules {known}, residual adds, channel concatenations and flattens")
 
     # --- the walk ---
     def run(self, input_shape: tuple[int, ...]) -> None:
@@ -204,42 +205,27 @@ class _Exporter:
             raise self.unsupported(n, "a module call with other than one tensor argument")
         srcs = self.src(x, n)
         in_shape, out_shape = self.shape(x), self.shape(n)
-        base = str(n.target)
-        if isinstance(mod, _PASS_MODULES):
-            self.value[n.name] = srcs
-        elif isinstance(mod, AnalogPrefix) and x.op == "placeholder" and len(x.users) == 1:
+        if isinstance(mod, AnalogPrefix) and x.op == "placeholder" and len(x.users) == 1:
             # the static analog prefix runs once, outside the graph: its output is the input
             self.nodes[srcs[0]] = nir.Input(np.array(out_shape))
             self.value[n.name], self.prefix = srcs, out_shape
-        elif isinstance(mod, IFNeuron):
-            self.value[n.name] = (self.neuron(base, mod, srcs, out_shape),)
-        elif isinstance(mod, Scale):
-            self.value[n.name] = (self.add(base, self.scale(mod, out_shape), srcs),)
-        elif isinstance(mod, (nn.Conv1d, nn.Conv2d)):
-            self.value[n.name] = (self.add(base, self.conv(n, mod, in_shape), srcs),)
-        elif isinstance(mod, nn.Linear):
-            w = _np(mod.weight)
-            node = nir.Linear(weight=w) if mod.bias is None else nir.Affine(weight=w, bias=_np(mod.bias))
-            self.value[n.name] = (self.add(base, node, srcs),)
-        elif isinstance(mod, nn.AvgPool2d):
-            divisor = getattr(mod, "divisor_override", None)
-            if mod.ceil_mode or divisor not in (None, 1):
-                raise self.unsupported(n, "ceil_mode and a divisor_override other than 1 (a sum "
-                                          "pool) have no NIR form")
-            pad = _pair(mod.padding)
-            if any(pad) and not mod.count_include_pad and divisor is None:
-                raise self.unsupported(n, "count_include_pad=False with padding has no NIR form")
-            stride = _pair(mod.stride if mod.stride else mod.kernel_size)
-            cls = nir.SumPool2d if divisor == 1 else nir.AvgPool2d
-            node = cls(kernel_size=np.array(_pair(mod.kernel_size)), stride=np.array(stride),
-                       padding=np.array(pad))
-            self.value[n.name] = (self.add(base, node, srcs),)
-        elif isinstance(mod, nn.AdaptiveAvgPool2d):
-            self.value[n.name] = (self.add(base, self.adaptive(n, in_shape, out_shape), srcs),)
-        elif isinstance(mod, nn.Flatten):
-            self.value[n.name] = (self.flatten(n, base, mod.start_dim, mod.end_dim, in_shape, srcs),)
-        else:
+            return
+        write = next((w for kinds, w in WRITERS if isinstance(mod, kinds)), None)
+        if write is None:
             raise self.unsupported(n)
+        self.value[n.name] = write(self, n, mod, srcs, in_shape, out_shape)
+
+    def avgpool(self, n: fx.Node, mod: nn.AvgPool2d) -> nir.NIRNode:
+        divisor = getattr(mod, "divisor_override", None)
+        if mod.ceil_mode or divisor not in (None, 1):
+            raise self.unsupported(n, "ceil_mode and a divisor_override other than 1 (a sum "
+                                      "pool) have no NIR form")
+        pad = _pair(mod.padding)
+        if any(pad) and not mod.count_include_pad and divisor is None:
+            raise self.unsupported(n, "count_include_pad=False with padding has no NIR form")
+        stride = _pair(mod.stride if mod.stride else mod.kernel_size)
+        cls = nir.SumPool2d if divisor == 1 else nir.AvgPool2d
+        return cls(kernel_size=np.array(_pair(mod.kernel_size)), stride=np.array(stride), padding=np.array(pad))
 
     def function(self, n: fx.Node) -> None:
         if n.target in _ADDS:
@@ -400,6 +386,53 @@ def _pair(v: Any) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else cast(tuple[int, int], tuple(int(x) for x in v))
 
 
+def _linear(mod: nn.Linear) -> nir.NIRNode:
+    w = _np(mod.weight)
+    return nir.Linear(weight=w) if mod.bias is None else nir.Affine(weight=w, bias=_np(mod.bias))
+
+
+_Writer = Callable[[_Exporter, fx.Node, Any, tuple[str, ...], tuple[int, ...], tuple[int, ...]], tuple[str, ...]]
+
+#: module kind -> its writer: ``write(exporter, node, module, sources, in_shape, out_shape)``
+#: gives the NIR nodes whose sum the module's output is (the op kinds of
+#: :data:`snnconv.nir.ops.OPS`). The first kind that matches writes.
+WRITERS: tuple[tuple[type | tuple[type, ...], _Writer], ...] = (
+    (_PASS_MODULES, lambda ex, n, m, s, i, o: s),
+    (IFNeuron, lambda ex, n, m, s, i, o: (ex.neuron(str(n.target), m, s, o),)),
+    (Scale, lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.scale(m, o), s),)),
+    ((nn.Conv1d, nn.Conv2d), lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.conv(n, m, i), s),)),
+    (nn.Linear, lambda ex, n, m, s, i, o: (ex.add(str(n.target), _linear(m), s),)),
+    (nn.AvgPool2d, lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.avgpool(n, m), s),)),
+    (nn.AdaptiveAvgPool2d, lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.adaptive(n, i, o), s),)),
+    (nn.Flatten, lambda ex, n, m, s, i, o: (ex.flatten(n, str(n.target), m.start_dim, m.end_dim, i, s),)),
+)
+
+#: Module kinds that convert (the activation checks accept them) but that NIR cannot express:
+#: export refuses them all by name before it writes anything (:func:`no_nir_form`).
+NO_NIR_FORM: dict[type, str] = {
+    nn.Conv3d: "NIR has no 3-d convolution",
+    nn.ConvTranspose1d: "NIR has no transposed convolution",
+    nn.ConvTranspose2d: "NIR has no transposed convolution",
+    nn.ConvTranspose3d: "NIR has no transposed convolution",
+    nn.AvgPool1d: "NIR pools in 2-d only",
+    nn.AvgPool3d: "NIR pools in 2-d only",
+    nn.AdaptiveAvgPool1d: "NIR pools in 2-d only",
+    nn.AdaptiveAvgPool3d: "NIR pools in 2-d only",
+    nn.Unflatten: "NIR has no reshape node",
+    nn.ZeroPad1d: "NIR has no padding node (give the padding to the convolution that follows)",
+    nn.ZeroPad2d: "NIR has no padding node (give the padding to the convolution that follows)",
+    nn.ZeroPad3d: "NIR has no padding node (give the padding to the convolution that follows)",
+}
+
+
+def no_nir_form(module: nn.Module) -> list[str]:
+    """Every submodule of ``module`` that NIR export refuses, as ``'path' (Kind): why``: empty
+    when the network (an ANN before conversion, or a SpikingNetwork) can be exported."""
+    net = module.net if isinstance(module, SpikingNetwork) else module
+    return [f"'{name}' ({type(m).__name__}): {NO_NIR_FORM[type(m)]}" for name, m in net.named_modules()
+            if type(m) in NO_NIR_FORM]
+
+
 def _probe_shapes(snn: SpikingNetwork, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     try:
         p = next(snn.parameters())
@@ -450,6 +483,10 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
         raise NIRError(f"input_shape {input_shape!r} is not a tuple of integers") from None
     if not input_shape or any(s < 1 for s in input_shape):
         raise NIRError(f"input_shape {input_shape} must hold positive sizes (batch-free)")
+    refused = no_nir_form(snn)
+    if refused:
+        raise NIRError(f"{len(refused)} module(s) of the network have no NIR form: " + "; ".join(refused)
+                       + ". The SpikingNetwork runs in torch; NIR and its backends need other layers there")
     ex = _Exporter(snn, _probe_shapes(snn, input_shape))
     ex.run(input_shape)
     if len(ex.resets) > 1:

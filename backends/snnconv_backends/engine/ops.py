@@ -10,28 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from snnconv.errors import BackendError
+from snnconv.nir.ops import OPS, PASS, WEIGHTED, flatten_dims
 
 __all__ = ["WEIGHTED", "PASS", "RUNNABLE", "OP_BUILDERS", "to_tensor", "flatten_dims"]
 
-#: Ops that carry weights (synaptic operations are counted into these).
-WEIGHTED = ("conv1d", "conv2d", "affine", "linear", "scale")
-#: Ops a spike passes through on its way to a weighted op without being multiplied.
-PASS = ("avgpool2d", "sumpool2d", "flatten", "sum")
-#: Every op kind the executor runs (neurons included).
-RUNNABLE = ("input", "output", "conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d",
-            "flatten", "scale", "sum", "neuron", "lif", "cubalif", "li")
+#: Every op kind the executor runs (neurons included): the whole vocabulary.
+RUNNABLE = tuple(OPS)
 
 
 def to_tensor(a: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An op parameter as a contiguous tensor of ``dtype`` on ``device``."""
     return torch.tensor(np.asarray(a)).to(device=device, dtype=dtype).contiguous()
-
-
-def flatten_dims(start: int, end: int, ndim: int) -> tuple[int, int]:
-    """Batch-free flatten dims -> dims of a batched tensor (``ndim`` batch-free dims)."""
-    start = start + ndim if start < 0 else start
-    end = end + ndim if end < 0 else end
-    return start + 1, end + 1
 
 
 def _broadcastable(scale: torch.Tensor, in_shape: Sequence[int], name: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from snnconv.errors import BackendError
 from snnconv_backends.engine.plan import Plan, check_T
 from snnconv_backends.engine.stats import Stats
-from snnconv_backends.registry import Program
+from snnconv_backends.registry import Program, RunResult
 
 __all__ = ["PlanProgram", "dtype_option"]
 
@@ -62,3 +62,13 @@ class PlanProgram(Program):
         parts = x.split(per, dim=1 if seq else 0)
         outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _result(self, out: torch.Tensor, stats: Stats, B: int, T: int, per: int, seconds: float,
+                **extra: Any) -> RunResult:
+        """The run's :class:`RunResult`: outputs, spikes and synaptic operations from ``stats``
+        (finished here), the ANN's MACs for ``B`` inputs, and what the run was (``extra`` added)."""
+        spikes, synops = stats.finish(self.plan)
+        macs = {k: v * B for k, v in self.plan.macs_per_image.items()}
+        record = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""), "chunk_inputs": per,
+                  "static_ops": list(self.plan.static_ops), "seconds": seconds, "reset": self.plan.reset, **extra}
+        return RunResult(outputs=out, spikes=spikes, synops=synops, macs=macs, extra=record)

@@ -10,18 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from snnconv.errors import BackendError
+from snnconv.nir.ops import LINEAR, flatten_dims
 
 __all__ = ["LINEAR_KINDS", "convolve", "conv_params", "apply_op"]
 
 #: Op kinds that are linear maps (the static encoder, and chains between two neurons).
-LINEAR_KINDS = ("conv1d", "conv2d", "affine", "linear", "avgpool2d", "sumpool2d", "flatten", "scale",
-                "sum")
-
-
-def _flatten_dims(start: int, end: int, ndim: int) -> tuple[int, int]:
-    start = start + ndim if start < 0 else start
-    end = end + ndim if end < 0 else end
-    return start + 1, end + 1
+LINEAR_KINDS = LINEAR
 
 
 def convolve(x: torch.Tensor, w: torch.Tensor, p: Mapping[str, Any], b: torch.Tensor | None = None):
@@ -58,7 +52,7 @@ def apply_op(op: Any, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         return F.avg_pool2d(x, tuple(p["kernel_size"]), tuple(p["stride"]), tuple(p["padding"]),
                             divisor_override=1)
     if k == "flatten":
-        a, e = _flatten_dims(int(p["start_dim"]), int(p["end_dim"]), len(op.in_shape))
+        a, e = flatten_dims(int(p["start_dim"]), int(p["end_dim"]), len(op.in_shape))
         return x.flatten(a, e)
     if k == "scale":
         return x * torch.as_tensor(np.array(p["scale"]), dtype=dt, device=dev)
