@@ -105,7 +105,7 @@ def trace(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule
 
 
 def prepare(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
-    """Stage 0: an eval-mode deep copy of ``model``, traced with torch.fx.
+    """The `prepare` stage's first step: an eval-mode deep copy of ``model``, traced with torch.fx.
 
     The caller's model (parameters, buffers, ``training`` flags) is never changed.
     """

@@ -1,4 +1,4 @@
-"""Stage 5: a SpikingNetwork to and from NIR (nir 1.0.8), with exact spiking semantics.
+"""A SpikingNetwork to and from NIR (nir 1.0.8), with exact spiking semantics.
 
 Encoding (graph metadata ``{"producer": "snnconv", "snnconv_format": 2, "T": T, "reset": ...,
 "encoding": "direct", "readout": "mean_over_T"}``; every shape batch-free; the full text, for

@@ -1,4 +1,4 @@
-"""Stage 4: BPTT fine-tuning of a converted SNN with spikingjelly's atan surrogate.
+"""The `finetune` stage: BPTT fine-tuning of a converted SNN with spikingjelly's atan surrogate.
 
 Cross-entropy on the T-averaged readout, SGD or AdamW with warm-up and a cosine schedule,
 gradient clipping, thresholds frozen by default. Resumable: a checkpoint (model, optimiser,

@@ -1,4 +1,4 @@
-"""Stage 1: fold every BatchNorm into the convolution or linear layer that feeds it.
+"""The `fold` stage: fold every BatchNorm into the convolution or linear layer that feeds it.
 
 Three layers, as in torch's own FX passes: tensor math (:func:`fold_weights`), a module
 constructor (:func:`folded_producer`), and a graph pass (:func:`fold_batchnorm`) that only

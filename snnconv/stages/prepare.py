@@ -1,4 +1,4 @@
-"""The graph rewrites that give common constructs their IF form, run from one place.
+"""The `prepare` stage's rewrites: the constructs (:mod:`snnconv.constructs`) given their IF form.
 
 Each is a pass of its own module (pattern as data, in place on the caller's copy, a report):
 clipped ReLUs become capped ReLU sites (:mod:`snnconv.constructs.clip`), spatial means become average

@@ -1,4 +1,4 @@
-"""Stage 2: QCFS threshold calibration.
+"""The `qcfs` stage: QCFS threshold calibration.
 
 Every ReLU call site becomes its own ``QCFS(L, lambda)`` (Bu et al., ICLR 2022)::
 

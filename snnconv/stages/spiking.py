@@ -1,4 +1,4 @@
-"""Stage 3: replace every QCFS with an integrate-and-fire neuron (:class:`IFNeuron`).
+"""The `spiking` stage: replace every QCFS with an integrate-and-fire neuron (:class:`IFNeuron`).
 
 Each neuron emits binary spikes; its output scale theta is folded into the weights of the
 Conv/Linear layers that consume it (through pooling, dropout and flatten), or carried by an
