@@ -308,9 +308,9 @@ def test_calibration_chunks_shrink_to_the_byte_cap_and_give_the_same_network(
         small_digits_ann, digits_data, monkeypatch):
     """Wide activations get smaller chunks (page faults, see network.CHUNK_BYTES); chunking
     changes how the work is cut, never the result."""
-    from snnconv.snn import network
     from snnconv.calibration import calibrate_bias
     from snnconv.graph import largest_value
+    from snnconv.snn import network
 
     loader = DataLoader(digits_data[0], batch_size=50)
     qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(small_digits_ann), loader, L=4,
@@ -334,8 +334,8 @@ def test_snn_forward_chunks_shrink_to_the_byte_cap_and_hooks_see_only_the_real_c
     """snn(x) on a CPU cuts its batch to chunk_size // T inputs and fewer where the largest
     value would pass the byte cap (measured once per input shape, with no hooks run): the same
     readout as one pass, and a layer's hook sees one call per chunk."""
-    from snnconv.snn import network
     from snnconv.graph import largest_value
+    from snnconv.snn import network
 
     loader = DataLoader(digits_data[0], batch_size=50)
     qcfs = snnconv.calibrate_qcfs(snnconv.fold_batchnorm(small_digits_ann), loader, L=4,
