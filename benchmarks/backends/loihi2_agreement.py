@@ -5,7 +5,7 @@
 
 Each model is trained briefly on Fashion-MNIST (the first ``--train`` training images, SGD
 Nesterov, OneCycle, cached under ``--cache``): torchvision's ``resnet18`` (``num_classes=10``,
-the images resized to 32x32 and the grey channel replicated to three, as ``matrix_anns.py``
+the images resized to 32x32 and the grey channel replicated to three, as ``benchmarks.matrix.anns``
 feeds torchvision's classifiers; its max-pooled stem is the analog prefix) and the zoo's CIFAR
 ResNet-18 (``snnconv.models.get("resnet18")``, the same 3x32x32 input). Each is converted with
 the default conversion at ``T`` (``--finetune 0``: ``finetune_epochs=0``, training-free with the

@@ -12,7 +12,7 @@ The CPU smoke test (digits, two tiny networks, 1 seed; 1-5 minutes on 2 shared c
 
     .venv/bin/python -m benchmarks matrix robustness --smoke --out /tmp/robustness_smoke
 
-What runs. Five architectures written the way people write them (in ``matrix_anns.py``, none from
+What runs. Five architectures written the way people write them (in ``anns.py``, none from
 the zoo's training set-up): ``tv_resnet`` (torchvision-style BasicBlocks that reuse one
 ``nn.ReLU(inplace=True)`` twice, ``F.relu`` in the stem, a ``downsample`` shortcut, ``out +=
 identity``), ``mobilenet`` (depthwise-separable blocks, a Linear-BatchNorm1d-ReLU-Dropout head),
