@@ -1,25 +1,63 @@
-"""What the benchmarks share: Fashion-MNIST loaders and the trained BN ResNet (cached)."""
+"""What the benchmarks share: paths, the command that runs one of their modules in a fresh
+process, JSON writing, Fashion-MNIST loaders and the trained BN ResNet (cached)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import time
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from snnconv import models  # noqa: E402
-from snnconv.data import fashion_mnist  # noqa: E402
-from snnconv.io.atomic import atomic_write_text  # noqa: E402
+from snnconv import models
+from snnconv.data import fashion_mnist
+from snnconv.io.atomic import atomic_write_text
 from snnconv.progress import progress_bar
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: The repository root (the folder holding ``benchmarks/``, ``snnconv/`` and ``backends/``).
+ROOT = os.path.dirname(HERE)
+#: What the documentation cites.
+RESULTS = os.path.join(HERE, "results")
+#: The settled studies' results.
+STUDIES_RESULTS = os.path.join(HERE, "studies", "results")
+#: Trained networks (not in git).
 CACHE = os.path.join(RESULTS, "cache")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process: this one's, with the repository and its backends
+    first on ``PYTHONPATH`` (so ``python -m benchmarks...`` runs from any folder)."""
+    path = [ROOT, os.path.join(ROOT, "backends")]
+    if os.environ.get("PYTHONPATH"):
+        path.append(os.environ["PYTHONPATH"])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), **extra}
+
+
+def test_helper(name: str) -> ModuleType:
+    """A module of the test suite (``tests/<name>.py``: the attack builders, the hand-built NIR
+    graphs), loaded from its file, so that a benchmark measures what the tests define. Only for
+    modules that import nothing else from ``tests/``."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tests", f"{name}.py"))
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no test helper {name!r} under {os.path.join(ROOT, 'tests')}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command that runs ``module`` (``benchmarks.matrix.robustness``) as ``__main__`` in a
+    fresh interpreter; run it with ``env=child_env()``."""
+    return [sys.executable, "-m", module, *args]
 
 
 class FlipDataset(torch.utils.data.Dataset):

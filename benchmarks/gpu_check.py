@@ -14,8 +14,8 @@ Every section is guarded: an error is recorded in the JSON and the run goes on; 
 would overrun ``--budget`` seconds are skipped (and say so). Exit status 0 unless the set-up
 itself fails.
 
-    python benchmarks/gpu_check.py                        # on a CUDA machine (< 4 minutes)
-    python benchmarks/gpu_check.py --device cpu --small   # smoke test of the code paths
+    python -m benchmarks gpu_check                        # on a CUDA machine (< 4 minutes)
+    python -m benchmarks gpu_check --tiny --out DIR       # the code paths on CPU, about 20 s
 """
 
 from __future__ import annotations
@@ -25,25 +25,20 @@ import copy
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import snnconv
+from snnconv import models
+from snnconv.io.atomic import atomic_write_text
+from snnconv.snn.nir_io import export_nir
+from snnconv.stages.fold import fold_batchnorm
+from snnconv_backends.gpu import GPUBackend
 
-from common import randomise_bn  # noqa: E402  (benchmarks/common.py)
-
-import snnconv  # noqa: E402
-from snnconv import models  # noqa: E402
-from snnconv.io.atomic import atomic_write_text  # noqa: E402
-from snnconv.snn.nir_io import export_nir  # noqa: E402
-from snnconv.stages.fold import fold_batchnorm  # noqa: E402
-from snnconv_backends.gpu import GPUBackend  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
+from .common import RESULTS, randomise_bn
 
 
 class Check:
@@ -111,14 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="ResNet-8, batch 8, T=2: a smoke test")
+    p.add_argument("--tiny", action="store_true",
+                   help="--device cpu --small --no-compiled, the JSON written into the folder --out "
+                        "(default: a temporary one)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--T", nargs="+", type=int, default=[4, 8])
     p.add_argument("--check-batch", type=int, default=16, help="batch of the cpu comparison")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--budget", type=float, default=220.0, help="seconds; later sections are skipped")
     p.add_argument("--no-compiled", action="store_true", help="skip the torch.compile neuron")
-    p.add_argument("--out", default=os.path.join(RESULTS, "gpu_check.json"))
+    p.add_argument("--out", default=None, help=f"the JSON (default {os.path.join(RESULTS, 'gpu_check.json')})")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.device, args.small, args.no_compiled = "cpu", True, True
+        args.out = os.path.join(args.out or tempfile.mkdtemp(prefix="benchmarks-gpu_check-"), "gpu_check.json")
+    args.out = args.out or os.path.join(RESULTS, "gpu_check.json")
     model_name, batch, Ts, check_batch = "resnet18", args.batch, args.T, args.check_batch
     if args.small:
         model_name, batch, Ts, check_batch = "resnet8", min(args.batch, 8), [2], min(check_batch, 4)
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.update({"model": model_name, "batch": batch, "T": Ts, "device": str(device),
                 "torch": torch.__version__,
                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                "command": " ".join(["python benchmarks/gpu_check.py"]
+                "command": " ".join(["python -m benchmarks gpu_check"]
                                     + (sys.argv[1:] if argv is None else argv))})
 
     # --- set-up: the network, converted on random data ---

@@ -1,4 +1,4 @@
-"""One command for a CUDA machine: the CUDA tests, benchmarks/gpu_check.py and a default
+"""One command for a CUDA machine: the CUDA tests, ``python -m benchmarks gpu_check`` and a default
 conversion with fine-tuning, every result as JSON under one folder.
 
     python scripts/gpu_run.py --out gpu-run                          # on a CUDA machine, < 8 minutes
@@ -12,7 +12,7 @@ in its own process with its share of ``--budget`` seconds, and writes into ``--o
   requires and whether its range is met;
 - ``tests.json`` (``tests.log``): ``pytest -m cuda``, the tests that need a GPU (on CPU they are
   collected and skipped), each test's outcome and seconds;
-- ``gpu_check.json`` (``gpu_check.log``): ``benchmarks/gpu_check.py`` (``--small`` on CPU);
+- ``gpu_check.json`` (``gpu_check.log``): ``python -m benchmarks gpu_check`` (``--small`` on CPU);
 - ``convert.json`` (``convert.log``): ``snnconv.convert(model, loader, device=...)`` with its
   defaults (T=8, calibration, BPTT fine-tuning) on the zoo's CIFAR ResNet-18 and made data
   (random images with random labels: the cost, not the accuracy, is the point): each stage's
@@ -90,7 +90,9 @@ def run_step(name: str, argv: list[str], out: str, timeout: float) -> dict:
     start = time.perf_counter()
     log = os.path.join(out, f"{name}.log")
     try:
-        proc = subprocess.run(argv, cwd=out, capture_output=True, text=True, timeout=timeout)
+        path = os.pathsep.join([ROOT, os.path.join(ROOT, "backends")] + [os.environ.get("PYTHONPATH", "")])
+        proc = subprocess.run(argv, cwd=out, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": path.rstrip(os.pathsep)})
         code, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         code = None
@@ -187,9 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = {
         "tests": [sys.executable, "-m", "pytest", os.path.join(ROOT, "tests"), "-m", "cuda", "-q",
                   "-p", "no:cacheprovider", f"--junitxml={os.path.join(out, 'tests.xml')}"],
-        "gpu_check": [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--device",
-                      args.device, *small, "--budget", check_budget,
-                      "--out", os.path.join(out, "gpu_check.json")],
+        "gpu_check": [sys.executable, "-m", "benchmarks", "gpu_check", "--device", args.device, *small,
+                      "--budget", check_budget, "--out", os.path.join(out, "gpu_check.json")],
         "convert": [sys.executable, os.path.abspath(__file__), "--step", "convert", "--device", args.device,
                     *small[:1], "--out", out],
     }

@@ -2,7 +2,7 @@
 carries a digest gets it recomputed (the digest is public), so only the reader's own checks
 stand between the file and the caller.
 
-Used by tests/test_nir_file.py, tests/test_nir_file_fuzz.py and benchmarks/nir_file_attacks.py.
+Used by tests/test_nir_file.py, tests/test_nir_file_fuzz.py and benchmarks/interop/nir_file_attacks.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Files written by other libraries' NIR exporters, with their own simulation's outputs
-(tests/fixtures/nir, made by benchmarks/nir_consumers.py --fixtures): snnconv either runs a
+(tests/fixtures/nir, made by benchmarks/interop/nir_consumers.py --fixtures): snnconv either runs a
 file and gives the same outputs element by element, ties included, or refuses it with a
 NIRError that names the node; it never runs one with another meaning."""
 

@@ -1,0 +1,69 @@
+"""The benchmarks package: every entry point's ``--tiny`` mode runs and writes its results, and
+no benchmark edits ``sys.path``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+#: entry point -> (file its tiny run writes, keys its JSON has)
+TINY = {
+    "matrix": ("robustness.json", {"settings", "summary", "records", "errors"}),
+    "backends": ("backends.json", {"results", "threads", "clock"}),
+    "interop": ("nir_file_limits.json", {"unused", "chain 8"}),
+    "coverage": ("coverage.json", {"command", "rows"}),
+    "scale": ("scale.json", {"machine", "settings", "cells"}),
+    "gpu_check": ("gpu_check.json", {"sections", "errors", "skipped", "throughput"}),
+}
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "backends")]),
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("entry", sorted(TINY))
+def test_every_entry_point_has_a_tiny_mode_that_writes_its_results(entry, tmp_path):
+    proc = _run(entry, "--tiny", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    name, keys = TINY[entry]
+    data = json.loads((tmp_path / name).read_text())
+    assert keys <= set(data), sorted(data)
+    if entry == "matrix":  # the cells as data: one record per job, the cell's SNN at each T asked for
+        assert data["errors"] == []
+        (record,) = data["records"]
+        assert record["arch"] == "small_cnn" and set(record["cells"]) == {"default"}
+        assert {"2", "4"} <= set(record["cells"]["default"]["snn"])
+        assert (tmp_path / "robustness.png").exists()
+
+
+def test_the_front_lists_the_entries_and_refuses_an_unknown_one():
+    listing = _run("--help", timeout=60)
+    assert listing.returncode == 0
+    for entry in TINY:
+        assert entry in listing.stdout
+    assert _run("nonesuch", timeout=60).returncode == 2
+
+
+def test_an_entry_lists_its_questions_and_runs_one_with_its_own_flags():
+    listing = _run("coverage", "--help", timeout=60)
+    assert listing.returncode == 0 and "loihi2" in listing.stdout and "classifiers" in listing.stdout
+    own = _run("coverage", "loihi2", "--help", timeout=60)
+    assert own.returncode == 0
+    for flag in ("--threads", "--finetune", "--models", "--out", "--finetuned-only"):
+        assert flag in own.stdout
+
+
+def test_no_benchmark_edits_sys_path():
+    offenders = [str(p.relative_to(REPO)) for p in (REPO / "benchmarks").rglob("*.py")
+                 if "sys.path" in p.read_text(encoding="utf-8")]
+    assert offenders == []
