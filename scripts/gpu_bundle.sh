@@ -64,7 +64,7 @@ json.dump({"target": {"python": report["environment"]["python_version"], "torch"
 EOF
 "${pip[@]}" download --no-deps --only-binary=:all: --dest "$dir/wheels" -r "$work/wheels.txt"
 
-# the checkout's tracked files: the tests, benchmarks/gpu_check.py and scripts/gpu_run.py run from here
+# the checkout's tracked files: the tests, the benchmarks package and scripts/gpu_run.py run from here
 git -C "$root" ls-files -z | tar -C "$root" --null -T - -cf - | tar -C "$dir/src" -xf -
 cat > "$dir/run.sh" <<'EOF'
 #!/usr/bin/env bash

@@ -24,7 +24,7 @@ threshold per channel, a few KiB):
   counts the same bound in values).
 
 Reading a NIR file of VGG-16's size peaks at 1.3 GiB (2.4 times its 528 MiB of values: the
-values, their digest, the parser's float32 arrays; ``benchmarks/nir_file_attacks.py --admit``).
+values, their digest, the parser's float32 arrays; ``python -m benchmarks interop nir_file_attacks --admit``).
 A larger network is read by passing a larger bound to its reader (``load_nir(...,
 max_bytes=N)``), never by default.
 """

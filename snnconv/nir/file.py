@@ -41,7 +41,7 @@ The digest covers the values, so it can only be checked once they are read: the 
 step 3 bound what that reading allocates, and the digest is checked before nir builds its nodes
 or the graph is parsed. A load's peak memory is about 2.5 times the bytes the file declares
 (the values read, their digest, the float32 arrays the parser makes): 1.3 GiB for a graph of
-VGG-16's 138.3 M float32 parameters, measured (``benchmarks/nir_file_attacks.py --admit``).
+VGG-16's 138.3 M float32 parameters, measured (``python -m benchmarks interop nir_file_attacks --admit``).
 """
 
 from __future__ import annotations

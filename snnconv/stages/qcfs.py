@@ -128,7 +128,7 @@ class QCFSTrainConfig:
     (the matrix's, Fashion-MNIST, L=4, three epochs: validation 10.4% each epoch). QCFS-ANN on
     2,000 test images from the labels / at temperature 2 / at 1: ResNet-20 86.90 / 80.30 (the
     calibrated network, kept) / 86.15, small CNN 81.95 / 81.95 / 84.85, torchvision-style ResNet
-    86.40 / 86.25 / 85.50 (benchmarks/qcfs_distill.py)."""
+    86.40 / 86.25 / 85.50 (python -m benchmarks.studies.qcfs_distill)."""
 
     epochs: int = 0
     optimizer: str = "sgd"

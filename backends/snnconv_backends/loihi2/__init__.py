@@ -110,7 +110,7 @@ first layer's 13-bit rounding) cannot agree better with any finite-precision cop
 On torchvision's ``resnet18`` converted training-free without reconstruction (cpu 36% accurate)
 the cpu backend agreed with itself on 70% of the images at 1e-4 noise and 94% at 1e-5, and
 loihi2-sim with cpu on 52% (16-bit weights: 57%; a 4x larger input budget as well: 61%), with
-every layer's firing rate within 6% of the float rate (``benchmarks/loihi2_agreement.py``
+every layer's firing rate within 6% of the float rate (``python -m benchmarks backends loihi2_agreement``
 records both figures per network).
 
 Nothing is wrapped silently: the worst case is checked on the integer

@@ -19,7 +19,7 @@ to zero (half: twice the worst healthy layer, below every broken one). Layers th
 than :data:`MIN_RATE` in the float network are compared in absolute terms (a few spikes of a
 nearly silent layer are no evidence).
 
-On trained networks (``benchmarks/loihi2_agreement.py``, Fashion-MNIST at 3x32x32, 256 test
+On trained networks (``python -m benchmarks backends loihi2_agreement``, Fashion-MNIST at 3x32x32, 256 test
 images, T=8, training-free default conversion, layer biases as bias currents): every layer's
 rate ratio was 0.97-1.01 (torchvision ``resnet18``) and 0.996-1.008 (the zoo's ResNet-18), at
 most 26.5% and 8.4% of a connection's weights flushed, and no warning, while decision agreement
@@ -50,7 +50,7 @@ MIN_RATE = 0.01
 #: Least share of images on which the chip's decision (the readout averaged over T, its argmax)
 #: is the float network's, judged over at least :data:`MIN_IMAGES` images. Layer rates within
 #: tolerance do not make decisions agree: trained torchvision ResNet-18s on Fashion-MNIST
-#: (``benchmarks/loihi2_coverage.py``) kept every layer within 3% of the float rate and agreed on
+#: (``python -m benchmarks coverage loihi2``) kept every layer within 3% of the float rate and agreed on
 #: 82% of the images, because the float network's own decision changes on 11% of them when its
 #: input is scaled by 1 + 1e-4 noise (near-ties that any rounding flips).
 DECISION_TOLERANCE = 0.9
@@ -113,7 +113,7 @@ def check(q: QuantizedNetwork, chip: Mapping[str, torch.Tensor], ref: Mapping[st
             warn.append(f"its decisions are the float network's on {100 * agreement:.1f}% of {decisions[1]} "
                         f"images (tolerance {100 * DECISION_TOLERANCE:.0f}%): the float network's outputs "
                         "are near ties that fixed-point rounding flips; fine-tune the conversion, or "
-                        "measure the float network's own stability (benchmarks/loihi2_coverage.py)")
+                        "measure the float network's own stability (python -m benchmarks coverage loihi2)")
     ratios = [r["ratio"] for r in layers.values() if "ratio" in r and np.isfinite(r["ratio"])]
     return {"layers": layers, "connections": fl, "warnings": warn,
             "lowest_rate_ratio": min(ratios) if ratios else None,
