@@ -21,7 +21,7 @@ biases:
   neuron starts with).
 
 :func:`snnconv.convert` with ``reset="zero"`` runs :func:`calibrate_thresholds` (then bias
-calibration); the measurements behind that choice are in benchmarks/README.md, "hard_reset.py".
+calibration); the measurements behind that choice are in benchmarks/README.md, "hard_reset".
 """
 
 from __future__ import annotations
