@@ -144,7 +144,8 @@ class Plan:
         lines = [f"snnconv plan on {self.device} (one step of each stage measured, "
                  f"{self.measure_seconds:.0f} s; memory budget {gib(self.memory_budget)}):"]
         for s in self.stages:
-            what = "ANN" if s.T == 1 else f"T={s.T}"
+            # fine-tuning unrolls BPTT over its own horizon (2T by default), not the network's T
+            what = "ANN" if s.T == 1 else (f"{s.T} time steps of BPTT" if s.name == "finetune" else f"T={s.T}")
             steps = "unknown number of" if s.steps is None else str(s.steps)
             if s.name == "calibration":
                 line = f"  {s.name}: one pass over {s.images} image(s) at {what}"

@@ -108,3 +108,12 @@ def test_step_time_extrapolates_along_a_fixed_cost_and_a_cost_per_image(monkeypa
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(10.0 + 1.0 * 31)
     clock(0.01, 0.01, 0.2)  # cheap (a warm-up, then one image): the batch timed at once
     assert plan_module._step_time(lambda v: None, x, 32) == pytest.approx(0.2 * 32 / 8)
+
+
+def test_the_plan_line_of_fine_tuning_names_its_bptt_horizon_not_a_network_T():
+    """At T=8 fine-tuning unrolls BPTT over 16 steps; the plan must not read as a T=16 network."""
+    plan = plan_module.Plan("cpu", [plan_module.StagePlan("reconstruction", 300, 32, 8),
+                                    plan_module.StagePlan("finetune", 675, 16, 16)])
+    lines = plan.summary().splitlines()
+    assert "at T=8" in lines[1]
+    assert "16 time steps of BPTT" in lines[2] and "T=16" not in lines[2]
