@@ -322,8 +322,11 @@ def _energy_section(analysis: Mapping[str, Any] | None, backends: Mapping[str, A
                      f"</i> share one definition ({html.escape(ARITHMETIC_NOTE)}), counted on the spiking "
                      "graph as the backends run it: for the same images and spikes they give the same "
                      "figure, so a difference between them comes from the images (evaluate analyses the "
-                     "first images of the test set, <code>snnconv run</code> its <code>--limit</code>) or "
-                     "from the spikes (a fixed-point backend's differ from the float network's). "
+                     "first images of the test set, <code>snnconv run</code> its <code>--limit</code>), "
+                     "from the spikes (a fixed-point backend's differ from the float network's) or from "
+                     "the synapses (<code>loihi2-sim</code> gives a connection a second synapse group, "
+                     "listed as <code>.lo</code>, where 8-bit weights round it too coarsely: each spike "
+                     "then reaches two synapses). "
                      "A chip row uses "
                      f"{html.escape(CHIP_NOTE)}. The two models answer different questions; compare a "
                      "ratio only with rows of the same model.</p>")
