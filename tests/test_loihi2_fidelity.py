@@ -427,3 +427,59 @@ def test_lava_and_sim_agree_on_the_densenet_shaped_net_bit_for_bit():
     for name, v in sim.extra["trace"]["v"].items():
         assert torch.equal(v.reshape(lava.extra["trace"]["v"][name].shape), lava.extra["trace"]["v"][name]), name
     assert torch.equal(sim.outputs, lava.outputs)
+
+
+@pytest.mark.parametrize("k, s, p, K, P", [(2, 2, 0, 3, 1), (3, 2, 0, 1, 0), (3, 2, 1, 3, 0), (3, 1, 1, 1, 0),
+                                           (2, 2, 0, 1, 0), (3, 3, 0, 2, 1), (3, 2, 0, 3, 1)])
+def test_a_pooling_then_a_convolution_composes_into_one_exact_convolution(k, s, p, K, P):
+    """Average pooling (any kernel, stride and counted padding) then a stride-1 convolution is one
+    convolution on the pooling's input: the same values as the two ops, in float64."""
+    import torch.nn.functional as F
+
+    from snnconv.nir.reader import Op
+    from snnconv_backends.loihi2.mapping import pool_then_conv
+
+    g = torch.Generator().manual_seed(k * 100 + s * 10 + p + K)
+    x = torch.rand(2, 3, 12, 12, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 3, K, K, generator=g, dtype=torch.float64)
+    pool = Op("pool", "avgpool2d", ("in",), {"kernel_size": (k, k), "stride": (s, s), "padding": (p, p)},
+              (3, 12, 12), ())
+    conv = Op("conv", "conv2d", ("pool",), {"weight": w.numpy(), "stride": (1, 1), "padding": (P, P),
+                                            "dilation": (1, 1), "groups": 1}, (), ())
+    composed = pool_then_conv(pool, conv)
+    pooled = F.avg_pool2d(x, k, s, p, count_include_pad=True)
+    if composed is None:  # a padded convolution after an overlapping or padded pooling: not one conv
+        assert P and (s != k or p)
+        return
+    big, params = composed
+    want = F.conv2d(pooled, w, padding=P)
+    got = F.conv2d(x, torch.from_numpy(big), stride=params["stride"], padding=params["padding"])
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_an_inception_stem_pooling_then_a_1x1_convolution_runs_as_one_convolution():
+    """torchvision Inception v3's stem: max-pooling (3, stride 2; average pooling after conversion)
+    then a 1x1 convolution. On the chip one convolution of kernel 3, stride 2 (a dense matrix of
+    the pair was too large to build at 75 px), following the float network."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Stem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+            self.pool, self.c, self.fc = nn.AvgPool2d(3, stride=2), nn.Conv2d(8, 6, 1), nn.Linear(6, 3)
+
+        def forward(self, x):
+            x = self.pool(F.relu(self.b(F.relu(self.a(x)))))
+            return self.fc(torch.flatten(F.adaptive_avg_pool2d(F.relu(self.c(x)), 1), 1))
+
+    torch.manual_seed(0)
+    x = torch.rand(64, 1, 11, 11)
+    snn, _ = snnconv.convert(Stem().eval(), [(x, torch.zeros(64, dtype=torch.long))], T=T,
+                             finetune_epochs=0, reconstruction_steps=0, progress=False, on_collapse="warn")
+    program = Loihi2SimBackend().compile(snnconv.export_nir(snn))
+    kinds = {c.name: c.kind for p in program.q.populations for c in p.conns}
+    assert kinds.get("c") == "conv", kinds
+    fid = program.run(x, T).extra["fidelity"]
+    assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.8

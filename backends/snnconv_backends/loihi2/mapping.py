@@ -80,22 +80,29 @@ def chain_kind(chain: list[Any], src_shape: tuple[int, ...], tgt_shape: tuple[in
 
 
 def pool_then_conv(pool: Any, conv: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
-    """Average pooling (kernel = stride = k, no padding) then a stride-1 convolution, as one
-    convolution: kernel ``k * K`` with ``K'[.., k*a + i, k*b + j] = K[.., a, b] / k**2``, stride
-    k, padding ``k * p`` (exact). ``None`` when the pair does not have this form."""
+    """Average pooling (kernel k, stride s, padding p, padding counted) then a stride-1
+    convolution (kernel K), as one convolution of kernel ``s (K - 1) + k``, stride s:
+    ``K'[.., s*a + i, s*b + j] += K[.., a, b] / k**2`` (exact: a linear map of a linear map).
+    The convolution may pad (P) only where the pooling tiles its input (k = s, p = 0): then a
+    padded pooled position maps wholly outside the input, and the padding is ``k P``. ``None``
+    when the pair does not have this form."""
     if pool.kind != "avgpool2d" or pool.params.get("adaptive", False):
         return None
     k = tuple(int(v) for v in pool.params["kernel_size"])
-    if tuple(int(v) for v in pool.params["stride"]) != k or any(int(v) for v in pool.params["padding"]):
-        return None
-    if any(n % kk for n, kk in zip(pool.in_shape[-2:], k)):
-        return None
+    s = tuple(int(v) for v in pool.params["stride"])
+    p = tuple(int(v) for v in pool.params["padding"])
     cp = conv_params(conv)
     if cp["stride"] != (1, 1) or cp["dilation"] != (1, 1):
         return None
+    if any(cp["padding"]) and (s != k or any(p) or any(n % kk for n, kk in zip(pool.in_shape[-2:], k))):
+        return None
     w = np.asarray(conv.params["weight"], np.float64)
-    big = np.repeat(np.repeat(w, k[0], axis=2), k[1], axis=3) / (k[0] * k[1])
-    return big, {"ndim": 2, "stride": k, "padding": (cp["padding"][0] * k[0], cp["padding"][1] * k[1]),
+    K = w.shape[2:]
+    big = np.zeros(w.shape[:2] + (s[0] * (K[0] - 1) + k[0], s[1] * (K[1] - 1) + k[1]))
+    for a in range(K[0]):
+        for b in range(K[1]):
+            big[:, :, s[0] * a:s[0] * a + k[0], s[1] * b:s[1] * b + k[1]] += w[:, :, a:a + 1, b:b + 1] / (k[0] * k[1])
+    return big, {"ndim": 2, "stride": s, "padding": (s[0] * cp["padding"][0] + p[0], s[1] * cp["padding"][1] + p[1]),
                  "dilation": (1, 1), "groups": cp["groups"]}
 
 
