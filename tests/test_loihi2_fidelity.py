@@ -483,3 +483,26 @@ def test_an_inception_stem_pooling_then_a_1x1_convolution_runs_as_one_convolutio
     assert kinds.get("c") == "conv", kinds
     fid = program.run(x, T).extra["fidelity"]
     assert fid["decision_agreement"] >= 0.9 and fid["lowest_rate_ratio"] > 0.8
+
+
+def test_per_channel_scales_before_a_pooling_then_a_convolution_fold_into_the_one_convolution():
+    """A source's per-channel output scale, an average pooling (3, stride 2) and a 1x1 convolution
+    (Inception v3's ``maxpool2`` before ``Mixed_5b``): one convolution, equal in float64."""
+    import torch.nn.functional as F
+
+    from snnconv.nir.reader import Op
+    from snnconv_backends.loihi2.mapping import chain_as_conv
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(2, 3, 12, 12, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 3, 1, 1, generator=g, dtype=torch.float64)
+    s = torch.rand(3, generator=g, dtype=torch.float64) + 0.5
+    scale = Op("s", "scale", ("in",), {"scale": s.reshape(3, 1, 1).expand(3, 12, 12).numpy()}, (3, 12, 12), ())
+    pool = Op("pool", "avgpool2d", ("s",), {"kernel_size": (3, 3), "stride": (2, 2), "padding": (0, 0)},
+              (3, 12, 12), ())
+    conv = Op("conv", "conv2d", ("pool",), {"weight": w.numpy(), "stride": (1, 1), "padding": (0, 0),
+                                            "dilation": (1, 1), "groups": 1}, (), ())
+    big, params = chain_as_conv([scale, pool, conv])
+    want = F.conv2d(F.avg_pool2d(x * s.reshape(1, 3, 1, 1), 3, 2), w)
+    got = F.conv2d(x, torch.from_numpy(big), stride=params["stride"], padding=params["padding"])
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)

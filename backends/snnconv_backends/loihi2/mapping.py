@@ -135,7 +135,8 @@ def _channel_scale(op: Any) -> np.ndarray | None:
 
 
 def chain_as_conv(core: list[Any]) -> tuple[np.ndarray, dict[str, Any]] | None:
-    """A chain of linear ops as one convolution, or None: a pair of :func:`pair_as_conv`, or
+    """A chain of linear ops as one convolution, or None: a pair of :func:`pair_as_conv` (after
+    per-channel scales of the input, for a pooling then a convolution), or
     per-channel scales of the input (a source's output scale), a convolution, then 1x1 stride-1
     convolutions of one group (a concatenation's channel placement, a BatchNorm that reads a
     concatenation: DenseNet's) and per-channel scales, each a linear map of the input or output
@@ -145,6 +146,18 @@ def chain_as_conv(core: list[Any]) -> tuple[np.ndarray, dict[str, Any]] | None:
         pair = pair_as_conv(core[0], core[1])
         if pair is not None:
             return pair
+    if len(core) > 2 and core[-2].kind == "avgpool2d" and all(op.kind == "scale" for op in core[:-2]):
+        # per-channel scales of the input (a source's output scale) commute with the pooling
+        pair = pool_then_conv(core[-2], core[-1]) if core[-1].kind == "conv2d" else None
+        if pair is None or pair[1]["groups"] != 1:
+            return None
+        w = pair[0]
+        for op in core[:-2]:
+            s = _channel_scale(op)
+            if s is None or s.shape[0] != w.shape[1]:
+                return None
+            w = w * s.reshape(1, -1, 1, 1)
+        return w, pair[1]
     first = next((i for i, op in enumerate(core) if op.kind != "scale"), len(core))
     if first == len(core) or core[first].kind != "conv2d":
         return None
