@@ -199,10 +199,17 @@ def chain_as_conv(core: list[Any]) -> tuple[np.ndarray, dict[str, Any]] | None:
     return w, params
 
 
+#: The most entries of a chain composed into a dense matrix (2**28: 2 GiB in float64).
+MAX_COMPOSED = 2**28
+
+
 def compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndarray:
     """The chain's linear map (biases left out) as a float64 matrix ``[N_target, N_source]``."""
     n_src = int(np.prod(src_shape))
-    if n_src * n_tgt > 2**26:
+    # 2 GiB of float64 at most: torchvision Inception v3's two poolings then a 1x1 convolution
+    # (Mixed_5b's pool branch, the second pooling padded: no one convolution) at 75 px are
+    # 3,136 x 43,200 = 1.35e8 entries
+    if n_src * n_tgt > MAX_COMPOSED:
         raise BackendError(
             f"loihi2-sim: the op chain {[op.name for op in chain]} composes into a "
             f"{n_tgt} x {n_src} weight matrix, too large to build; put a convolution or a "
