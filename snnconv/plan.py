@@ -145,12 +145,13 @@ class Plan:
                  f"{self.measure_seconds:.0f} s; memory budget {gib(self.memory_budget)}):"]
         for s in self.stages:
             # fine-tuning unrolls BPTT over its own horizon (2T by default), not the network's T
-            what = "ANN" if s.T == 1 else (f"{s.T} time steps of BPTT" if s.name == "finetune" else f"T={s.T}")
+            what = "ANN" if s.T == 1 else (f"BPTT through {s.T} time steps" if s.name == "finetune" else f"T={s.T}")
             steps = "unknown number of" if s.steps is None else str(s.steps)
             if s.name == "calibration":
                 line = f"  {s.name}: one pass over {s.images} image(s) at {what}"
             else:
-                line = f"  {s.name}: {steps} step(s) of {s.images} image(s) at {what}"
+                at = "," if s.name == "finetune" else " at"
+                line = f"  {s.name}: {steps} step(s) of {s.images} image(s){at} {what}"
                 if s.seconds_per_step is not None:
                     line += f", {_duration(s.seconds_per_step)} a step"
             if s.micro_batch is not None and s.micro_batch < s.images:

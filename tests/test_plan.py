@@ -116,4 +116,4 @@ def test_the_plan_line_of_fine_tuning_names_its_bptt_horizon_not_a_network_T():
                                     plan_module.StagePlan("finetune", 675, 16, 16)])
     lines = plan.summary().splitlines()
     assert "at T=8" in lines[1]
-    assert "16 time steps of BPTT" in lines[2] and "T=16" not in lines[2]
+    assert "image(s), BPTT through 16 time steps" in lines[2] and "T=16" not in lines[2]

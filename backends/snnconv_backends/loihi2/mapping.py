@@ -215,8 +215,9 @@ def compose(chain: list[Any], src_shape: tuple[int, ...], n_tgt: int) -> np.ndar
             f"{n_tgt} x {n_src} weight matrix, too large to build; put a convolution or a "
             "neuron layer between pooling and the next layer")
     mat = np.zeros((n_tgt, n_src))
-    for lo in range(0, n_src, 1024):
-        hi = min(n_src, lo + 1024)
+    rows = max(1, min(1024, 2**24 // n_src))  # one-hot inputs of at most 128 MiB at a time
+    for lo in range(0, n_src, rows):
+        hi = min(n_src, lo + rows)
         x = torch.zeros(hi - lo, n_src, dtype=torch.float64)
         x[torch.arange(hi - lo), torch.arange(lo, hi)] = 1.0
         x = x.reshape(hi - lo, *src_shape)
