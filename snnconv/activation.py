@@ -70,6 +70,10 @@ class QCFS(nn.Module):
 
     ``floor`` has a straight-through gradient; ``lam`` is a trainable parameter, one value per
     layer (shape ``[]``) or per channel (shape ``[C]``, channels on dim 1 of the input).
+    ``noise`` (a float, 0 by default; not saved): in training mode only, ``noise * N(0, 1)``
+    is subtracted from every output, the noise-modelled QCFS of Hu et al. (arXiv 2404.17456),
+    whose standard deviation is the spiking network's residual error at this site
+    (:func:`snnconv.calibration.residual_noise`).
 
     Shape:
         input ``[B, C, ...]`` or ``[B, C]``; output: same.
@@ -87,6 +91,7 @@ class QCFS(nn.Module):
         self.L = int(L)
         self.phi = float(phi)
         self.lam = nn.Parameter(lam)
+        self.noise = 0.0
 
     def lam_view(self, ndim: int) -> torch.Tensor:
         """lambda shaped to broadcast over an input with ``ndim`` dimensions (channels on dim 1)."""
@@ -97,7 +102,10 @@ class QCFS(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lam = self.lam_view(x.dim())
         q = FloorSTE.apply(x * (self.L / lam) + self.phi)
-        return torch.clamp(q, 0, self.L) * (lam / self.L)
+        out = torch.clamp(q, 0, self.L) * (lam / self.L)
+        if self.training and self.noise > 0:
+            out = out - self.noise * torch.randn_like(out)
+        return out
 
     def extra_repr(self) -> str:
         shape = "per-layer" if self.lam.dim() == 0 else f"per-channel[{self.lam.numel()}]"

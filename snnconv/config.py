@@ -101,6 +101,12 @@ class ConvertConfig:
             absorbs the error, the bias what the membrane's range cannot); one integer: the bias
             alone for that many steps (the default for ``reset="zero"``: ``T``); two horizons
             ``(T1, T2)``: bias and initial membrane per channel fitted exactly at both.
+        calibration_reference: what the bias (membrane) and weight calibrations match each
+            layer to: ``"qcfs"`` (default) the QCFS-ANN, quantised at the calibration's horizon;
+            ``"ann"`` the network with ReLU at every site, no clip and no quantisation (the
+            ANN's own weights where no QCFS training ran): each layer's bias then also absorbs
+            the mean error of clipping at its threshold (Nagel et al., ICCV 2019; Li et al.,
+            ICML 2021).
         threshold_calibration: fit each layer's threshold to the QCFS-ANN before the bias
             calibration (:func:`snnconv.calibration.calibrate_thresholds`). Default: on for
             ``reset="zero"`` only.
@@ -145,6 +151,7 @@ class ConvertConfig:
     reset: str = "subtract"
     bias_calibration: bool = True
     bias_calibration_T: int | tuple[int, int] | None = None
+    calibration_reference: str = "qcfs"
     threshold_calibration: bool | None = None
     weight_calibration: bool | None = None
     qcfs_epochs: int | None = None
@@ -173,6 +180,7 @@ class ConvertConfig:
         _choice("maxpool", self.maxpool, MAXPOOL_MODES)
         _choice("reset", self.reset, RESETS)
         _choice("on_collapse", self.on_collapse, ("raise", "warn"))
+        _choice("calibration_reference", self.calibration_reference, ("qcfs", "ann"))
         for name in ("per_channel", "threshold_calibration", "weight_calibration"):
             _flag(name, getattr(self, name), optional=True)
         _flag("bias_calibration", self.bias_calibration)
@@ -268,6 +276,7 @@ class ConvertConfig:
         cfg = self.resolved()
         return dict(T=cfg.T, L=cfg.L, percentile=cfg.percentile, per_channel=cfg.per_channel,
                     bias_calibration=cfg.bias_calibration, bias_calibration_T=cfg.bias_calibration_T,
+                    calibration_reference=cfg.calibration_reference,
                     membrane_calibration=bool(cfg.membrane_calibration and cfg.bias_calibration),
                     threshold_calibration=bool(cfg.threshold_calibration),
                     weight_calibration=bool(cfg.weight_calibration and cfg.bias_calibration),

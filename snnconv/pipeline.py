@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from snnconv.analysis.health import accuracy_of, activity, chance_level, collaps
 from snnconv.analysis.metrics import accuracy_by_T, evaluate
 from snnconv.analysis.summary import images_in, say_beyond_ann
 from snnconv.calibration import calibrate_bias, calibrate_thresholds, reconstruct
+from snnconv.calibration.noise import residual_noise
+from snnconv.calibration.reference import unquantised
 from snnconv.config import ConvertConfig
 from snnconv.constructs.pools import rewrite_ceil_pools
 from snnconv.data import check_labels, generators_kept
@@ -307,7 +310,9 @@ def _qcfs(s: _Run) -> dict:
                            percentile=cfg.percentile, per_channel=cfg.per_channel,
                            num_batches=len(s.calib), maxpool=cfg.maxpool, train=train,
                            device=s.device, progress=cfg.progress,
-                           teacher=s.model if train is not None and train.distill > 0 else None)
+                           teacher=s.model if train is not None and train.distill > 0 else None,
+                           noise_model=(functools.partial(residual_noise, T=cfg.T, reset=cfg.reset)
+                                        if train is not None and train.epochs > 0 and train.noise > 0 else None))
     changes = dict(s.qgm.meta["qcfs"], ceil_pools=rewrite_ceil_pools(s.qgm, (s.calib[0][0].to(s.device),)))
     s.qcfs_source = {name: name[len("qcfs_"):] for name in s.qgm.meta["qcfs"]["sites"] if name.startswith("qcfs_")}
     return changes
@@ -333,7 +338,8 @@ def _spiking(s: _Run) -> dict:
                                    T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
                                    num_batches=len(bias_batches))
     if cfg.bias_calibration:
-        snn = calibrate_bias(snn, s.qgm, bias_batches, T=fixed_T, horizons=cfg.horizons,
+        reference = s.qgm if cfg.calibration_reference == "qcfs" else unquantised(s.qgm)
+        snn = calibrate_bias(snn, reference, bias_batches, T=fixed_T, horizons=cfg.horizons,
                              membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
                              num_batches=len(bias_batches))
     if cfg.reconstruction_steps:

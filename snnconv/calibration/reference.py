@@ -4,6 +4,7 @@ the calibration batches, the reference's QCFS sites, and their per-channel mean 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -11,11 +12,11 @@ import torch.fx as fx
 
 from snnconv.data import SameShape, split_batch
 from snnconv.errors import DataError
-from snnconv.graph import capture_pieces, module_of
+from snnconv.graph import capture_pieces, module_of, set_module
 from snnconv.stages.qcfs import QCFS
 
 __all__ = ["calibration_batches", "reference_sites", "qcfs_levels", "reference_means", "channel_sums",
-           "channel_mean"]
+           "channel_mean", "ReLUSite", "unquantised"]
 
 
 def calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch.Tensor]:
@@ -81,3 +82,23 @@ def reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels:
                     mean = values[name] * ((hi - lo) / len(x))
                     means[target] = means.get(target, 0) + mean / len(batches)
     return means
+
+
+class ReLUSite(QCFS):
+    """A QCFS site that computes the ANN's ReLU (no clip, no quantisation; its ``lam`` and
+    ``L`` are kept, unused): the calibrations' reference ``"ann"``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+def unquantised(qgm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the QCFS-ANN ``qgm`` with a :class:`ReLUSite` at every QCFS site: the ANN with
+    ``qgm``'s weights, its sites under the same names."""
+    out = copy.deepcopy(qgm)
+    for name, m in list(out.named_modules()):
+        if type(m) is QCFS:
+            site = ReLUSite(m.L, m.lam.detach(), m.phi).to(m.lam.device)
+            site.input_ndim = getattr(m, "input_ndim", None)  # type: ignore[assignment]
+            set_module(out, name, site)
+    return out

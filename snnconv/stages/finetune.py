@@ -70,7 +70,10 @@ class FinetuneConfig:
     network as given competes as epoch 0 in the best-epoch choice (one validation pass more),
     its score lowered by one standard error (:func:`start_margin`): fine-tuning never returns
     a network worse on validation than it was given by more than the split's noise, and a
-    trained epoch wins a tie within it.
+    trained epoch wins a tie within it. ``per_step`` in [0, 1] weighs in a loss at every time
+    step (TET, Deng et al., arXiv 2202.11946): the mean over the T steps of each step's own
+    readout's loss, ``(1 - per_step) * readout loss + per_step * mean_t loss(out_t)``, which
+    asks every step to answer rather than only their average.
     """
 
     epochs: int = 1
@@ -101,6 +104,7 @@ class FinetuneConfig:
     distill_temperature: float = 2.0
     wise: float = 0.0
     keep_start: bool = False
+    per_step: float = 0.0
 
     def __post_init__(self):
         def bad(msg):
@@ -124,6 +128,8 @@ class FinetuneConfig:
             bad(f"distill must be in [0, 1], got {self.distill}")
         if self.distill_temperature <= 0:
             bad(f"distill_temperature must be positive, got {self.distill_temperature}")
+        if not 0 <= self.per_step <= 1:
+            bad(f"per_step must be the per-step loss's weight in [0, 1], got {self.per_step}")
         if not 0 <= self.wise < 1:
             bad(f"wise must be the start's weight in [0, 1), got {self.wise}")
         if self.weight_decay < 0:
@@ -186,7 +192,7 @@ def _data_size(data: "_Data") -> int | None:
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
                 "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
-                "distill", "distill_temperature")
+                "distill", "distill_temperature", "per_step")
 
 
 @dataclass
@@ -389,12 +395,16 @@ def _backward(runner: Any, x: torch.Tensor, y: torch.Tensor, soft: torch.Tensor 
         sync = contextlib.nullcontext() if last or not hasattr(runner, "no_sync") else runner.no_sync()
         with sync:
             with torch.autocast(xp.device.type, dtype=amp_dtype, enabled=use_amp):
-                if cfg.horizons:
-                    # anytime readout: cross-entropy of the running average after each horizon
-                    cum = runner(xp, per_step=True).float().cumsum(0)
+                if cfg.horizons or cfg.per_step:
+                    steps = runner(xp, per_step=True).float()
+                    cum = steps.cumsum(0)
                     out = cum[-1] / cfg.T
-                    loss = sum(_readout_loss(cum[h - 1] / h, yp, sp, cfg)
-                               for h in cfg.horizons) / len(cfg.horizons)
+                    # anytime readout: cross-entropy of the running average after each horizon
+                    loss = (sum(_readout_loss(cum[h - 1] / h, yp, sp, cfg) for h in cfg.horizons)
+                            / len(cfg.horizons)) if cfg.horizons else _readout_loss(out, yp, sp, cfg)
+                    if cfg.per_step:
+                        each = sum(_readout_loss(o, yp, sp, cfg) for o in steps) / len(steps)
+                        loss = (1 - cfg.per_step) * loss + cfg.per_step * each
                 else:
                     out = runner(xp)
                     loss = _readout_loss(out.float(), yp, sp, cfg)

@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
@@ -128,7 +128,17 @@ class QCFSTrainConfig:
     (the matrix's, Fashion-MNIST, L=4, three epochs: validation 10.4% each epoch). QCFS-ANN on
     2,000 test images from the labels / at temperature 2 / at 1: ResNet-20 86.90 / 80.30 (the
     calibrated network, kept) / 86.15, small CNN 81.95 / 81.95 / 84.85, torchvision-style ResNet
-    86.40 / 86.25 / 85.50 (python -m benchmarks.studies.qcfs_distill)."""
+    86.40 / 86.25 / 85.50 (python -m benchmarks.studies.qcfs_distill).
+
+    ``noise`` > 0: noise-modelled QCFS training (Hu et al., arXiv 2404.17456). Before each epoch
+    the converted network's residual error at every site is measured on ``noise_batches``
+    batches of the validation split (``calibrate_qcfs(noise_model=)``, which
+    :func:`snnconv.convert` passes at its T and reset), and in training each QCFS output loses
+    ``noise * sigma * N(0, 1)`` with that site's standard deviation ``sigma`` (``noise=1``:
+    the reference's model): the weights learn to
+    tolerate the error the spikes will make. The reference trains from scratch with sigma 0
+    in its first epoch; here the calibrated network already has a spiking counterpart, so the
+    first epoch has its noise too. ``meta["qcfs"]["history"]`` records each epoch's sigmas."""
 
     epochs: int = 0
     optimizer: str = "sgd"
@@ -142,8 +152,16 @@ class QCFSTrainConfig:
     max_steps: int | None = None
     distill: float = 0.0
     distill_temperature: float = 1.0
+    noise: float = 0.0
+    noise_batches: int = 4
 
     def __post_init__(self):
+        if isinstance(self.noise, bool) or not 0 <= float(self.noise) < math.inf:
+            raise ConfigError(f"noise must be a finite number >= 0 (1: the measured residual error), "
+                              f"got {self.noise!r}")
+        if isinstance(self.noise_batches, bool) or int(self.noise_batches) != self.noise_batches \
+                or self.noise_batches < 1:
+            raise ConfigError(f"noise_batches must be an integer >= 1, got {self.noise_batches!r}")
         if not 0 <= self.distill <= 1:
             raise ConfigError(f"distill must be in [0, 1], got {self.distill}")
         if self.distill_temperature <= 0:
@@ -191,8 +209,33 @@ _NEEDS_LABELS = ("QCFS training needs labels, but the loader yields inputs only.
                  "qcfs_epochs=0 to calibrate only.")
 
 
+def set_noise(gm: fx.GraphModule, sigmas: dict[str, float]) -> dict[str, float]:
+    """Set each QCFS module's ``noise`` to the sigma of its call site in ``sigmas`` (fx node
+    name -> sigma; a module called at several sites takes their largest, one absent 0);
+    returns module target -> sigma."""
+    by_module = {str(n.target): 0.0 for n in gm.graph.nodes
+                 if n.op == "call_module" and isinstance(module_of(gm, n), QCFS)}
+    for node in gm.graph.nodes:
+        if node.name in sigmas and str(node.target) in by_module:
+            by_module[str(node.target)] = max(by_module[str(node.target)], float(sigmas[node.name]))
+    for target, sigma in by_module.items():
+        gm.get_submodule(target).noise = sigma
+    return by_module
+
+
+def _noise_batches(data: Iterable, n: int, device: torch.device) -> list[torch.Tensor]:
+    """The inputs of the first ``n`` batches of ``data``, on ``device``."""
+    out = []
+    for batch in data:
+        if len(out) >= n:
+            break
+        out.append(split_batch(batch, where="the QCFS training loader")[0].to(device))
+    return out
+
+
 def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
-                progress: bool, summary: dict[str, Any], teacher: nn.Module | None) -> list[dict[str, float]]:
+                progress: bool, summary: dict[str, Any], teacher: nn.Module | None,
+                noise_model: Callable[..., dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """Train weights and lambdas; keep the best epoch on the validation split, where the
     calibrated state counts as epoch 0 (``summary`` gets ``calibrated_val_acc`` and ``best_epoch``)."""
     # a list of one batch holds nothing out: train on it without best-epoch selection
@@ -200,6 +243,7 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     train, val = split_loader(loader, 0.0 if one_batch else cfg.val_fraction, seed=cfg.seed)
     if val is not None and isinstance(val, Sized) and len(val) == 0:
         val = None
+    probe = _noise_batches(val if val is not None else train, cfg.noise_batches, device) if cfg.noise else []
     label_free = teacher is not None and cfg.distill == 1
     if val is not None:
         val = TeacherLabelled(val, teacher if label_free else None, device, missing=_NEEDS_LABELS)
@@ -224,6 +268,10 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     for epoch in range(cfg.epochs):
         if cfg.max_steps is not None and total >= cfg.max_steps:
             break
+        sigmas = None
+        if noise_model is not None and probe:
+            with torch.random.fork_rng(devices=[]):
+                sigmas = set_noise(gm, {k: cfg.noise * v for k, v in noise_model(gm, probe).items()})
         gm.train()
         loss_sum, n, correct = 0.0, 0, 0
         length = _length(train)
@@ -259,14 +307,17 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
             if cfg.max_steps is not None and total >= cfg.max_steps:
                 break
         gm.eval()
-        record = {"epoch": epoch + 1, "loss": loss_sum / max(n, 1), "train_acc": 100.0 * correct / max(n, 1),
-                  "steps": steps_done}
+        record: dict[str, Any] = {"epoch": epoch + 1, "loss": loss_sum / max(n, 1),
+                                  "train_acc": 100.0 * correct / max(n, 1), "steps": steps_done}
+        if sigmas is not None:
+            record["noise"] = sigmas
         if val is not None:
             record["val_acc"] = evaluate(gm, val, device)
             if record["val_acc"] > best[0]:
                 best = (record["val_acc"], copy.deepcopy(gm.state_dict()))
                 best_epoch = epoch + 1
         history.append(record)
+    set_noise(gm, {})
     if best[1] is not None:
         gm.load_state_dict(best[1])
         summary["best_epoch"] = best_epoch
@@ -301,6 +352,7 @@ def calibrate_qcfs(
     device: str | torch.device = "cpu",
     progress: bool = True,
     teacher: nn.Module | None = None,
+    noise_model: Callable[..., dict[str, float]] | None = None,
 ) -> fx.GraphModule:
     """Replace every ReLU call site of a BatchNorm-free ``model`` with its own calibrated QCFS.
 
@@ -308,7 +360,9 @@ def calibrate_qcfs(
     (per layer, or per channel), then ``train`` optionally runs QCFS-aware training (labels
     needed unless ``train.distill`` is 1; validation split from ``loader``). ``teacher`` (an ANN
     mapping the same inputs to the same classes, used on a copy in eval mode) is required
-    exactly when ``train.distill > 0``. Works on a copy; returns a GraphModule whose
+    exactly when ``train.distill > 0``. ``noise_model(gm, batches)`` (required exactly when
+    ``train.noise > 0``; :func:`snnconv.calibration.noise.residual_noise` at the target T) gives
+    each QCFS call site's noise sigma before each epoch. Works on a copy; returns a GraphModule whose
     ``meta["qcfs"]`` records lambda per site and the training history.
 
     Raises:
@@ -323,6 +377,11 @@ def calibrate_qcfs(
         raise ConfigError("QCFS distillation needs both a teacher and train.distill > 0 (with epochs >= 1); "
                           f"got teacher={type(teacher).__name__ if teacher is not None else None} "
                           f"and distill={distill}")
+    noisy = train is not None and train.epochs > 0 and train.noise > 0
+    if noisy != (noise_model is not None):
+        raise ConfigError("noise-modelled QCFS training needs both train.noise > 0 (with epochs >= 1) "
+                          "and a noise_model (the spiking network's residual error per site; "
+                          "snnconv.convert passes it)")
     if teacher is not None and not isinstance(teacher, nn.Module):
         raise ConfigError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
     if maxpool not in ("error", "avg"):
@@ -375,7 +434,7 @@ def calibrate_qcfs(
     if train is not None and train.epochs > 0:
         if teacher is not None:
             teacher = copy.deepcopy(teacher).to(device).eval().requires_grad_(False)
-        record["history"] = _train_qcfs(gm, loader, train, device, progress, record, teacher)
+        record["history"] = _train_qcfs(gm, loader, train, device, progress, record, teacher, noise_model)
     for name, q in qcfs_sites(gm).items():
         site = record["sites"].setdefault(name, {"replaces": "an existing QCFS module (kept)"})
         site["lambda"] = q.lam.detach().cpu().tolist()
