@@ -91,7 +91,7 @@ class QCFS(nn.Module):
         self.L = int(L)
         self.phi = float(phi)
         self.lam = nn.Parameter(lam)
-        self.noise = 0.0
+        self.noise: float = 0.0
 
     def lam_view(self, ndim: int) -> torch.Tensor:
         """lambda shaped to broadcast over an input with ``ndim`` dimensions (channels on dim 1)."""

@@ -96,6 +96,14 @@ def low_t_cells(job: dict, ann, loader, test, device, extra: dict) -> dict:
                                                     seed=job["seed"], distill=options.pop("qcfs_distill"))
         if job["smoke"] and options.get("qcfs_epochs"):
             options["qcfs_epochs"] = 1
+        if job.get("finetune_overrides") and options.get("finetune_epochs") != 0:
+            # --finetune-set: convert()'s own fine-tuning recipe with those fields changed
+            from snnconv.defaults import LABEL_FREE_DISTILL, default_finetune_epochs, finetune_recipe
+
+            options["finetune_config"] = finetune_recipe(
+                options["T"], data, epochs=default_finetune_epochs(data), seed=job["seed"],
+                reset=options.get("reset", "subtract"),
+                **({} if data is loader else {"distill": LABEL_FREE_DISTILL}), **job["finetune_overrides"])
         cells[name] = convert_cell(ann, data, test, device, Ts, seed=job["seed"], **extra, **options)
     return cells
 

@@ -6,11 +6,13 @@ the same images from the input."""
 from __future__ import annotations
 
 import math
+from typing import cast
+
 import torch
 import torch.fx as fx
 
 from snnconv.graph import capture, module_of
-from snnconv.snn.neuron import channel_view
+from snnconv.snn.neuron import IFNeuron, channel_view
 from snnconv.stages.qcfs import QCFS
 from snnconv.stages.spiking import to_spiking
 
@@ -48,20 +50,21 @@ def residual_noise(qgm: fx.GraphModule, batches: list[torch.Tensor], *, T: int,
         for node in snn.net.graph.nodes:
             if node.op == "call_module" and str(node.target) in targets:
                 neurons.setdefault(targets[str(node.target)], []).append(node)
-        # the k-th call of a QCFS module is the k-th call of the neuron that replaced it
-        pairs = [(a, s, qgm.get_submodule(target)) for target, calls in sources.items()
-                 for a, s in zip(calls, neurons.get(target, []))]
-        currents = [s.args[0].name for _, s, _ in pairs if isinstance(s.args[0], fx.Node)]
-        variances: dict[str, list[float]] = {a: [] for a, _, _ in pairs}
+        # the k-th call of a QCFS module is the k-th call of the neuron that replaced it: per
+        # pair the site's node name, the neuron's node and its input's, the QCFS, the neuron
+        pairs = [(a, s.name, cast(fx.Node, s.args[0]).name, cast(QCFS, qgm.get_submodule(target)),
+                  cast(IFNeuron, module_of(snn.net, s)))
+                 for target, calls in sources.items() for a, s in zip(calls, neurons.get(target, []))]
+        variances: dict[str, list[float]] = {p[0]: [] for p in pairs}
         for x in batches:
-            ann = {} if local else capture(qgm, (x,), [a for a, _, _ in pairs])
-            seen = capture(snn.net, (x,), [s.name for _, s, _ in pairs] + (currents if local else []))
-            for a, s, site in pairs:
-                train = seen[s.name]
+            ann = {} if local else capture(qgm, (x,), [p[0] for p in pairs])
+            seen = capture(snn.net, (x,), [p[1] for p in pairs] + ([p[2] for p in pairs] if local else []))
+            for a, s, current_name, site, neuron in pairs:
+                train = seen[s]
                 rate = train.reshape(T, len(x), *train.shape[1:]).float().mean(0)
-                value = rate * channel_view(module_of(snn.net, s).theta.detach(), rate.dim())
+                value = rate * channel_view(neuron.theta.detach(), rate.dim())
                 if local:
-                    current = seen[s.args[0].name]
+                    current = seen[current_name]
                     with torch.no_grad():
                         want = site(current.reshape(T, len(x), *current.shape[1:]).float().mean(0))
                 else:

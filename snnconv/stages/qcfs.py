@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
 import torch.fx as fx
@@ -219,13 +219,13 @@ def set_noise(gm: fx.GraphModule, sigmas: dict[str, float]) -> dict[str, float]:
         if node.name in sigmas and str(node.target) in by_module:
             by_module[str(node.target)] = max(by_module[str(node.target)], float(sigmas[node.name]))
     for target, sigma in by_module.items():
-        gm.get_submodule(target).noise = sigma
+        cast(QCFS, gm.get_submodule(target)).noise = sigma
     return by_module
 
 
 def _noise_batches(data: Iterable, n: int, device: torch.device) -> list[torch.Tensor]:
     """The inputs of the first ``n`` batches of ``data``, on ``device``."""
-    out = []
+    out: list[torch.Tensor] = []
     for batch in data:
         if len(out) >= n:
             break
