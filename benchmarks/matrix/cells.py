@@ -234,3 +234,59 @@ def budget_plot(paths: list[str], out: str, seed: int = 0) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def lever_pairs(paths: list[str]) -> list[dict]:
+    """The cells of sweeps run on the same ANNs, in pairs of paths (a baseline, then the sweep
+    with one lever changed): per (network, seed, cell) both accuracies at each evaluated T."""
+    import json
+
+    def cells(path):
+        with open(path, encoding="utf-8") as fh:
+            records = json.load(fh)["records"]
+        return {(r["arch"], r["seed"], cell): c for r in records for cell, c in r.get("cells", {}).items()}
+
+    rows = []
+    for base_path, lever_path in zip(paths[::2], paths[1::2]):
+        base, lever = cells(base_path), cells(lever_path)
+        label = lever_path.rsplit("/", 1)[-1].removesuffix(".json")
+        for key in sorted(set(base) & set(lever)):
+            b, v = base[key], lever[key]
+            rows.append({"lever": label, "arch": key[0], "seed": key[1], "cell": key[2], "ann": b["ann"],
+                         "qcfs": (b.get("qcfs"), v.get("qcfs")),
+                         "snn": {int(t): (b["snn"][t], v["snn"][t]) for t in sorted(b["snn"], key=int)},
+                         "seconds": (b["seconds"], v["seconds"])})
+    return rows
+
+
+def lever_table(rows: list[dict]) -> str:
+    """Markdown: per pair, the baseline -> lever accuracy at each T and the QCFS-ANN."""
+    lines = ["| lever | network | seed | cell | ANN | QCFS-ANN | SNN: baseline -> lever (change) | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q = r["qcfs"]
+        qcfs = "-" if q[0] is None else f"{q[0]:.2f} -> {q[1]:.2f}"
+        snn = "; ".join(f"T={t}: {b:.2f} -> {v:.2f} ({v - b:+.2f})" for t, (b, v) in r["snn"].items())
+        lines.append(f"| {r['lever']} | {r['arch']} | {r['seed']} | {r['cell']} | {r['ann']:.2f} | {qcfs} | "
+                     f"{snn} | {r['seconds'][0]:.0f} -> {r['seconds'][1]:.0f} |")
+    return "\n".join(lines)
+
+
+def lever_plot(rows: list[dict], path: str) -> None:
+    """One bar per (lever, network, seed, T): the lever's change of the SNN's accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{r['lever']}\n{r['arch']} s{r['seed']} T={t}", v - b) for r in rows for t, (b, v) in r["snn"].items()]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(bars)), 4.6))
+    ax.bar(range(len(bars)), [d for _, d in bars], color=["tab:green" if d > 0 else "tab:red" for _, d in bars])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(bars)), [n for n, _ in bars], rotation=90, fontsize=6)
+    ax.set_ylabel("SNN accuracy, lever - baseline (points)")
+    ax.set_title("Levers on the few-step matrix (same ANNs)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

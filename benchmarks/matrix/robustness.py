@@ -67,7 +67,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ..common import RESULTS, child_env, module_command
 from .anns import FT_ARCHS, TV_ARCHS, cached_ann, datasets
-from .cells import LOW_T_CELLS, budget_plot, convert_cell, low_t_cells, low_t_plot, low_t_summary, low_t_table
+from .cells import (
+    LOW_T_CELLS,
+    budget_plot,
+    convert_cell,
+    lever_pairs,
+    lever_plot,
+    lever_table,
+    low_t_cells,
+    low_t_plot,
+    low_t_summary,
+    low_t_table,
+)
 
 TS = (1, 2, 4, 8, 16, 32)
 
@@ -361,12 +372,21 @@ def main(argv=None) -> int:
                         "--low-t sweeps run at different budgets")
     p.add_argument("--compare", nargs="+", metavar="JSON",
                    help="print the cells of finished sweeps side by side (one setting changed)")
+    p.add_argument("--pairs", nargs="+", metavar="JSON",
+                   help="baseline and lever sweeps on the same ANNs, in pairs: the paired table, "
+                        "and its plot at --out (a .png)")
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.smoke = args.smoke or args.tiny
 
     if args.compare:
         print(compare(args.compare))
+        return 0
+    if args.pairs:
+        rows = lever_pairs(args.pairs)
+        print(lever_table(rows))
+        if args.out.endswith(".png"):
+            lever_plot(rows, args.out)
         return 0
     if args.budget_plot:
         budget_plot(args.budget_plot, args.out)
