@@ -67,3 +67,22 @@ def test_no_benchmark_edits_sys_path():
     offenders = [str(p.relative_to(REPO)) for p in (REPO / "benchmarks").rglob("*.py")
                  if "sys.path" in p.read_text(encoding="utf-8")]
     assert offenders == []
+
+
+def test_pairs_compares_a_lever_with_its_baseline_cell_by_cell(tmp_path):
+    """``matrix robustness --pairs``: the same (network, seed, cell) of two sweeps side by side,
+    the change at each T, and the plot."""
+    def sweep(name, snn):
+        record = {"arch": "resnet20", "seed": 0, "cells": {"T4": {"ann": 88.0, "qcfs": 80.0, "seconds": 10.0,
+                                                                "snn": snn}}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"records": [record, dict(record, seed=1, cells={})]}))
+        return str(path)
+
+    base, lever = sweep("base", {"2": 80.0, "4": 84.0}), sweep("noise", {"2": 81.5, "4": 83.75})
+    out = _run("matrix", "robustness", "--pairs", base, lever, "--out", str(tmp_path / "pairs.png"))
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| noise | resnet20 | 0 | T4 |")]
+    assert len(rows) == 1
+    assert "T=2: 80.00 -> 81.50 (+1.50)" in rows[0] and "T=4: 84.00 -> 83.75 (-0.25)" in rows[0]
+    assert (tmp_path / "pairs.png").stat().st_size > 0
