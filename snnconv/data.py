@@ -30,6 +30,7 @@ __all__ = ["SameShape",
     "split_loader",
     "split_dataset",
     "first_batch",
+    "calibration_batches",
     "DEBIAN_FASHION_MNIST",
     "synthetic",
     "load",
@@ -260,6 +261,23 @@ def first_batch(loader: Iterable, *, where: str = "loader") -> tuple[torch.Tenso
     for batch in loader:
         return split_batch(batch, where=where)
     raise DataError(f"{where} is empty: it yielded no batch. Pass a loader with at least one batch.")
+
+
+def calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch.Tensor]:
+    """The inputs of the first ``num_batches`` batches of ``loader`` (``where`` names it in errors).
+
+    Raises:
+        DataError: the loader is empty, or a batch is not an input (or an input and labels).
+    """
+    batches: list = []
+    same = SameShape(f"the {where}")
+    for batch in loader:
+        if len(batches) >= num_batches:
+            break
+        batches.append(same(split_batch(batch, where=where)[0], len(batches)))
+    if not batches:
+        raise DataError(f"the {where} is empty: it yielded no batch")
+    return batches
 
 
 def _generators(loader: Any) -> list[torch.Generator]:

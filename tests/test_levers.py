@@ -96,6 +96,20 @@ def test_the_residual_noise_is_each_sites_own_spiking_error():
 
 
 @pytest.mark.filterwarnings("ignore:QCFS training did not beat")
+def test_the_residual_noise_is_the_same_measured_in_pieces_of_images(monkeypatch):
+    """Where a batch's values do not fit the memory the images go through in pieces; the
+    deviation is the same up to float rounding."""
+    qgm = snnconv.calibrate_qcfs(_mlp(), _labelled(), L=4, progress=False)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(2))
+    for local in (True, False):
+        whole = residual_noise(qgm, [x, x[:16]], T=4, local=local)
+        monkeypatch.setenv("SNNCONV_MEMORY", "20K")  # a few images at a time
+        pieces = residual_noise(qgm, [x, x[:16]], T=4, local=local)
+        monkeypatch.delenv("SNNCONV_MEMORY")
+        assert pieces == pytest.approx(whole, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:QCFS training did not beat")
 def test_noise_modelled_training_measures_before_each_epoch_and_leaves_no_noise():
     loader = _labelled(1024)
     calls = []

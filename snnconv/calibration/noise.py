@@ -1,7 +1,6 @@
 """The spiking network's residual error at each QCFS site, the noise of noise-modelled QCFS
-training (Hu et al., arXiv 2404.17456): per site, the standard deviation of the QCFS-ANN's
-output minus the converted network's ``theta * spike rate`` over T steps, each network run on
-the same images from the input."""
+training (Hu et al., arXiv 2404.17456): per site, the standard deviation of what the QCFS-ANN's
+site computes minus the converted network's ``theta * spike rate`` over T steps."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from snnconv.graph import capture, module_of
+from snnconv.graph import capture, capture_pieces, module_of
 from snnconv.snn.neuron import IFNeuron, channel_view
 from snnconv.stages.qcfs import QCFS
 from snnconv.stages.spiking import to_spiking
@@ -24,8 +23,9 @@ def residual_noise(qgm: fx.GraphModule, batches: list[torch.Tensor], *, T: int,
     """Per QCFS call site of ``qgm`` (its fx node name): the residual error's standard deviation.
 
     ``qgm`` is converted (a copy: :func:`snnconv.stages.spiking.to_spiking` at ``T`` steps and
-    ``reset``) and run on each batch of ``batches``. Per batch, the variance over every output
-    element of the site's error; the result is the square root of its mean over the batches.
+    ``reset``) and run on each batch of ``batches``, in pieces of images that fit the memory
+    (:func:`snnconv.graph.capture_pieces`). Per batch, the variance over every output element
+    of the site's error; the result is the square root of its mean over the batches.
 
     ``local=True`` (default): the error the layer itself adds, ``QCFS(mean_t I_t) - theta *
     rate``, with ``I_t`` the current the IF neuron receives from the spiking layers before it:
@@ -34,8 +34,8 @@ def residual_noise(qgm: fx.GraphModule, batches: list[torch.Tensor], *, T: int,
     one through the forward pass itself. ``local=False``: the reference's model (Hu et al.),
     ``QCFS(z_ann) - theta * rate(z_snn)`` with each network run from the input, which counts an
     earlier layer's error again at every later site; as the noise of QCFS training on the
-    matrix's ResNet-20 and MobileNet (Fashion-MNIST, L=T=4, three epochs) it took the training
-    accuracy to 11-23% (benchmarks/README.md, "Noise-modelled QCFS training").
+    matrix's ResNet-20 (Fashion-MNIST, L=T=4, three epochs) it held the training accuracy at
+    11-23% (benchmarks/README.md, "Levers for few steps").
     """
     was_training = qgm.training
     qgm.eval()
@@ -56,20 +56,30 @@ def residual_noise(qgm: fx.GraphModule, batches: list[torch.Tensor], *, T: int,
                   cast(IFNeuron, module_of(snn.net, s)))
                  for target, calls in sources.items() for a, s in zip(calls, neurons.get(target, []))]
         variances: dict[str, list[float]] = {p[0]: [] for p in pairs}
+        wanted = [p[1] for p in pairs] + ([p[2] for p in pairs] if local else [])
         for x in batches:
-            ann = {} if local else capture(qgm, (x,), [p[0] for p in pairs])
-            seen = capture(snn.net, (x,), [p[1] for p in pairs] + ([p[2] for p in pairs] if local else []))
-            for a, s, current_name, site, neuron in pairs:
-                train = seen[s]
-                rate = train.reshape(T, len(x), *train.shape[1:]).float().mean(0)
-                value = rate * channel_view(neuron.theta.detach(), rate.dim())
-                if local:
-                    current = seen[current_name]
+            # per site the error's count, sum and sum of squares over the pieces that fit the memory
+            sums = {p[0]: [0, 0.0, 0.0] for p in pairs}
+            for lo, hi, seen in capture_pieces(snn.net, x, wanted):
+                ann = {} if local else capture(qgm, (x[lo:hi],), [p[0] for p in pairs])
+                for a, s, current_name, site, neuron in pairs:
+                    rate = _time_mean(seen[s], T)
+                    value = rate * channel_view(neuron.theta.detach(), rate.dim())
                     with torch.no_grad():
-                        want = site(current.reshape(T, len(x), *current.shape[1:]).float().mean(0))
-                else:
-                    want = ann[a].float()
-                variances[a].append(float((want - value).var()))
-        return {a: math.sqrt(sum(v) / len(v)) if v else 0.0 for a, v in variances.items()}
+                        want = site(_time_mean(seen[current_name], T)) if local else ann[a].float()
+                    e = (want - value).double()
+                    acc = sums[a]
+                    acc[0] += e.numel()
+                    acc[1] += float(e.sum())
+                    acc[2] += float((e * e).sum())
+            for a, (n, total, squares) in sums.items():
+                # the unbiased variance over the whole batch, as torch.var
+                variances[a].append((squares - total * total / n) / max(n - 1, 1))
+        return {a: math.sqrt(max(0.0, sum(v) / len(v))) if v else 0.0 for a, v in variances.items()}
     finally:
         qgm.train(was_training)
+
+
+def _time_mean(v: torch.Tensor, T: int) -> torch.Tensor:
+    """The mean over the T steps of a time-folded value ``[T*B, ...]``, ``[B, ...]``."""
+    return v.reshape(T, len(v) // T, *v.shape[1:]).float().mean(0)

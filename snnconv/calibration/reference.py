@@ -1,39 +1,21 @@
 """What every calibration reads from its data and from the QCFS-ANN it calibrates against:
-the calibration batches, the reference's QCFS sites, and their per-channel mean outputs."""
+the calibration batches (:func:`snnconv.data.calibration_batches`, importable from here), the
+reference's QCFS sites, and their per-channel mean outputs."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any
 
 import torch
 import torch.fx as fx
 
-from snnconv.data import SameShape, split_batch
-from snnconv.errors import DataError
+from snnconv.data import calibration_batches
 from snnconv.graph import capture_pieces, module_of, set_module
 from snnconv.stages.qcfs import QCFS
 
 __all__ = ["calibration_batches", "reference_sites", "qcfs_levels", "reference_means", "channel_sums",
            "channel_mean", "ReLUSite", "unquantised"]
-
-
-def calibration_batches(loader: Any, num_batches: int, where: str) -> list[torch.Tensor]:
-    """The inputs of the first ``num_batches`` batches of ``loader`` (``where`` names it in errors).
-
-    Raises:
-        DataError: the loader is empty, or a batch is not an input (or an input and labels).
-    """
-    batches: list = []
-    same = SameShape(f"the {where}")
-    for batch in loader:
-        if len(batches) >= num_batches:
-            break
-        batches.append(same(split_batch(batch, where=where)[0], len(batches)))
-    if not batches:
-        raise DataError(f"the {where} is empty: it yielded no batch")
-    return batches
 
 
 def reference_sites(ref: fx.GraphModule) -> dict[str, str]:

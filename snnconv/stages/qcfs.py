@@ -34,7 +34,7 @@ from snnconv.activation import (
     replace_maxpool,
 )
 from snnconv.analysis.metrics import TeacherLabelled, distillation_loss, evaluate, teacher_targets
-from snnconv.data import SameShape, bounded, split_batch, split_loader
+from snnconv.data import SameShape, bounded, calibration_batches, split_batch, split_loader
 from snnconv.errors import ConfigError, DataError
 from snnconv.graph import capture_pieces, describe_node, module_of, prepare
 from snnconv.guards import assert_no_batchnorm
@@ -135,8 +135,8 @@ class QCFSTrainConfig:
     batches of the validation split (``calibrate_qcfs(noise_model=)``, which
     :func:`snnconv.convert` passes at its T and reset), and in training each QCFS output loses
     ``noise * sigma * N(0, 1)`` with that site's standard deviation ``sigma`` (``noise=1``:
-    the reference's model): the weights learn to
-    tolerate the error the spikes will make. The reference trains from scratch with sigma 0
+    the measured deviation itself, as the reference injects it): the weights learn to tolerate
+    the error the spikes will make. The reference trains from scratch with sigma 0
     in its first epoch; here the calibrated network already has a spiking counterpart, so the
     first epoch has its noise too. ``meta["qcfs"]["history"]`` records each epoch's sigmas."""
 
@@ -223,16 +223,6 @@ def set_noise(gm: fx.GraphModule, sigmas: dict[str, float]) -> dict[str, float]:
     return by_module
 
 
-def _noise_batches(data: Iterable, n: int, device: torch.device) -> list[torch.Tensor]:
-    """The inputs of the first ``n`` batches of ``data``, on ``device``."""
-    out: list[torch.Tensor] = []
-    for batch in data:
-        if len(out) >= n:
-            break
-        out.append(split_batch(batch, where="the QCFS training loader")[0].to(device))
-    return out
-
-
 def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, device: torch.device,
                 progress: bool, summary: dict[str, Any], teacher: nn.Module | None,
                 noise_model: Callable[..., dict[str, float]] | None = None) -> list[dict[str, Any]]:
@@ -243,7 +233,9 @@ def _train_qcfs(gm: fx.GraphModule, loader: Iterable, cfg: QCFSTrainConfig, devi
     train, val = split_loader(loader, 0.0 if one_batch else cfg.val_fraction, seed=cfg.seed)
     if val is not None and isinstance(val, Sized) and len(val) == 0:
         val = None
-    probe = _noise_batches(val if val is not None else train, cfg.noise_batches, device) if cfg.noise else []
+    probe = ([x.to(device) for x in calibration_batches(val if val is not None else train, cfg.noise_batches,
+                                                         "QCFS training's validation split")]
+             if noise_model is not None else [])
     label_free = teacher is not None and cfg.distill == 1
     if val is not None:
         val = TeacherLabelled(val, teacher if label_free else None, device, missing=_NEEDS_LABELS)
