@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from snnconv.errors import ConfigError
-from snnconv.vocabulary import MAX_T, RESETS
+from snnconv.vocabulary import MAX_BURST, MAX_T, RESETS
 
 __all__ = ["ConvertConfig", "MAX_T", "MAX_L", "MAX_EPOCHS", "MAXPOOL_MODES", "RESETS"]
 
@@ -131,6 +131,11 @@ class ConvertConfig:
         seed: seeds Python, numpy and torch before any stage.
         device: where the stages run.
         progress: progress bars (False silences them).
+        burst: the most spikes a neuron may emit in one step (default 1: binary spikes). With
+            B > 1 (subtractive reset) each neuron's threshold is lambda / B and its rate over T
+            steps has T * B levels (QCFS at ``L = T * B`` by default): graded spikes, as Loihi 2
+            carries them, which NIR cannot (export refuses such a network by name). It costs no
+            time step; it addresses the quantisation that :func:`snnconv.diagnose` measures.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer activity
             on the first two calibration batches goes into that stage's ``meta`` record
             (:mod:`snnconv.analysis.health`). A QCFS site left silent or saturated, or a network at
@@ -164,6 +169,7 @@ class ConvertConfig:
     device: Any = "cpu"
     progress: bool = True
     on_collapse: str = "raise"
+    burst: int = 1
     #: whether the calibration moves the initial membranes (resolved; ``None`` before)
     membrane_calibration: bool | None = field(default=None, repr=False)
 
@@ -179,6 +185,10 @@ class ConvertConfig:
         put("calib_batches", _int("calib_batches", self.calib_batches, 1, 100_000))
         _choice("maxpool", self.maxpool, MAXPOOL_MODES)
         _choice("reset", self.reset, RESETS)
+        put("burst", _int("burst (spikes a neuron may emit in one step)", self.burst, 1, MAX_BURST))
+        if self.burst > 1 and self.reset != "subtract":
+            raise ConfigError(f"a burst neuron (burst={self.burst}) resets by subtraction: reset='zero' "
+                              "would drop the charge beyond one threshold. Use burst=1 with reset='zero'")
         _choice("on_collapse", self.on_collapse, ("raise", "warn"))
         _choice("calibration_reference", self.calibration_reference, ("qcfs", "ann"))
         for name in ("per_channel", "threshold_calibration", "weight_calibration"):
@@ -243,7 +253,7 @@ class ConvertConfig:
 
     def resolved(self) -> "ConvertConfig":
         """The same settings with the defaults that follow from the others filled in:
-        ``L = T``; per-channel thresholds for subtractive reset, per layer for hard reset; the
+        ``L = T`` (``T * burst``); per-channel thresholds for subtractive reset, per layer for hard reset; the
         threshold fit for hard reset only; the membrane calibration (at ``2 * T``) where no
         horizon is given and the reset is subtractive, else the bias alone at ``T``; the weight
         refit with the membrane calibration."""
@@ -251,7 +261,7 @@ class ConvertConfig:
             return self
         membrane = self.bias_calibration_T is None and self.reset == "subtract"
         return dataclasses.replace(
-            self, L=self.T if self.L is None else self.L,
+            self, L=self.T * self.burst if self.L is None else self.L,
             per_channel=self.reset == "subtract" if self.per_channel is None else self.per_channel,
             threshold_calibration=(self.reset == "zero" if self.threshold_calibration is None
                                    else self.threshold_calibration),
@@ -282,5 +292,5 @@ class ConvertConfig:
                     weight_calibration=bool(cfg.weight_calibration and cfg.bias_calibration),
                     calib_batches=cfg.calib_batches, maxpool=cfg.maxpool, reset=cfg.reset,
                     qcfs_epochs=cfg.qcfs_epochs, reconstruction_steps=cfg.reconstruction_steps,
-                    finetune_epochs=cfg.finetune_epochs,
+                    finetune_epochs=cfg.finetune_epochs, burst=cfg.burst,
                     device=str(torch.device(cfg.device)))

@@ -131,15 +131,13 @@ def _finetune_default(cfg: ConvertConfig, data: LoaderFacts) -> tuple[int, str]:
                     f"(T <= {FINETUNE_UP_TO_T}, {source})")
 
 
-def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool,
-                            qcfs_trained: bool = False) -> tuple[int, str]:
-    """``reconstruction_steps=None``: :data:`RECONSTRUCT_STEPS` where neither QCFS training ran
-    nor fine-tuning follows, at ``T <= FINETUNE_UP_TO_T`` with subtractive reset and bias
-    calibration; none otherwise; and why."""
+def _reconstruction_default(cfg: ConvertConfig, qcfs_trained: bool = False) -> tuple[int, str]:
+    """``reconstruction_steps=None``: :data:`RECONSTRUCT_STEPS` where no QCFS training ran, at
+    ``T <= FINETUNE_UP_TO_T`` with subtractive reset and bias calibration (where fine-tuning
+    follows, it starts from the reconstructed network, the training-free conversion); none
+    otherwise; and why."""
     why = None
-    if finetune_follows:
-        why = "fine-tuning follows"
-    elif qcfs_trained:
+    if qcfs_trained:
         why = "QCFS training ran"
     elif cfg.T > FINETUNE_UP_TO_T:
         why = f"T={cfg.T} > {FINETUNE_UP_TO_T}"
@@ -149,8 +147,7 @@ def _reconstruction_default(cfg: ConvertConfig, finetune_follows: bool,
         why = "bias_calibration=False"
     if why:
         return 0, f"none: {why}"
-    return RECONSTRUCT_STEPS, (f"{RECONSTRUCT_STEPS} steps (no QCFS training or fine-tuning, "
-                               f"T <= {FINETUNE_UP_TO_T})")
+    return RECONSTRUCT_STEPS, f"{RECONSTRUCT_STEPS} steps (no QCFS training, T <= {FINETUNE_UP_TO_T})"
 
 
 def default_finetune_epochs(loader: Any) -> int:
@@ -261,7 +258,7 @@ def plan_conversion(config: ConvertConfig, graph: GraphFacts, data: LoaderFacts)
         qcfs_train = QCFSTrainConfig(epochs=data.qcfs_epochs, max_steps=QCFS_STEPS, seed=cfg.seed, **targets)
     plan = ConversionPlan(cfg, qcfs_train, finetune, reasons, defaults)
     if cfg.reconstruction_steps is None:
-        steps, reasons["reconstruction_default"] = _reconstruction_default(cfg, plan.finetunes, plan.qcfs_trains)
+        steps, reasons["reconstruction_default"] = _reconstruction_default(cfg, plan.qcfs_trains)
         cfg = cfg.replace(reconstruction_steps=steps)
     if plan.qcfs_trains and cfg.membrane_calibration:
         # trained at L levels: calibrate against that function, over L steps

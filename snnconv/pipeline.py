@@ -188,16 +188,83 @@ class _Health:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def draw_batches(loader: Iterable, n: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """The first ``n`` batches of ``loader`` as ``(x, y)`` pairs (``y`` None when unlabelled),
-    drawn without moving the global RNG: the calibration batches every stage shares."""
+#: At most this many images of the validation split choose between a step's network and the
+#: one it started from (:class:`_Judge`).
+JUDGE_IMAGES = 1024
+
+
+class _Judge:
+    """Keeps a calibration's or fine-tuning's network only where it does at least as well as the
+    network it started from, at the conversion's T, on held-out images of the loader (the split
+    that fine-tuning validates on, at most as many images as the calibration batches hold, at
+    most :data:`JUDGE_IMAGES`): accuracy where the loader has labels, else agreement with the
+    ANN's decisions; a tie goes to the step, then the lower KL divergence to the ANN's outputs
+    decides. So no step of the default conversion makes its network worse than the simpler
+    path without it, on data the step did not fit."""
+
+    def __init__(self, batches: list, ann: nn.Module, device: torch.device):
+        self.batches = [(x.to(device), y) for x, y in batches]
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            self.ann = [ann(x) for x, _ in self.batches]
+        self.labelled = all(y is not None for _, y in self.batches)
+        self.record: dict[str, dict[str, Any]] = {}
+
+    @classmethod
+    def of(cls, loader: Any, calib: list, ann: nn.Module, device: torch.device, seed: int) -> "_Judge":
+        from snnconv.data import split_loader
+        from snnconv.stages.finetune import FinetuneConfig
+
+        images = min(JUDGE_IMAGES, sum(len(x) for x, _ in calib))
+        try:
+            with torch.random.fork_rng(devices=[]):
+                val = split_loader(loader, FinetuneConfig.val_fraction, seed=seed)[1]
+                batches = draw_batches(val, 10**9, images=images) if val is not None else []
+        except DataError:
+            batches = []
+        return cls(batches or calib, ann, device)
+
+    def score(self, net: nn.Module) -> tuple[float, float]:
+        """(accuracy or agreement %, minus the mean KL divergence to the ANN) of ``net``."""
+        import torch.nn.functional as F
+
+        right = n = 0
+        kl = 0.0
+        was = net.training
+        net.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                for (x, y), ref in zip(self.batches, self.ann):
+                    out = net(x)
+                    target = y.to(out.device) if self.labelled else ref.argmax(1)
+                    right += int((out.argmax(1) == target).sum())
+                    n += len(x)
+                    p = F.log_softmax(ref.double(), 1)
+                    kl += float((p.exp() * (p - F.log_softmax(out.double(), 1))).sum())
+        finally:
+            net.train(was)
+        return 100.0 * right / max(1, n), -kl / max(1, n)
+
+    def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork) -> SpikingNetwork:
+        """``after`` where it scores at least as well as ``before`` (recorded under ``step``)."""
+        a, b = self.score(before), self.score(after)
+        kept = b >= a
+        self.record[step] = {"before": a[0], "after": b[0], "kl_before": -a[1], "kl_after": -b[1],
+                             "kept": kept, "images": sum(len(x) for x, _ in self.batches),
+                             "measure": "accuracy" if self.labelled else "agreement with the ANN"}
+        return after if kept else before
+
+
+def draw_batches(loader: Iterable, n: int, images: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The first ``n`` batches of ``loader`` (and no more once they hold ``images`` inputs) as
+    ``(x, y)`` pairs (``y`` None when unlabelled), drawn without moving the global RNG: the
+    calibration batches every stage shares."""
     from snnconv.data import SameShape, split_batch
 
     batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     same = SameShape("the conversion loader")
     with torch.random.fork_rng(devices=[]):
         for batch in loader:
-            if len(batches) >= n:
+            if len(batches) >= n or (images is not None and sum(len(b[0]) for b in batches) >= images):
                 break
             x, y = split_batch(batch, where="the conversion loader")
             batches.append((same(x, len(batches)), y))
@@ -232,6 +299,7 @@ class _Run:
     snn: Any = None  # the spiking network ("spiking", "finetune")
     qcfs_source: dict = field(default_factory=dict)  # QCFS site -> the ANN's ReLU node
     if_source: dict = field(default_factory=dict)  # IF neuron -> the ANN's ReLU node
+    judge: Any = None  # _Judge, from "spiking"
 
     @property
     def settings(self) -> ConvertConfig:
@@ -330,27 +398,36 @@ def _spiking(s: _Run) -> dict:
     cfg = s.settings
     assert cfg.membrane_calibration is not None and cfg.weight_calibration is not None  # (resolved)
     bias_batches = s.calib[:cfg.bias_batches]
-    snn = to_spiking(s.qgm, T=cfg.T, reset=cfg.reset)
+    snn = to_spiking(s.qgm, T=cfg.T, reset=cfg.reset, burst=cfg.burst)
+    s.judge = judge = _Judge.of(s.loader, s.calib, s.gm, s.device, cfg.seed)
     # one horizon (an int, or None: T), or two (cfg.horizons)
     fixed_T = None if cfg.horizons else cast(int | None, cfg.bias_calibration_T)
     if cfg.threshold_calibration:
-        snn = calibrate_thresholds(snn, s.qgm, bias_batches,
-                                   T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
-                                   num_batches=len(bias_batches))
+        snn = judge.keep("threshold_calibration", snn, calibrate_thresholds(
+            snn, s.qgm, bias_batches, T=cfg.T if cfg.horizons or cfg.membrane_calibration else fixed_T,
+            num_batches=len(bias_batches)))
     if cfg.bias_calibration:
         reference = s.qgm if cfg.calibration_reference == "qcfs" else unquantised(s.qgm)
-        snn = calibrate_bias(snn, reference, bias_batches, T=fixed_T, horizons=cfg.horizons,
-                             membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
-                             num_batches=len(bias_batches))
+        calibrated = calibrate_bias(snn, reference, bias_batches, T=fixed_T, horizons=cfg.horizons,
+                                    membrane=cfg.membrane_calibration, weights=cfg.weight_calibration,
+                                    num_batches=len(bias_batches))
+        snn = judge.keep("bias_calibration", snn, calibrated)
+        # what the calibration did, kept or not
+        snn.meta["bias_calibration"] = dict(calibrated.meta["bias_calibration"],
+                                            kept=judge.record["bias_calibration"]["kept"])
     if cfg.reconstruction_steps:
         horizon = max(cfg.horizons) if cfg.horizons else fixed_T
-        snn, _ = reconstruct(snn, s.qgm, s.calib, steps=cfg.reconstruction_steps,
-                             levels=horizon if cfg.bias_calibration else None,
-                             num_batches=len(s.calib), seed=cfg.seed, progress=cfg.progress)
+        calibrated = judge.record.get("bias_calibration", {}).get("kept", False)
+        rebuilt, done = reconstruct(snn, s.qgm, s.calib, steps=cfg.reconstruction_steps,
+                                    levels=horizon * cfg.burst if calibrated and horizon else None,
+                                    num_batches=len(s.calib), seed=cfg.seed, progress=cfg.progress)
+        snn = judge.keep("reconstruction", snn, rebuilt)
+        snn.meta["reconstruction"] = dict(done, kept=judge.record["reconstruction"]["kept"])
+    snn.meta["calibrated_T"] = cfg.T
     snn.meta["input_shape"] = list(s.calib[0][0].shape[1:])  # batch-free; export_nir's default
     s.snn = snn.to(s.device)
     s.if_source = {n: s.qcfs_source.get(r.get("source"), r.get("source")) for n, r in snn.meta["neurons"].items()}
-    return dict(snn.meta)
+    return dict(snn.meta, kept=dict(judge.record))
 
 
 def _finetune(s: _Run) -> dict:
@@ -360,9 +437,13 @@ def _finetune(s: _Run) -> dict:
 
     assert s.plan is not None and s.plan.finetune is not None
     teacher = s.model if s.plan.finetune.distill > 0 else None
-    s.snn, history = finetune(s.snn, s.loader, config=s.plan.finetune, teacher=teacher,
+    start = s.snn
+    tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
-    return {"history": history, "steps": sum(h.get("steps", 0) for h in history)}
+    tuned.T = start.T
+    s.snn = s.judge.keep("finetune", start, tuned)
+    return {"history": history, "steps": sum(h.get("steps", 0) for h in history),
+            "kept": s.judge.record["finetune"]}
 
 
 #: convert()'s stages in their order; each name is its record's in ``meta.stages``.

@@ -5,7 +5,7 @@ A leaf: it imports nothing, so every module may import it (the import contracts 
 
 from __future__ import annotations
 
-__all__ = ["RESETS", "MAX_T"]
+__all__ = ["RESETS", "MAX_T", "MAX_BURST"]
 
 #: The IF neuron's reset modes: by subtraction of the threshold, or to zero (hard reset).
 RESETS = ("subtract", "zero")
@@ -13,3 +13,6 @@ RESETS = ("subtract", "zero")
 #: Direct-encoded conversion reaches the ANN by T = 64-256 on every network measured; a larger T
 #: multiplies every stage's time and memory (the calibration holds ``batches x T`` activations).
 MAX_T = 1024
+#: The most spikes a burst neuron may emit in one step (Loihi 2's graded spikes carry up to 24
+#: bits; 8 bits are ample at a few steps, and spike counts are then kept in one byte).
+MAX_BURST = 255

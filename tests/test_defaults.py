@@ -33,9 +33,10 @@ def test_at_a_small_T_with_labels_it_fine_tunes_for_the_loaders_epochs_in_its_ba
     assert ft.max_steps_per_epoch == defaults.FINETUNE_MAX_STEPS
     assert ft.distill == defaults.CONVERT_FINETUNE["distill"]
     assert plan.reasons["finetune_default"].startswith("3 epoch(s)")
-    # fine-tuning follows: no reconstruction, and no QCFS training without max-pooling
-    assert plan.config.reconstruction_steps == 0
-    assert plan.reasons["reconstruction_default"] == "none: fine-tuning follows"
+    # fine-tuning starts from the training-free network: reconstructed first; no QCFS training
+    # without max-pooling
+    assert plan.config.reconstruction_steps == defaults.RECONSTRUCT_STEPS
+    assert plan.reasons["reconstruction_default"].startswith(f"{defaults.RECONSTRUCT_STEPS} steps")
     assert plan.qcfs_train is None and not plan.qcfs_trains
 
 

@@ -67,17 +67,18 @@ def test_reconstruction_needs_a_converted_network_and_a_step_count(trained_digit
             ConvertConfig(reconstruction_steps=bad)
 
 
-def test_convert_reconstructs_by_default_only_where_no_training_stage_runs(default_reconstruction):
+def test_convert_reconstructs_by_default_where_no_qcfs_training_ran(default_reconstruction):
     """The default: the shipped steps at T <= 8 with subtractive reset and calibration, where
-    neither QCFS training ran nor fine-tuning follows; none otherwise."""
-    def steps(finetune_follows=False, qcfs_trained=False, **settings):
+    no QCFS training ran (fine-tuning, where it follows, starts from the reconstructed network);
+    none otherwise."""
+    def steps(qcfs_trained=False, **settings):
         cfg = ConvertConfig(**settings).resolved()
-        return defaults._reconstruction_default(cfg, finetune_follows, qcfs_trained)[0]
+        return defaults._reconstruction_default(cfg, qcfs_trained)[0]
 
     assert default_reconstruction > 0
     assert steps(T=8) == steps(T=1) == default_reconstruction
     assert steps(T=16) == steps(T=4, reset="zero") == steps(T=4, bias_calibration=False) == 0
-    assert steps(finetune_follows=True, T=4) == steps(qcfs_trained=True, T=4) == 0
+    assert steps(qcfs_trained=True, T=4) == 0
 
 
 def test_the_budget_counts_the_reconstruction_steps(small_digits_ann, digits_data):

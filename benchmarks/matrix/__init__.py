@@ -24,6 +24,7 @@ ENTRY = Entry(
         "accuracy_vs_T": "snnconv against spikingjelly's converters on a ResNet-14, T = 1..32",
         "finetune": "BPTT fine-tuning of that SNN: accuracy by T, step time, memory",
         "sweep": "several finetune runs side by side, tabulated",
+        "edge": "torchvision's networks built for the edge: real ANNs, the default conversion, the diagnosis",
     },
     tiny=("robustness", "--tiny", "--no-finetune", "--no-variants", "--jobs", "1", "--threads", "1",
           "--set", "finetune_epochs=0", "reconstruction_steps=2", "--out", "{out}/robustness"),

@@ -1,4 +1,5 @@
-"""Headless matplotlib plots: accuracy against T, training curves. Files are written atomically."""
+"""Headless matplotlib plots: accuracy against T, training curves, the diagnosis. Files are written
+atomically."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from snnconv.io.atomic import atomic_write_bytes  # noqa: E402
 
-__all__ = ["plot_accuracy_vs_T", "plot_history"]
+__all__ = ["plot_accuracy_vs_T", "plot_history", "draw_diagnosis", "plot_diagnosis"]
 
 
 def _save(fig, path: str | os.PathLike) -> None:
@@ -68,4 +69,39 @@ def plot_history(history: Sequence[Mapping[str, float]], path: str | os.PathLike
     a2.legend()
     for a in (a1, a2):
         a.grid(True, alpha=0.3)
+    _save(fig, path)
+
+
+def draw_diagnosis(diag: Any, axes: Sequence[Any]) -> None:
+    """On two axes: each IF layer's departure from the ANN by cause (relative RMS, stacked in
+    network order), and what running it as its ANN activation recovers (KL to the ANN removed),
+    the main layers marked."""
+    layers = [layer for layer in diag.layers if layer.causes]
+    x = list(range(len(layers)))
+    bottom = [0.0] * len(layers)
+    a1, a2 = axes
+    for i, cause in enumerate(("carried", "clip", "quantisation", "temporal")):
+        vals = [layer.causes.get(cause, 0.0) for layer in layers]
+        a1.bar(x, vals, bottom=bottom, color=f"C{i}", label=cause, width=0.9)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    a1.plot(x, [layer.departure for layer in layers], "k.", markersize=4, label="departure (RMS)")
+    a1.set_ylabel("RMS error / RMS of the ANN")
+    a1.set_title(f"where the SNN departs from the ANN at T={diag.T} (causes stacked)")
+    a1.legend(fontsize=7, ncol=5, loc="upper left")
+    main = set(diag.main)
+    gains = [layer.kl_recovered for layer in layers]
+    a2.bar(x, gains, color=["C3" if layer.name in main else "C7" for layer in layers], width=0.9)
+    a2.axhline(0, color="k", linewidth=0.5)
+    a2.set_ylabel("KL to the ANN removed")
+    a2.set_xlabel("IF layer (network order); red: the main losses")
+    a2.set_title("each layer run alone as its ANN activation")
+    for ax in axes:
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_xlim(-0.6, max(len(layers), 1) - 0.4)
+
+
+def plot_diagnosis(diag: Any, path: str | os.PathLike) -> None:
+    """:func:`draw_diagnosis` as one figure at ``path``."""
+    fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    draw_diagnosis(diag, axes)
     _save(fig, path)

@@ -145,14 +145,16 @@ def _bias_setup(snn: SpikingNetwork, reference: nn.Module, loader: Any, T: int |
     ref.to(device)
     batches = [x.to(device) for x in batches]
     out = copy.deepcopy(snn)
+    burst = int(snn.meta.get("burst", 1))  # t steps of neurons of bursts of up to B spikes: t * B levels
     # the membrane's reference means come from the weight fit's reference pass (both at L = T)
-    fit = WeightCalibration(out.net, ref, batches, T, ref_nodes if membrane else None) if weights else None
+    fit = WeightCalibration(out.net, ref, batches, T, ref_nodes if membrane else None,
+                            levels=T * burst) if weights else None
     if fit is not None and fit.means is not None:
         target_mean: Any = fit.means
     elif horizons is None:
-        target_mean = reference_means(ref, ref_nodes, batches, T if membrane else None)
+        target_mean = reference_means(ref, ref_nodes, batches, T * burst if membrane else None)
     else:
-        target_mean = tuple(reference_means(ref, ref_nodes, batches, h) for h in horizons)
+        target_mean = tuple(reference_means(ref, ref_nodes, batches, h * burst) for h in horizons)
     return T, batches, target_mean, out, horizons, fit
 
 

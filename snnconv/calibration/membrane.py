@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from snnconv.calibration.reference import channel_sums
-from snnconv.snn.neuron import IFNeuron, channel_view, fire_subtractive_
+from snnconv.snn.neuron import IFNeuron, channel_view, emit, fire_subtractive_
 
 __all__ = ["spike_counts", "charge_counts", "fire", "counted", "fit_shift"]
 
@@ -41,7 +41,7 @@ def spike_counts(mod: IFNeuron, seq: torch.Tensor, steps: tuple[int, ...]) -> di
         else:
             if t:
                 v.add_(torch.div(seq[t], theta, out=buf))
-            torch.ge(v, 1.0, out=spk)
+            emit(v, mod.burst, out=spk)
             v.sub_(spk)
         cnt.add_(spk)
         if t + 1 in wanted:
@@ -68,7 +68,7 @@ def charge_counts(mod: IFNeuron, u: torch.Tensor, steps: tuple[int, ...],
     for t in range(max(steps)):
         if t:
             v.add_(u[t])
-        torch.ge(v, 1.0, out=spk)
+        emit(v, mod.burst, out=spk)
         v.sub_(spk)
         if t + 1 in steps:
             if charges is None:
@@ -103,7 +103,7 @@ def fire(mod: IFNeuron, u: torch.Tensor, shift: torch.Tensor | None = None,
     if shift is not None:  # the thresholds of all steps at once
         steps = torch.arange(1, u.shape[0] + 1, dtype=step.dtype, device=step.device)
         thresholds = 1.0 - steps.reshape(-1, *[1] * shift.dim()) * shift.to(step.dtype)
-    v = fire_subtractive_(u, v0, thresholds)
+    v = fire_subtractive_(u, v0, thresholds, burst=mod.burst)
     if charge is None:
         return u
     return u, v.neg_().add_(charge).add_(v0).round_().div_(u.shape[0])

@@ -123,8 +123,12 @@ def count_gram(u: torch.Tensor, steps: int) -> torch.Tensor | None:
     than 127 steps, or no int8 product in this build."""
     if u.device.type != "cpu" or u.shape[0] != 1 or not 1 <= steps <= 127:
         return None
-    c = (u[0] * steps).round_().to(torch.int8)
-    rows = INT32_MAX // steps**2  # no int32 sum can overflow within one product
+    counts = (u[0] * steps).round_()
+    peak = int(counts.abs().max()) if counts.numel() else 0  # steps, or more for bursts of spikes
+    if peak > 127:
+        return None
+    c = counts.to(torch.int8)
+    rows = INT32_MAX // max(1, peak) ** 2  # no int32 sum can overflow within one product
     try:
         g = sum(torch._int_mm(p.T, p).double() for p in c.split(rows))
     except (RuntimeError, AttributeError):
@@ -270,17 +274,18 @@ class WeightCalibration:
     own, so the same positions in every run and the global RNG untouched) and the reference
     layer's output there at ``L = T`` levels; and the fits done so far (layer -> relative
     weight change). With ``sites`` (QCFS module -> node name of ``ref``), the same reference
-    pass also gives :func:`reference_means` at ``L = T`` (``means``; None without)."""
+    pass also gives :func:`reference_means` at ``L = T`` (``means``; None without). ``levels``
+    (default ``T``): the reference's levels, ``T * B`` for neurons of bursts of up to B spikes."""
 
     def __init__(self, gm: fx.GraphModule, ref: fx.GraphModule, batches: list, T: int,
-                 sites: dict[str, str] | None = None):
+                 sites: dict[str, str] | None = None, levels: int | None = None):
         self.plan, self.T = _weight_plan(gm, ref), T
         names = sorted({ref_name for _, ref_name, _ in self.plan.values()} | set((sites or {}).values()))
         images = sum(len(x) for x in batches)
         gen = torch.Generator().manual_seed(0)
         self.targets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self.plan}
         self.means: dict[str, torch.Tensor] | None = None if sites is None else {}
-        with qcfs_levels(ref, T):
+        with qcfs_levels(ref, levels or T):  # T steps of burst neurons: T * burst levels
             for x in batches:
                 picks: dict[str, tuple[torch.Tensor | None, int]] = {}
                 outputs: dict[str, list[torch.Tensor]] = {name: [] for name in self.plan}

@@ -10,15 +10,18 @@ from snnconv.cli.common import (
     UsageError,
     add_command,
     evaluation,
+    load_model,
     load_snn,
     loaders,
+    num_classes,
+    positive_int,
     print_accuracy,
     say,
     time_steps,
     write_json,
 )
 
-__all__ = ["add_evaluate", "add_report"]
+__all__ = ["add_evaluate", "add_report", "add_diagnose"]
 
 
 def _recorded(path: str) -> str:
@@ -65,6 +68,47 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _recorded_model(folder: str) -> str | None:
+    """The ``--model`` a run folder's meta.json records (``snnconv convert`` writes it)."""
+    try:
+        with open(os.path.join(folder, "meta.json"), encoding="utf-8") as fh:
+            model = json.load(fh).get("settings", {}).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) and model else None
+
+
+def _cmd_diagnose(args) -> int:
+    from snnconv.analysis.diagnosis import diagnose, needed_T
+    from snnconv.analysis.plots import plot_diagnosis
+
+    snn, src = load_snn(args, args.snn)
+    folder = os.path.dirname(src) or "."
+    model_name = args.model or _recorded_model(folder)
+    weights = args.weights or os.path.join(folder, "ann.pt")
+    if not model_name:
+        raise UsageError("diagnose compares the SNN with its ANN: give --model NAME|MODULE:FACTORY (and "
+                         "--weights FILE), as for snnconv convert")
+    if not os.path.exists(weights):
+        raise UsageError(f"no ANN weights: {weights} does not exist; give --weights FILE (the state dict "
+                         "the network was converted from)")
+    train, test = loaders(args)
+    in_channels = args.in_channels or test.dataset[0][0].shape[0]
+    ann = load_model(weights, model_name, num_classes(args, test.dataset), in_channels, False)
+    T = args.T or snn.T
+    d = diagnose(snn, ann, test, T=T, images=args.images, ablation=not args.no_ablation, device=args.device,
+                 progress=not args.quiet)
+    if args.needed_T:
+        d.needed = needed_T(ann, train, test, images=args.images, device=args.device, progress=not args.quiet)
+    out = args.out or folder
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "diagnosis.json"), dict(d.to_dict(), network=os.path.basename(src)))
+    plot_diagnosis(d, os.path.join(out, "diagnosis.png"))
+    say(args, d.summary())
+    print(f"wrote {os.path.join(out, 'diagnosis.json')} and diagnosis.png")
+    return 0
+
+
 # --- the parsers ----------------------------------------------------------------------------
 
 def add_evaluate(sub, pa: dict) -> None:
@@ -79,3 +123,18 @@ def add_report(sub, pa: dict) -> None:
     p = add_command(sub, "report", "write one self-contained HTML page from a run folder",
                     "snnconv report runs/d   # writes runs/d/report.html", [pa["common"]], _cmd_report)
     p.add_argument("run_dir", help="a run folder (meta.json, finetune.json, evaluation.json, backends/)")
+
+
+def add_diagnose(sub, pa: dict) -> None:
+    p = add_command(sub, "diagnose", "where an SNN loses its ANN's accuracy: each IF layer's departure "
+                    "from the ANN by cause, what each layer costs, what to do",
+                    "snnconv diagnose runs/d --data digits   # writes runs/d/diagnosis.json",
+                    [pa["common"], pa["data"], pa["model"]], _cmd_diagnose)
+    p.add_argument("snn", help="a saved SNN (snn.pt) or a run folder")
+    p.add_argument("--weights", help="the ANN's state dict (default: the run folder's ann.pt)")
+    p.add_argument("--T", type=positive_int, help="time steps (default: the network's own)")
+    p.add_argument("--images", type=positive_int, default=512, help="test images to diagnose on (default 512)")
+    p.add_argument("--no-ablation", action="store_true",
+                   help="only the departures by cause, not what each layer costs (one run per layer)")
+    p.add_argument("--needed-T", action="store_true",
+                   help="also the plain conversion at T = 4, 8, ..., 256: the steps this network needs")

@@ -121,7 +121,7 @@ def _module_table() -> dict[str, tuple[type, Callable[[Any], dict]]]:
         "IFNeuron": (IFNeuron, lambda m: dict(theta=torch.ones(m.theta.shape), T=m.T, alpha=m.alpha,
                                               detach_reset=m.detach_reset, reset=m.reset,
                                               v_init=torch.zeros(m.v_init.shape)
-                                              if m.reset == "subtract" else None)),
+                                              if m.reset == "subtract" else None, burst=m.burst)),
         "Scale": (Scale, lambda m: dict(theta=torch.ones(m.theta.shape))),
         "TimeExpand": (TimeExpand, lambda m: dict(T=m.T)),
     }
@@ -235,7 +235,7 @@ def _config_value(value: Any, what: str, depth: int = 0) -> None:
 _INT_RANGES = {**{k: (0, 4096) for k in ("kernel_size", "stride", "padding", "dilation", "output_size")},
                **{k: (1, 2**24) for k in ("in_channels", "out_channels", "in_features", "out_features",
                                             "groups", "divisor_override")},
-               "start_dim": (-8, 8), "end_dim": (-8, 8), "T": (1, 2**20)}
+               "start_dim": (-8, 8), "end_dim": (-8, 8), "T": (1, 2**20), "burst": (1, 255)}
 _BOOLS = {"bias", "ceil_mode", "count_include_pad", "detach_reset", "inplace", "return_indices"}
 _CHOICES = {"padding_mode": ("zeros", "reflect", "replicate", "circular"), "reset": ("subtract", "zero")}
 

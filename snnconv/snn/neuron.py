@@ -9,6 +9,15 @@ spikes bit for bit, tested)::
     v[t] = h[t] - theta * s[t]          (reset="subtract")
     v[t] = (1 - s[t]) * h[t]            (reset="zero", hard reset)
 
+A burst neuron (``burst = B > 1``, reset by subtraction only) may emit up to B spikes in one
+step, a graded spike (Loihi 2 carries it as one message)::
+
+    s[t] = min(B, floor(h[t] / theta))  for h[t] >= theta, else 0     (B = 1: the step above)
+    v[t] = h[t] - theta * s[t]
+
+Its rate over T steps has T * B levels between 0 and B * theta: with theta = lambda / B it is
+QCFS at L = T * B in T steps (:func:`snnconv.stages.spiking.to_spiking`).
+
 :class:`IFNeuron` keeps a subtractive-reset membrane in units of theta (its input divided by
 theta, threshold 1) and starts it at ``v_init`` (1/2, i.e. theta / 2, unless calibrated; per
 channel after membrane calibration, see :func:`snnconv.calibration.calibrate_bias`); a
@@ -42,16 +51,37 @@ import torch.nn as nn
 from spikingjelly.activation_based import neuron, surrogate
 
 from snnconv.errors import ConfigError
-from snnconv.vocabulary import RESETS
+from snnconv.vocabulary import MAX_BURST, RESETS
 
-__all__ = ["RESETS", "if_step", "if_sequence", "fire_subtractive_", "fire_zero", "channel_view",
-           "IFNeuron", "Scale", "TimeExpand", "neurons", "LEAKY_KINDS", "LeakyParams", "lif_step",
+__all__ = ["RESETS", "MAX_BURST", "emit", "if_step", "if_sequence", "fire_subtractive_", "fire_zero", "channel_view",
+           "check_burst", "IFNeuron", "Scale", "TimeExpand", "neurons", "LEAKY_KINDS", "LeakyParams", "lif_step",
            "cubalif_step", "li_step", "leaky_sequence", "LeakyNeuron"]
+
+
+def check_burst(burst: object, reset: str = "subtract") -> int:
+    """``burst`` as an int in ``[1, MAX_BURST]``; a burst neuron resets by subtraction."""
+    if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_BURST:
+        raise ConfigError(f"burst (spikes a neuron may emit in one step) must be an integer in [1, "
+                          f"{MAX_BURST}], got {burst!r}")
+    if burst > 1 and reset != "subtract":
+        raise ConfigError(f"a burst neuron (burst={burst}) resets by subtraction: reset='zero' "
+                          "would drop the charge beyond one threshold. Use burst=1 with reset='zero'")
+    return int(burst)
+
+
+def emit(h: torch.Tensor, burst: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The spikes of a membrane ``h`` in units of theta: ``h >= 1`` (0 or 1), or with ``burst``
+    B > 1 ``min(B, floor(h))`` where ``h >= 1``, else 0 (``out``: written in place)."""
+    if burst == 1:
+        return torch.ge(h, 1.0, out=out) if out is not None else (h >= 1.0).to(h.dtype)
+    if out is None:
+        return torch.floor(h).clamp_(0, burst)
+    return torch.floor(h, out=out).clamp_(0, burst)
 
 
 def if_step(v: torch.Tensor, x: torch.Tensor, theta: float | torch.Tensor, *, reset: str = "subtract",
             surrogate_function: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            detach_reset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            detach_reset: bool = False, burst: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """One IF step: the spikes and the next membrane from membrane ``v`` and input ``x``.
 
     .. math::
@@ -67,9 +97,12 @@ def if_step(v: torch.Tensor, x: torch.Tensor, theta: float | torch.Tensor, *, re
             surrogate applied to ``h - theta`` (Heaviside forward: ``h - theta >= 0`` is
             ``h >= theta`` in IEEE arithmetic).
         detach_reset: no gradient through the spike in the reset.
+        burst: up to this many spikes in one step (subtractive reset): ``s`` is the sum over
+            k = 1..B of ``h >= k * theta`` (with a surrogate, of ``surrogate(h - k * theta)``).
 
     Returns:
-        ``(s, v')``: spikes in {0, 1} of ``h``'s dtype and the membrane after the reset.
+        ``(s, v')``: spikes in {0, 1} (in {0, ..., B} for a burst) of ``h``'s dtype and the
+        membrane after the reset.
 
     Raises:
         ValueError: an unknown ``reset``.
@@ -80,7 +113,15 @@ def if_step(v: torch.Tensor, x: torch.Tensor, theta: float | torch.Tensor, *, re
     if reset not in RESETS:
         raise ConfigError(f"IF reset must be one of {RESETS}, got {reset!r}")
     h = v + x
-    s = (h >= theta).to(h.dtype) if surrogate_function is None else surrogate_function(h - theta)
+    if burst > 1:
+        check_burst(burst, reset)
+        fire = (lambda k: (h >= k * theta).to(h.dtype)) if surrogate_function is None else (
+            lambda k: surrogate_function(h - k * theta))
+        s = fire(1)
+        for k in range(2, burst + 1):
+            s = s + fire(k)
+    else:
+        s = (h >= theta).to(h.dtype) if surrogate_function is None else surrogate_function(h - theta)
     kept = s.detach() if detach_reset else s
     if reset == "subtract":
         return s, h - theta * kept
@@ -98,12 +139,13 @@ def if_sequence(seq: torch.Tensor, v: torch.Tensor, theta: float | torch.Tensor,
 
 
 def fire_subtractive_(u: torch.Tensor, v0: torch.Tensor,
-                      thresholds: torch.Tensor | None = None) -> torch.Tensor:
+                      thresholds: torch.Tensor | None = None, burst: int = 1) -> torch.Tensor:
     """:func:`if_sequence` of a subtractive-reset neuron with threshold 1 on ``u`` (``[T, b,
     ...]``, the input in units of theta) from membrane ``v0``, in place: the spikes overwrite
     ``u``, three tensor operations per step and no autograd. With ``thresholds`` (``[T, ...]``),
-    step ``t`` compares with ``thresholds[t]`` instead of 1. Returns the membrane after the
-    last step (a new tensor).
+    step ``t`` compares with ``thresholds[t]`` instead of 1 (a burst: the membrane is raised by
+    ``1 - thresholds[t]`` before :func:`emit`). Returns the membrane after the last step (a new
+    tensor).
 
     Bit for bit the step's spikes (tested): ``v0 + u[0]`` is ``u[0] + v0``; ``h - 1 * s`` is
     ``h - s``."""
@@ -111,7 +153,12 @@ def fire_subtractive_(u: torch.Tensor, v0: torch.Tensor,
     for t in range(u.shape[0]):
         if t:
             v.add_(u[t])
-        torch.ge(v, 1.0 if thresholds is None else thresholds[t], out=u[t])
+        if burst == 1:
+            torch.ge(v, 1.0 if thresholds is None else thresholds[t], out=u[t])
+        elif thresholds is None:
+            emit(v, burst, out=u[t])
+        else:
+            emit(v - thresholds[t] + 1.0, burst, out=u[t])
         v.sub_(u[t])
     return v
 
@@ -149,7 +196,9 @@ class IFNeuron(nn.Module):
     (threshold 1) on the input divided by ``theta`` (``v[0] = theta / 2``; see the module
     docstring). ``reset="zero"`` (hard reset, spikingjelly's ``IFNode(v_threshold=theta,
     v_reset=0.)``, forward bit for bit): :func:`if_step` from ``v[0] = 0``. Without gradients,
-    the in-place kernels :func:`fire_subtractive_` and :func:`fire_zero`.
+    the in-place kernels :func:`fire_subtractive_` and :func:`fire_zero`. ``burst`` B > 1: up to
+    B spikes in one step (subtractive reset; see the module docstring), with gradients the sum
+    of B surrogates at theta, 2 theta, ..., B theta.
 
     theta may be per layer (shape ``[]``) or per channel (``[C]``, dim 1) and trainable; both
     modes use the ATan surrogate gradient. The state is reset at every call, so a call is a
@@ -166,7 +215,7 @@ class IFNeuron(nn.Module):
 
     def __init__(self, theta: float | torch.Tensor, T: int = 8, *, alpha: float = 2.0,
                  detach_reset: bool = False, reset: str = "subtract",
-                 v_init: float | torch.Tensor | None = None):
+                 v_init: float | torch.Tensor | None = None, burst: int = 1):
         super().__init__()
         theta = torch.as_tensor(theta, dtype=torch.float32).detach().clone()
         if theta.dim() > 1 or (theta <= 0).any() or not torch.isfinite(theta).all():
@@ -180,6 +229,7 @@ class IFNeuron(nn.Module):
         if reset == "zero" and bool((v_init != 0).any()):
             raise ConfigError("a hard-reset IF neuron starts at v = 0 (NIR's IF has no initial "
                              "membrane); v_init applies to reset='subtract' only")
+        self.burst = check_burst(burst, reset)
         self.register_buffer("v_init", v_init)
         self.theta = nn.Parameter(theta, requires_grad=False)
         self.T = int(T)
@@ -207,7 +257,7 @@ class IFNeuron(nn.Module):
             return fire_zero(seq, channel_view(self.theta, seq.dim() - 1))
         # ours: the input in units of theta, its steps become spikes
         u = seq / channel_view(self.theta, seq.dim(), channel_dim=2)
-        fire_subtractive_(u, channel_view(self.v_init.to(u.dtype), u.dim() - 1))
+        fire_subtractive_(u, channel_view(self.v_init.to(u.dtype), u.dim() - 1), burst=self.burst)
         return u
 
     def _rate(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +269,7 @@ class IFNeuron(nn.Module):
         # the spike count of T = L steps on a constant input, divided by L: QCFS(L, theta)/theta
         L = self.rate_levels
         q = FloorSTE.apply(x / channel_view(self.theta, x.dim()) * L + 0.5)
-        return torch.clamp(q, 0, L) / L
+        return torch.clamp(q, 0, L * self.burst) / L
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rate_levels:
@@ -235,6 +285,10 @@ class IFNeuron(nn.Module):
                                reset="zero", surrogate_function=self.node.surrogate_function,
                                detach_reset=self.detach_reset).reshape(x.shape)
         theta = channel_view(self.theta, seq.dim(), channel_dim=2)
+        if self.burst > 1:  # in units of theta, from v_init: the step of if_step with its sum of surrogates
+            v0 = channel_view(self.v_init.to(seq.dtype), seq.dim() - 1).expand(seq.shape[1:])
+            return if_sequence(seq / theta, v0, 1.0, surrogate_function=self.node.surrogate_function,
+                               detach_reset=self.detach_reset, burst=self.burst).reshape(x.shape)
         self.node.reset()
         if self.v_init.dim() or float(self.v_init) != 0.5:
             # the initial membrane as a full tensor (spikingjelly uses one of x[0]'s shape)
@@ -247,8 +301,9 @@ class IFNeuron(nn.Module):
     def extra_repr(self) -> str:
         kind = "per-layer" if self.theta.dim() == 0 else f"per-channel[{self.theta.numel()}]"
         v0 = "" if self.v_init.dim() == 0 else f", v_init=per-channel[{self.v_init.numel()}]"
+        burst = f", burst={self.burst}" if self.burst > 1 else ""
         return (f"theta={kind}, T={self.T}, reset={self.reset}, alpha={self.alpha}, "
-                f"detach_reset={self.detach_reset}{v0}")
+                f"detach_reset={self.detach_reset}{v0}{burst}")
 
 
 class Scale(nn.Module):
@@ -347,9 +402,12 @@ def lif_step(v: torch.Tensor, x: torch.Tensor, p: LeakyParams, *,
         surrogate_function: ``None`` (no gradient through the spike), or a spikingjelly
             surrogate applied to ``h - v_threshold`` (forward: NIR's strict ``>``).
         detach_reset: no gradient through the spike in the reset.
+        burst: up to this many spikes in one step (subtractive reset): ``s`` is the sum over
+            k = 1..B of ``h >= k * theta`` (with a surrogate, of ``surrogate(h - k * theta)``).
 
     Returns:
-        ``(s, v')``: spikes in {0, 1} of ``h``'s dtype and the membrane after the reset.
+        ``(s, v')``: spikes in {0, 1} (in {0, ..., B} for a burst) of ``h``'s dtype and the
+        membrane after the reset.
 
     Shape:
         ``x``: ``[b, *shape]``; ``s`` and ``v'``: the same.

@@ -409,6 +409,11 @@ WRITERS: tuple[tuple[type | tuple[type, ...], _Writer], ...] = (
 
 #: Module kinds that convert (the activation checks accept them) but that NIR cannot express:
 #: export refuses them all by name before it writes anything (:func:`no_nir_form`).
+#: Why a burst neuron (several spikes in one step) is refused by NIR export.
+BURST_HAS_NO_NIR_FORM = ("NIR's IF and Threshold nodes emit one spike per step; a neuron that emits "
+                         "up to B in one step (graded spikes) has no NIR form: convert with burst=1 "
+                         "to export, or run the network in torch (snn(x), snnconv evaluate)")
+
 NO_NIR_FORM: dict[type, str] = {
     nn.Conv3d: "NIR has no 3-d convolution",
     nn.ConvTranspose1d: "NIR has no transposed convolution",
@@ -430,7 +435,9 @@ def no_nir_form(module: nn.Module) -> list[str]:
     when the network (an ANN before conversion, or a SpikingNetwork) can be exported."""
     net = module.net if isinstance(module, SpikingNetwork) else module
     return [f"'{name}' ({type(m).__name__}): {NO_NIR_FORM[type(m)]}" for name, m in net.named_modules()
-            if type(m) in NO_NIR_FORM]
+            if type(m) in NO_NIR_FORM] + [
+        f"'{name}' (IFNeuron, burst={m.burst}): {BURST_HAS_NO_NIR_FORM}" for name, m in net.named_modules()
+        if isinstance(m, IFNeuron) and m.burst > 1]
 
 
 def _probe_shapes(snn: SpikingNetwork, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:

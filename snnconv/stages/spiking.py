@@ -24,7 +24,7 @@ from snnconv.errors import ConfigError, StageOrderError, UnsupportedModelError
 from snnconv.graph import call_counts, describe_node, module_of, prepare
 from snnconv.guards import assert_no_batchnorm
 from snnconv.snn.network import SpikingNetwork, check_T
-from snnconv.snn.neuron import RESETS, IFNeuron, LeakyNeuron, Scale, TimeExpand
+from snnconv.snn.neuron import RESETS, IFNeuron, LeakyNeuron, Scale, TimeExpand, check_burst
 
 __all__ = ["LAYERS", "to_spiking", "insert_time_expand", "unique_name"]
 
@@ -184,13 +184,15 @@ def insert_time_expand(gm: fx.GraphModule, T: int, used: set[str]) -> list[str]:
 
 
 def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
-               detach_reset: bool = False, reset: str = "subtract") -> SpikingNetwork:
+               detach_reset: bool = False, reset: str = "subtract", burst: int = 1) -> SpikingNetwork:
     """Replace each QCFS(lambda) of a calibrated ANN by an IF neuron with threshold lambda.
 
     Spikes between layers are binary; lambda moves into the consuming layers' weights (or an
     explicit :class:`Scale`). Works on a copy; ``result.meta`` records what was absorbed where.
     ``reset``: ``"subtract"`` (default, the exact QCFS equivalent) or ``"zero"`` (hard reset,
-    for consumers and chips whose neurons reset to zero; see :class:`IFNeuron`).
+    for consumers and chips whose neurons reset to zero; see :class:`IFNeuron`). ``burst`` B > 1:
+    neurons that may emit up to B spikes in one step (graded spikes, subtractive reset), threshold
+    lambda / B: T steps then give the T * B levels of QCFS at L = T * B.
 
     Raises:
         BatchNormRemainsError: the graph still holds BatchNorm.
@@ -200,6 +202,7 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
     check_T(T)
     if reset not in RESETS:
         raise ConfigError(f"reset must be one of {RESETS}, got {reset!r}")
+    burst = check_burst(burst, reset)
     T = int(T)
     gm = prepare(model, leaf_types=(QCFS,))
     assert_no_batchnorm(gm, stage="before IF replacement")
@@ -223,12 +226,12 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
         q = module_of(gm, node)
         if not isinstance(q, QCFS):
             continue
-        theta = q.lam.detach().clone().float()
+        theta = q.lam.detach().clone().float() / burst
         target = str(node.target)
         base = target.replace("qcfs_", "if_", 1) if target.startswith("qcfs_") else f"if_{node.name}"
         name = unique_name(base.replace(".", "_"), used)
         gm.add_submodule(name, IFNeuron(theta, T, alpha=alpha, detach_reset=detach_reset,
-                                                reset=reset))
+                                        reset=reset, burst=burst))
         with gm.graph.inserting_after(node):
             new = gm.graph.call_module(name, (node.args[0],))
         node.replace_all_uses_with(new)
@@ -242,6 +245,8 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
     gm.recompile()
     snn = SpikingNetwork(gm, T).eval()
     snn.meta = {"neurons": record, "time_expanded": expanded, "reset": reset}
+    if burst > 1:
+        snn.meta["burst"] = burst
     assert_no_batchnorm(snn, stage="IF replacement")
     return snn
 

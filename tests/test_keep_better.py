@@ -1,0 +1,62 @@
+"""convert() keeps a calibration's or fine-tuning's network only where it does at least as well
+as the network it started from, on held-out images of the loader: the default conversion is
+never worse there than the simpler paths without its steps."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader
+
+import snnconv
+from snnconv.analysis.metrics import evaluate
+from snnconv.data import split_loader
+from snnconv.stages.finetune import FinetuneConfig
+
+
+def _held_out(loader, seed=0):
+    return split_loader(loader, FinetuneConfig.val_fraction, seed=seed)[1]
+
+
+def test_every_step_is_recorded_and_the_better_network_is_kept(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    snn, meta = snnconv.convert(small_digits_ann, train, T=2, finetune_epochs=0, reconstruction_steps=20,
+                                progress=False)
+    kept = meta.stage("spiking").changes["kept"]
+    assert set(kept) == {"bias_calibration", "reconstruction"}
+    for step, record in kept.items():
+        better = (record["after"], -record["kl_after"]) >= (record["before"], -record["kl_before"])
+        assert record["kept"] == better, step
+        assert record["measure"] == "accuracy" and record["images"] > 0
+    assert snn.meta["calibrated_T"] == 2
+
+
+def test_the_default_is_never_worse_than_the_paths_without_its_steps(small_digits_ann, digits_loaders):
+    """On the held-out images that choose (the fine-tuning's validation split): the training-free
+    conversion against no calibration at all and against no reconstruction, and the conversion
+    with fine-tuning against the training-free one (its starting point)."""
+    train, _ = digits_loaders
+    val = _held_out(train)
+    common = dict(T=2, progress=False)
+    score = {}
+    for name, settings in {"plain": dict(bias_calibration=False, reconstruction_steps=0, finetune_epochs=0),
+                           "no_reconstruction": dict(reconstruction_steps=0, finetune_epochs=0),
+                           "free": dict(reconstruction_steps=30, finetune_epochs=0),
+                           "tuned": dict(reconstruction_steps=30, finetune_epochs=1)}.items():
+        snn, _ = snnconv.convert(small_digits_ann, train, **common, **settings)
+        score[name] = evaluate(snn, val)
+    assert score["free"] >= score["plain"]
+    assert score["free"] >= score["no_reconstruction"]
+    assert score["tuned"] >= score["free"]
+
+
+def test_fine_tuning_that_hurts_is_dropped(small_digits_ann, digits_loaders):
+    """A fine-tuning that wrecks the network (a huge learning rate) leaves the converted network."""
+    train, _ = digits_loaders
+    free, _ = snnconv.convert(small_digits_ann, train, T=2, finetune_epochs=0, progress=False)
+    bad = FinetuneConfig(epochs=1, T=2, lr=50.0, grad_clip=0.0, keep_start=False, seed=0)
+    tuned, meta = snnconv.convert(small_digits_ann, train, T=2, finetune_config=bad, progress=False)
+    record = meta.stage("finetune").changes["kept"]
+    assert record["kept"] is False and record["after"] < record["before"]
+    x = next(iter(DataLoader(train.dataset, batch_size=64)))[0]
+    with torch.no_grad():
+        assert torch.equal(tuned(x), free(x))
