@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "calibrate_qcfs": "stages.qcfs",
     "to_spiking": "stages.spiking",
     "finetune": "stages.finetune",
+    "diagnose": "analysis.diagnosis",
     "export_nir": "snn.nir_io",
     "from_nir": "snn.nir_io",
     "save_nir": "snn.nir_io",

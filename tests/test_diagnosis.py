@@ -97,9 +97,12 @@ def test_diagnose_command(tmp_path):
     from snnconv.cli import main
 
     run = tmp_path / "run"
-    assert main(["convert", "--model", "small_cnn", "--data", "digits", "--train-epochs", "2", "--T", "2",
+    assert main(["convert", "--model", "small_cnn", "--data", "digits", "--train-epochs", "2", "--T", "1", "2",
                  "--finetune-epochs", "0", "--out", str(run), "--quiet"]) == 0
     assert main(["diagnose", str(run), "--data", "digits", "--images", "64", "--quiet"]) == 0
     record = json.loads((run / "diagnosis.json").read_text())
     assert record["T"] == 2 and record["network"] == "snn.pt" and record["layers"]
     assert (run / "diagnosis.png").stat().st_size > 0
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "Where the accuracy goes" in page and "calibrated (and fine-tuned) for T=2" in page

@@ -100,9 +100,9 @@ def test_the_budget_bounds_the_fine_tuning_steps(small_digits_ann, monkeypatch):
     assert budget["finetune_steps"] == budget["finetune_steps_run"] == 3
     assert meta.stage("finetune").changes["steps"] == 3
     assert budget["qcfs_steps"] == budget["qcfs_steps_run"] == 3
-    # 3 + 3 steps, a few calibration batches and the 10% validation split: far from the 2,000
-    # samples that one uncapped epoch would read
-    assert _Counting.reads < 1000, _Counting.reads
+    # 3 + 3 steps, a few calibration batches, the 10% validation split and the held-out images
+    # that keep the better network: far from the 2,000 samples that one uncapped epoch would read
+    assert _Counting.reads < 1100, _Counting.reads
 
 
 @pytest.mark.parametrize("images,batch,epochs", [(5000, 128, 2), (60000, 128, 1), (10**6, 128, 1),

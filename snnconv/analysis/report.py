@@ -67,7 +67,8 @@ def _read_json(path: str) -> Any:
 
 
 def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read the JSON files of a run folder into ``{"meta", "finetune", "evaluation", "backends"}``.
+    """Read the JSON files of a run folder into ``{"meta", "finetune", "evaluation", "diagnosis",
+    "backends"}``.
 
     Missing files give ``None`` (``{}`` for backends).
 
@@ -82,7 +83,7 @@ def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
         raise DataError(f"run folder {run_dir} does not exist; give the --out folder of "
                         "'snnconv convert' (or of a tutorial notebook)")
     run: dict[str, Any] = {}
-    for key in ("meta", "finetune", "evaluation"):
+    for key in ("meta", "finetune", "evaluation", "diagnosis"):
         path = os.path.join(run_dir, f"{key}.json")
         run[key] = _read_json(path) if os.path.exists(path) else None
     # every file of a run records its run id: one left by an earlier run in the folder is left out
@@ -459,6 +460,38 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
     rows += [[f"backend {label}" + (" (few images)" if few_images(r.get("images"), largest) else ""),
               r["T"], _images(r.get("images")), r["accuracy"]] for label, r in measured]
     parts.append(_table(["network", "T", "test images", "accuracy (%)"], rows))
+    T = settings.get("T")
+    if T and len(acc.get("snn") or {}) > 1:
+        parts.append(_note(f"The converted network was calibrated (and fine-tuned) for T={T}; at other T "
+                           "it is the same network run for more or fewer steps, not a conversion made for "
+                           "that T. For the curve of conversions made for each T, convert at each T "
+                           "(snnconv diagnose --needed-T measures the plain conversion's)."))
+
+
+def _diagnosis_section(diag: Mapping[str, Any] | None, parts: list[str]) -> None:
+    """Where the accuracy goes (``snnconv diagnose``): the summary, the plot, the main layers."""
+    if not diag:
+        return
+    from snnconv.analysis.diagnosis import Diagnosis
+    from snnconv.analysis.plots import draw_diagnosis
+
+    d = Diagnosis.from_dict({k: v for k, v in diag.items() if k != "network"})
+    parts.append(f"<h2>Where the accuracy goes ({html.escape(str(diag.get('network', 'the SNN')))}, "
+                 f"T={d.T}, {d.images} test images)</h2>")
+    parts.append("".join(f"<p>{html.escape(line)}</p>" for line in d.summary(top=0).splitlines()))
+
+    def draw(_ax):
+        fig = _ax.figure
+        _ax.remove()
+        draw_diagnosis(d, fig.subplots(2, 1, sharex=True))
+
+    parts.append(_img(_png(draw, size=(9, 6)), "departure by cause, per IF layer"))
+    by = {layer.name: layer for layer in d.layers}
+    rows = [[n, by[n].site or "", f"{by[n].departure:.2f}", *(f"{by[n].causes.get(c, 0):.2f}" for c in
+            ("carried", "clip", "quantisation", "temporal")), f"{by[n].kl_recovered:.3f}", by[n].own]
+            for n in d.ranking[:10]]
+    parts.append(_table(["IF layer", "ANN site", "departure", "carried", "clip", "quantisation", "temporal",
+                         "KL removed as ANN", "its own cause"], rows))
 
 
 def _evaluation_sections(ev: Mapping[str, Any] | None, parts: list[str]) -> Mapping[str, Any] | None:
@@ -567,6 +600,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
         parts.append(_table(["setting (snnconv convert)", "value"], [[k, settings[k]] for k in keys]))
 
     _accuracy_section(run, parts)
+    _diagnosis_section(run.get("diagnosis"), parts)
     T = settings.get("T")
     parts.append(f"<h2>Threshold distribution (the converted network{f', T={T}' if T else ''})</h2>")
     thetas = _thresholds(meta)

@@ -41,11 +41,17 @@ def _cmd_evaluate(args) -> int:
     Ts = time_steps(args)
     _, test = loaders(args)
     ev = evaluation(args, snn, test, Ts, os.path.basename(src))
+    if isinstance(snn.meta, dict) and snn.meta.get("calibrated_T"):
+        ev["calibrated_T"] = snn.meta["calibrated_T"]
     out = args.out or os.path.dirname(src) or "."
     path = os.path.join(out, "evaluation.json")
     before = _recorded(path) if os.path.exists(path) else None
     write_json(path, ev)
     print_accuracy(args, [(f"SNN T={t}", ev["accuracy"][str(t)]) for t in Ts], images=ev["images"])
+    calibrated = snn.meta.get("calibrated_T") if isinstance(snn.meta, dict) else None
+    if calibrated and any(t != calibrated for t in Ts):
+        say(args, f"(this network was calibrated for T={calibrated}; at other T it runs the same network for "
+                  "more or fewer steps, not a conversion made for that T)")
     rates = ev["analysis"]["firing_rate"]
     e = ev["analysis"]["energy"]
     say(args, f"mean firing rate {100 * sum(rates.values()) / max(1, len(rates)):.2f}% per step "
