@@ -208,6 +208,7 @@ class _Judge:
             self.ann = [ann(x) for x, _ in self.batches]
         self.labelled = all(y is not None for _, y in self.batches)
         self.record: dict[str, dict[str, Any]] = {}
+        self._last: tuple[Any, tuple[float, float]] | None = None  # the network kept last, its score
 
     @classmethod
     def of(cls, loader: Any, calib: list, ann: nn.Module, device: torch.device, seed: int) -> "_Judge":
@@ -215,10 +216,14 @@ class _Judge:
         from snnconv.stages.finetune import FinetuneConfig
 
         images = min(JUDGE_IMAGES, sum(len(x) for x, _ in calib))
+        batches: list = []
         try:
-            with torch.random.fork_rng(devices=[]):
+            if isinstance(loader, (list, tuple)) or hasattr(getattr(loader, "dataset", None), "__len__"):
+                # the split that fine-tuning validates on (held out of its training)
                 val = split_loader(loader, FinetuneConfig.val_fraction, seed=seed)[1]
                 batches = draw_batches(val, 10**9, images=images) if val is not None else []
+            else:  # a stream: the batches after the calibration's, never the whole stream
+                batches = draw_batches(loader, 10**9, images=sum(len(x) for x, _ in calib) + images)[len(calib):]
         except DataError:
             batches = []
         return cls(batches or calib, ann, device)
@@ -246,8 +251,10 @@ class _Judge:
 
     def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork) -> SpikingNetwork:
         """``after`` where it scores at least as well as ``before`` (recorded under ``step``)."""
-        a, b = self.score(before), self.score(after)
+        a = self._last[1] if self._last is not None and self._last[0] is before else self.score(before)
+        b = self.score(after)
         kept = b >= a
+        self._last = (after, b) if kept else (before, a)
         self.record[step] = {"before": a[0], "after": b[0], "kl_before": -a[1], "kl_after": -b[1],
                              "kept": kept, "images": sum(len(x) for x, _ in self.batches),
                              "measure": "accuracy" if self.labelled else "agreement with the ANN"}
