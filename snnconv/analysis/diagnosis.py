@@ -141,15 +141,19 @@ class Diagnosis:
             lines.append(f"the {len(self.main)} of {len(self.layers)} IF layers that lose most, run as "
                          f"their ANN activation, give {self.main_accuracy:.2f}%"
                          + (f" ({100 * rec:.0f}% of the gap recovered)" if rec is not None else ""))
+        causes: dict[str, list[str]] = {}
         for name in self.ranking[:top]:
             layer = by[name]
-            cause = layer.own
+            causes.setdefault(layer.own, []).append(name)
             lines.append(f"  {name} ({layer.site or 'no ANN site'}): departure {layer.departure:.2f} "
                          f"(carried {layer.causes.get('carried', 0):.2f}, clip {layer.causes.get('clip', 0):.2f}, "
                          f"quantisation {layer.causes.get('quantisation', 0):.2f}, temporal "
-                         f"{layer.causes.get('temporal', 0):.2f}); alone as ANN: KL -{layer.kl_recovered:.3f}"
-                         + (f", {layer.accuracy_alone:.2f}%" if layer.accuracy_alone is not None else "")
-                         + f"; cause: {cause}: {ADVICE[cause]}")
+                         f"{layer.causes.get('temporal', 0):.2f}); as its ANN activation alone: KL to the ANN "
+                         f"{-layer.kl_recovered:+.3f}"
+                         + (f", accuracy {layer.accuracy_alone:.2f}%" if layer.accuracy_alone is not None else "")
+                         + f"; its own largest cause: {layer.own}")
+        for cause, names in causes.items():
+            lines.append(f"what to do about {cause} ({len(names)} of these layers): {ADVICE[cause]}")
         if self.needed:
             t = self.needed.get("T")
             lines.append(f"the plain conversion (QCFS at L=T, no calibration) reaches the ANN within "

@@ -95,9 +95,12 @@ def draw_diagnosis(diag: Any, axes: Sequence[Any]) -> None:
     a2.set_ylabel("KL to the ANN removed")
     a2.set_xlabel("IF layer (network order); red: the main losses")
     a2.set_title("each layer run alone as its ANN activation")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in axes:
         ax.grid(True, axis="y", alpha=0.3)
         ax.set_xlim(-0.6, max(len(layers), 1) - 0.4)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def plot_diagnosis(diag: Any, path: str | os.PathLike) -> None:
