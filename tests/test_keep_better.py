@@ -60,3 +60,22 @@ def test_fine_tuning_that_hurts_is_dropped(small_digits_ann, digits_loaders):
     x = next(iter(DataLoader(train.dataset, batch_size=64)))[0]
     with torch.no_grad():
         assert torch.equal(tuned(x), free(x))
+
+
+class _Stream:
+    """A re-iterable loader with no length and no dataset (a stream)."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def test_a_streams_held_out_images_are_the_batches_after_the_calibrations(small_digits_ann, digits_data):
+    train_set, _ = digits_data
+    batches = list(DataLoader(train_set, batch_size=32))[:8]
+    _, meta = snnconv.convert(small_digits_ann, _Stream(batches), T=2, calib_batches=3, finetune_epochs=0,
+                              progress=False)
+    # as many held-out images as the 3 calibration batches hold, from the batches after them
+    assert meta.stage("spiking").changes["kept"]["bias_calibration"]["images"] == 96
