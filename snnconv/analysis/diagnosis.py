@@ -455,7 +455,9 @@ def _ablate(diag: Diagnosis, snn: SpikingNetwork, x_all: torch.Tensor, y: torch.
             ann_o: torch.Tensor, analog_fn: dict[str, Callable], fixed: dict[str, Callable], T: int,
             batch_size: int, device: torch.device, main_share: float, say: Callable[[str], None]) -> None:
     """Each layer alone as its ANN activation, then the top k together (k = 1, 2, 4, ... up to
-    ``main_share`` of the layers): the ranking, the main layers and the accuracy they recover."""
+    ``main_share`` of the layers, stopping at the first that recovers half of the gap): the
+    ranking, the main layers (that first k, else the k that recovered most) and the accuracy
+    they recover."""
 
     def run(names: Sequence[str]) -> torch.Tensor:
         fns = dict(fixed, **{n: analog_fn[n] for n in names})
@@ -482,8 +484,9 @@ def _ablate(diag: Diagnosis, snn: SpikingNetwork, x_all: torch.Tensor, y: torch.
         say(f"the top {k} layer(s) as ANN activations: {acc:.2f}%")
         if target is not None and acc >= target:
             break
+    # the first k that recovers half of the gap, else the k that recovered most (the smaller on a tie)
     best_k = next((k for k in map(int, diag.recovered) if target is not None and diag.recovered[str(k)] >= target),
-                  max(map(int, diag.recovered)))
+                  max(map(int, diag.recovered), key=lambda k: (diag.recovered[str(k)], -k)))
     diag.main = diag.ranking[:best_k]
     diag.main_accuracy = diag.recovered[str(best_k)]
 
