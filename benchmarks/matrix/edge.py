@@ -144,9 +144,10 @@ def plot(rows: list, path: str) -> None:
     ax.set_xticks([j + 0.4 for j in range(len(models))])
     ax.set_xticklabels(models, fontsize=8)
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("torchvision's edge networks on Fashion-MNIST (32 px): the conversions against the ANN")
+    ax.set_title("edge networks, Fashion-MNIST at 32 px: each conversion against its ANN", fontsize=10)
+    ax.set_ylim(0, 100)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, ncol=len(names) + 1, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
