@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections.abc
 import contextlib
 import functools
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -194,13 +195,17 @@ JUDGE_IMAGES = 1024
 
 
 class _Judge:
-    """Keeps a calibration's or fine-tuning's network only where it does at least as well as the
-    network it started from, at the conversion's T, on held-out images of the loader (the split
-    that fine-tuning validates on, at most as many images as the calibration batches hold, at
-    most :data:`JUDGE_IMAGES`): accuracy where the loader has labels, else agreement with the
-    ANN's decisions; a tie goes to the step, then the lower KL divergence to the ANN's outputs
-    decides. So no step of the default conversion makes its network worse than the simpler
-    path without it, on data the step did not fit."""
+    """Keeps a calibration's or fine-tuning's network only where it does better than the network
+    it started from, beyond the noise of the images that judge, at the conversion's T, on
+    held-out images of the loader (the split that fine-tuning validates on, at most as many
+    images as the calibration batches hold, at most :data:`JUDGE_IMAGES`).
+
+    An image is right where the network's decision is its label (without labels: the ANN's
+    decision). Of the images the two networks decide differently, the step must win
+    ``wins - losses >= max(1, sqrt(wins + losses))`` (one standard deviation of that difference
+    where the two were equally good), else the simpler network is kept: a step whose gain is
+    within the noise is dropped, and no step of the default conversion makes its network worse
+    than the simpler path without it on data the step did not fit."""
 
     def __init__(self, batches: list, ann: nn.Module, device: torch.device):
         self.batches = [(x.to(device), y) for x, y in batches]
@@ -208,7 +213,7 @@ class _Judge:
             self.ann = [ann(x) for x, _ in self.batches]
         self.labelled = all(y is not None for _, y in self.batches)
         self.record: dict[str, dict[str, Any]] = {}
-        self._last: tuple[Any, tuple[float, float]] | None = None  # the network kept last, its score
+        self._last: tuple[Any, tuple[torch.Tensor, float]] | None = None  # the network kept last, its score
 
     @classmethod
     def of(cls, loader: Any, calib: list, ann: nn.Module, device: torch.device, seed: int) -> "_Judge":
@@ -228,12 +233,12 @@ class _Judge:
             batches = []
         return cls(batches or calib, ann, device)
 
-    def score(self, net: nn.Module) -> tuple[float, float]:
-        """(accuracy or agreement %, minus the mean KL divergence to the ANN) of ``net``."""
+    def score(self, net: nn.Module) -> tuple[torch.Tensor, float]:
+        """Per image whether ``net`` decides right (a bool tensor), and its mean KL divergence to
+        the ANN's outputs."""
         import torch.nn.functional as F
 
-        right = n = 0
-        kl = 0.0
+        right, kl, n = [], 0.0, 0
         was = net.training
         net.eval()
         try:
@@ -241,22 +246,24 @@ class _Judge:
                 for (x, y), ref in zip(self.batches, self.ann):
                     out = net(x)
                     target = y.to(out.device) if self.labelled else ref.argmax(1)
-                    right += int((out.argmax(1) == target).sum())
+                    right.append((out.argmax(1) == target).cpu())
                     n += len(x)
                     p = F.log_softmax(ref.double(), 1)
                     kl += float((p.exp() * (p - F.log_softmax(out.double(), 1))).sum())
         finally:
             net.train(was)
-        return 100.0 * right / max(1, n), -kl / max(1, n)
+        return torch.cat(right), kl / max(1, n)
 
     def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork) -> SpikingNetwork:
-        """``after`` where it scores at least as well as ``before`` (recorded under ``step``)."""
+        """``after`` where it beats ``before`` beyond the noise (recorded under ``step``)."""
         a = self._last[1] if self._last is not None and self._last[0] is before else self.score(before)
         b = self.score(after)
-        kept = b >= a
+        wins, losses = int((b[0] & ~a[0]).sum()), int((a[0] & ~b[0]).sum())
+        kept = wins - losses >= max(1.0, math.sqrt(wins + losses))
         self._last = (after, b) if kept else (before, a)
-        self.record[step] = {"before": a[0], "after": b[0], "kl_before": -a[1], "kl_after": -b[1],
-                             "kept": kept, "images": sum(len(x) for x, _ in self.batches),
+        self.record[step] = {"before": 100.0 * float(a[0].float().mean()), "after": 100.0 * float(b[0].float().mean()),
+                             "wins": wins, "losses": losses, "kl_before": a[1], "kl_after": b[1],
+                             "kept": kept, "images": len(a[0]),
                              "measure": "accuracy" if self.labelled else "agreement with the ANN"}
         return after if kept else before
 
