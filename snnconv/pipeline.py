@@ -201,11 +201,12 @@ class _Judge:
     images as the calibration batches hold, at most :data:`JUDGE_IMAGES`).
 
     An image is right where the network's decision is its label (without labels: the ANN's
-    decision). Of the images the two networks decide differently, the step must win
-    ``wins - losses >= max(1, sqrt(wins + losses))`` (one standard deviation of that difference
-    where the two were equally good), else the simpler network is kept: a step whose gain is
-    within the noise is dropped, and no step of the default conversion makes its network worse
-    than the simpler path without it on data the step did not fit."""
+    decision). Of the images the two networks decide differently, a calibration must win at
+    least as many as it loses (a tie keeps it: it fitted no label and helps on average, the
+    Defaults rows). Fine-tuning chose its best epoch on these same images, which favours it, so
+    it must win by ``wins - losses >= max(1, sqrt(wins + losses))`` (one standard deviation of
+    that difference where the two were equally good). No step of the default conversion makes
+    its network worse than the simpler path without it on data the step did not fit."""
 
     def __init__(self, batches: list, ann: nn.Module, device: torch.device):
         self.batches = [(x.to(device), y) for x, y in batches]
@@ -254,12 +255,15 @@ class _Judge:
             net.train(was)
         return torch.cat(right), kl / max(1, n)
 
-    def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork) -> SpikingNetwork:
-        """``after`` where it beats ``before`` beyond the noise (recorded under ``step``)."""
+    def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork, *,
+             selected_here: bool = False) -> SpikingNetwork:
+        """``after`` where it does at least as well as ``before`` (recorded under ``step``);
+        ``selected_here``: ``after`` was chosen on these images, and must beat ``before``
+        beyond their noise."""
         a = self._last[1] if self._last is not None and self._last[0] is before else self.score(before)
         b = self.score(after)
         wins, losses = int((b[0] & ~a[0]).sum()), int((a[0] & ~b[0]).sum())
-        kept = wins - losses >= max(1.0, math.sqrt(wins + losses))
+        kept = wins - losses >= (max(1.0, math.sqrt(wins + losses)) if selected_here else 0)
         self._last = (after, b) if kept else (before, a)
         self.record[step] = {"before": 100.0 * float(a[0].float().mean()), "after": 100.0 * float(b[0].float().mean()),
                              "wins": wins, "losses": losses, "kl_before": a[1], "kl_after": b[1],
@@ -455,7 +459,7 @@ def _finetune(s: _Run) -> dict:
     tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
     tuned.T = start.T
-    s.snn = s.judge.keep("finetune", start, tuned)
+    s.snn = s.judge.keep("finetune", start, tuned, selected_here=True)
     return {"history": history, "steps": sum(h.get("steps", 0) for h in history),
             "kept": s.judge.record["finetune"]}
 

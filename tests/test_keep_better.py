@@ -1,6 +1,7 @@
-"""convert() keeps a calibration's or fine-tuning's network only where it beats the network it
-started from beyond the noise, on held-out images of the loader: the default conversion is never
-worse there than the simpler paths without its steps."""
+"""convert() keeps a calibration's network only where it does at least as well as the network it
+started from on held-out images of the loader, and fine-tuning's only where it beats it beyond
+their noise: the default conversion is never worse there than the simpler paths without its
+steps."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_every_step_is_recorded_and_the_better_network_is_kept(small_digits_ann,
     assert set(kept) == {"bias_calibration", "reconstruction"}
     for step, record in kept.items():
         wins, losses = record["wins"], record["losses"]
-        assert record["kept"] == (wins - losses >= max(1.0, math.sqrt(wins + losses))), step
+        assert record["kept"] == (wins >= losses), step  # a calibration: at least as many won as lost
         n = record["images"]
         assert record["after"] - record["before"] == pytest.approx(100.0 * (wins - losses) / n)
         assert record["measure"] == "accuracy" and n > 0
@@ -62,6 +63,9 @@ def test_fine_tuning_that_hurts_is_dropped(small_digits_ann, digits_loaders):
     tuned, meta = snnconv.convert(small_digits_ann, train, T=2, finetune_config=bad, progress=False)
     record = meta.stage("finetune").changes["kept"]
     assert record["kept"] is False and record["after"] < record["before"]
+    # fine-tuning chose its best epoch on the judging images: it must win beyond their noise
+    wins, losses = record["wins"], record["losses"]
+    assert record["kept"] == (wins - losses >= max(1.0, math.sqrt(wins + losses)))
     x = next(iter(DataLoader(train.dataset, batch_size=64)))[0]
     with torch.no_grad():
         assert torch.equal(tuned(x), free(x))
