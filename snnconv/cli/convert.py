@@ -77,7 +77,7 @@ def _cmd_convert(args) -> int:
               f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
     snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
                         qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
-                        reconstruction_steps=args.reconstruction_steps, eval_loader=test, eval_T=Ts,
+                        reconstruction_steps=args.reconstruction_steps, burst=args.burst, eval_loader=test, eval_T=Ts,
                         seed=args.seed, device=args.device, progress=not args.quiet)
     snn.meta["run_id"] = meta.settings["run_id"] = run_id
     meta.settings.update(model=args.model, data=args.data, eval_images=len(test.dataset))
@@ -196,8 +196,10 @@ def add_convert(sub, pa: dict) -> None:
                         "became average pooling)")
     p.add_argument("--reconstruction-steps", type=count, default=None,
                    help="Adam steps fitting each IF layer to the QCFS-ANN on the calibration images "
-                        "(default: convert()'s, 300 at T <= 8 where neither QCFS training nor "
-                        "fine-tuning runs; 0: none)")
+                        "(default: convert()'s, 300 at T <= 8 where no QCFS training ran; 0: none)")
+    p.add_argument("--burst", type=positive_int, default=1, metavar="B",
+                   help="up to B spikes a neuron may emit in one step (default 1): T*B levels in T steps; "
+                        "such a network runs in torch, and export refuses it (NIR has no graded spike)")
     p.add_argument("--overwrite", action="store_true",
                    help="--out holds a run: remove its files first (without it, such a folder is refused)")
     g = p.add_mutually_exclusive_group()
