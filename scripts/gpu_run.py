@@ -142,7 +142,8 @@ def convert_step(device: str, small: bool, path: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    budget = {"finetune_epochs": 1} if small else {}  # the default's 512 steps are for real runs
+    # the default's 512 fine-tuning and 300 reconstruction steps are for real runs
+    budget = {"finetune_epochs": 1, "reconstruction_steps": 2} if small else {}
     snn, meta = snnconv.convert(model, loader, T=T, device=device, progress=False, **budget)
     seconds = time.perf_counter() - start
     record = {"model": name, "images": n, "batch": batch, "T": T, "device": device,

@@ -280,7 +280,9 @@ def test_lockstep_packs_the_spikes_that_outlive_the_next_hook_and_unpacks_them_b
 
     spikes = (torch.rand(4, 5) > 0.5).float()
     packed = graph.Packed(spikes)
-    assert packed.bits.dtype == torch.bool and torch.equal(packed.unpack(), spikes)
+    assert packed.bits.dtype == torch.uint8 and torch.equal(packed.unpack(), spikes)
+    bursts = spikes * torch.randint(1, 256, spikes.shape).float()  # a burst neuron's counts, up to 255
+    assert torch.equal(graph.Packed(bursts).unpack(), bursts)
     made = []
 
     class Counted(graph.Packed):

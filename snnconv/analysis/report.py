@@ -462,10 +462,10 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
     parts.append(_table(["network", "T", "test images", "accuracy (%)"], rows))
     T = settings.get("T")
     if T and len(acc.get("snn") or {}) > 1:
-        parts.append(_note(f"The converted network was calibrated (and fine-tuned) for T={T}; at other T "
-                           "it is the same network run for more or fewer steps, not a conversion made for "
-                           "that T. For the curve of conversions made for each T, convert at each T "
-                           "(snnconv diagnose --needed-T measures the plain conversion's)."))
+        parts.append(f"<p class='meta'>The converted network was calibrated (and fine-tuned) for T={T}; at "
+                     "other T it is the same network run for more or fewer steps, not a conversion made for "
+                     "that T. For the curve of conversions made for each T, convert at each T (snnconv "
+                     "diagnose --needed-T measures the plain conversion's).</p>")
 
 
 def _diagnosis_section(diag: Mapping[str, Any] | None, parts: list[str]) -> None:
