@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from snnconv.analysis.health import accuracy_of, activity, chance_level, collapse_report, dead_layers
-from snnconv.analysis.metrics import accuracy_by_T, evaluate
+from snnconv.analysis.metrics import accuracy_by_T, evaluate, kl_to
 from snnconv.analysis.summary import images_in, say_beyond_ann
 from snnconv.calibration import calibrate_bias, calibrate_thresholds, reconstruct
 from snnconv.calibration.noise import residual_noise
@@ -217,16 +217,19 @@ class _Judge:
         self._last: tuple[Any, tuple[torch.Tensor, float]] | None = None  # the network kept last, its score
 
     @classmethod
-    def of(cls, loader: Any, calib: list, ann: nn.Module, device: torch.device, seed: int) -> "_Judge":
+    def of(cls, loader: Any, calib: list, ann: nn.Module, device: torch.device, val_fraction: float,
+           seed: int) -> "_Judge":
+        """The judge of ``loader``'s held-out images: the validation split ``(val_fraction,
+        seed)`` that fine-tuning holds out of its training (where there is none, or the loader
+        is too small to split, the calibration batches)."""
         from snnconv.data import split_loader
-        from snnconv.stages.finetune import FinetuneConfig
 
         images = min(JUDGE_IMAGES, sum(len(x) for x, _ in calib))
         batches: list = []
         try:
             if isinstance(loader, (list, tuple)) or hasattr(getattr(loader, "dataset", None), "__len__"):
                 # the split that fine-tuning validates on (held out of its training)
-                val = split_loader(loader, FinetuneConfig.val_fraction, seed=seed)[1]
+                val = split_loader(loader, val_fraction, seed=seed)[1] if val_fraction > 0 else None
                 batches = draw_batches(val, 10**9, images=images) if val is not None else []
             else:  # a stream: the batches after the calibration's, never the whole stream
                 batches = draw_batches(loader, 10**9, images=sum(len(x) for x, _ in calib) + images)[len(calib):]
@@ -237,8 +240,6 @@ class _Judge:
     def score(self, net: nn.Module) -> tuple[torch.Tensor, float]:
         """Per image whether ``net`` decides right (a bool tensor), and its mean KL divergence to
         the ANN's outputs."""
-        import torch.nn.functional as F
-
         right, kl, n = [], 0.0, 0
         was = net.training
         net.eval()
@@ -249,8 +250,7 @@ class _Judge:
                     target = y.to(out.device) if self.labelled else ref.argmax(1)
                     right.append((out.argmax(1) == target).cpu())
                     n += len(x)
-                    p = F.log_softmax(ref.double(), 1)
-                    kl += float((p.exp() * (p - F.log_softmax(out.double(), 1))).sum())
+                    kl += float(kl_to(ref, out).sum())
         finally:
             net.train(was)
         return torch.cat(right), kl / max(1, n)
@@ -417,7 +417,10 @@ def _spiking(s: _Run) -> dict:
     assert cfg.membrane_calibration is not None and cfg.weight_calibration is not None  # (resolved)
     bias_batches = s.calib[:cfg.bias_batches]
     snn = to_spiking(s.qgm, T=cfg.T, reset=cfg.reset, burst=cfg.burst)
-    s.judge = judge = _Judge.of(s.loader, s.calib, s.gm, s.device, cfg.seed)
+    from snnconv.stages.finetune import FinetuneConfig
+
+    held = s.plan.finetune if s.plan is not None and s.plan.finetune is not None else FinetuneConfig(seed=cfg.seed)
+    s.judge = judge = _Judge.of(s.loader, s.calib, s.gm, s.device, held.val_fraction, held.seed)
     # one horizon (an int, or None: T), or two (cfg.horizons)
     fixed_T = None if cfg.horizons else cast(int | None, cfg.bias_calibration_T)
     if cfg.threshold_calibration:
@@ -435,9 +438,9 @@ def _spiking(s: _Run) -> dict:
                                             kept=judge.record["bias_calibration"]["kept"])
     if cfg.reconstruction_steps:
         horizon = max(cfg.horizons) if cfg.horizons else fixed_T
-        calibrated = judge.record.get("bias_calibration", {}).get("kept", False)
+        bias_kept = judge.record.get("bias_calibration", {}).get("kept", False)
         rebuilt, done = reconstruct(snn, s.qgm, s.calib, steps=cfg.reconstruction_steps,
-                                    levels=horizon * cfg.burst if calibrated and horizon else None,
+                                    levels=horizon * cfg.burst if bias_kept and horizon else None,
                                     num_batches=len(s.calib), seed=cfg.seed, progress=cfg.progress)
         snn = judge.keep("reconstruction", snn, rebuilt)
         snn.meta["reconstruction"] = dict(done, kept=judge.record["reconstruction"]["kept"])
@@ -458,7 +461,6 @@ def _finetune(s: _Run) -> dict:
     start = s.snn
     tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
-    tuned.T = start.T
     s.snn = s.judge.keep("finetune", start, tuned, selected_here=True)
     return {"history": history, "steps": sum(h.get("steps", 0) for h in history),
             "kept": s.judge.record["finetune"]}

@@ -106,3 +106,12 @@ def test_diagnose_command(tmp_path):
     assert main(["report", str(run)]) == 0
     page = (run / "report.html").read_text()
     assert "Where the accuracy goes" in page and "calibrated (and fine-tuned) for T=2" in page
+    assert record["run_id"] == json.loads((run / "meta.json").read_text())["settings"]["run_id"]
+    # a diagnosis.json that is no such record is read as data: a note, not a crash
+    (run / "diagnosis.json").write_text(json.dumps(dict(record, layers="x", run_id=None)))
+    assert main(["report", str(run)]) == 0
+    assert "is not a record of snnconv diagnose" in (run / "report.html").read_text()
+    # one left by another run in the folder is left out
+    (run / "diagnosis.json").write_text(json.dumps(dict(record, run_id="another")))
+    assert main(["report", str(run)]) == 0
+    assert "Left out diagnosis.json" in (run / "report.html").read_text()

@@ -71,6 +71,17 @@ def test_fine_tuning_that_hurts_is_dropped(small_digits_ann, digits_loaders):
         assert torch.equal(tuned(x), free(x))
 
 
+def test_the_held_out_images_are_the_split_that_fine_tuning_holds_out(small_digits_ann, digits_loaders):
+    """A fine-tuning with its own validation split: the judge reads that split, not the default."""
+    train, _ = digits_loaders
+    ft = FinetuneConfig(epochs=1, T=2, val_fraction=0.2, max_steps_per_epoch=2, seed=3)
+    _, meta = snnconv.convert(small_digits_ann, train, T=2, finetune_config=ft, progress=False)
+    held = split_loader(train, 0.2, seed=3)[1]
+    images = sum(len(x) for x, _ in held)
+    assert meta.stage("spiking").changes["kept"]["bias_calibration"]["images"] == images
+    assert meta.stage("finetune").changes["kept"]["images"] == images
+
+
 class _Stream:
     """A re-iterable loader with no length and no dataset (a stream)."""
 

@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.nn.functional as F
 
-from snnconv.data import split_batch
+from snnconv.analysis.metrics import kl_to
+from snnconv.calibration.reference import channel_sums
 from snnconv.errors import ConfigError, DataError
 from snnconv.graph import capture, module_of, prepare
 from snnconv.snn.network import SpikingNetwork, check_T
@@ -276,13 +276,6 @@ class _Hooks:
             h.remove()
 
 
-def _kl(ann: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Per image, KL(softmax(ann) || softmax(out))."""
-    p = F.log_softmax(ann.double(), dim=1)
-    q = F.log_softmax(out.double(), dim=1)
-    return (p.exp() * (p - q)).sum(1)
-
-
 def as_ann(snn: SpikingNetwork, x: torch.Tensor, T: int, analog: dict[str, Callable]) -> torch.Tensor:
     """The readout of ``snn`` at ``T`` steps with the IF layers named in ``analog`` run as
     their ANN activation (``analog[name](m)`` on the mean input current ``m``, every step)."""
@@ -297,34 +290,24 @@ def as_ann(snn: SpikingNetwork, x: torch.Tensor, T: int, analog: dict[str, Calla
 # --- the diagnosis ----------------------------------------------------------------------------
 
 def _batches(data: Any, images: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first ``images`` inputs of ``data`` (a tensor, or a loader: with their labels where
+    every batch has them), drawn without moving the global RNG."""
+    from snnconv.pipeline import draw_batches
+
     if isinstance(data, torch.Tensor):
         return data[:images], None
-    xs, ys = [], []
-    n = 0
-    with torch.random.fork_rng(devices=[]):
-        for batch in data:
-            x, y = split_batch(batch, where="the diagnosis data")
-            xs.append(x)
-            ys.append(y)
-            n += len(x)
-            if n >= images:
-                break
-    if not xs:
+    batches = draw_batches(data, 10**9, images=images)
+    if not batches:
         raise DataError("the diagnosis data is empty: it yielded no batch")
-    x = torch.cat(xs)[:images]
-    labels = [v for v in ys if v is not None]
-    y = torch.cat(labels)[:images] if len(labels) == len(ys) else None
-    return x, y
+    labels = [y for _, y in batches if y is not None]
+    return (torch.cat([x for x, _ in batches])[:images],
+            torch.cat(labels)[:images] if len(labels) == len(batches) else None)
 
 
 def _accuracy(out: torch.Tensor, y: torch.Tensor | None, ann: torch.Tensor) -> float:
     """Accuracy against the labels, or agreement with the ANN's decisions without them (%)."""
     ref = y if y is not None else ann.argmax(1)
     return 100.0 * float((out.argmax(1) == ref.to(out.device)).float().mean())
-
-
-def _rms(v: torch.Tensor) -> float:
-    return float(v.double().pow(2).mean().sqrt())
 
 
 def diagnose(snn: SpikingNetwork, model: nn.Module, data: Any, *, T: int | None = None,
@@ -406,7 +389,7 @@ def diagnose(snn: SpikingNetwork, model: nn.Module, data: Any, *, T: int | None 
                 sat = (r >= top * (1 - 1e-6)).flatten(2).all(2).all(0) if r.dim() > 2 else (
                     r >= top * (1 - 1e-6)).all(0)
                 ch_sat[name] = sat if name not in ch_sat else ch_sat[name] & sat
-                ch_snn[name] = ch_snn.get(name, 0) + _per_channel(r)
+                ch_snn[name] = ch_snn.get(name, 0) + channel_sums(r)
                 counts[name] += r.numel()
                 if name not in sources:
                     continue
@@ -417,9 +400,9 @@ def diagnose(snn: SpikingNetwork, model: nn.Module, data: Any, *, T: int | None 
                 parts.update(total=r - a, own=r - f(m), ann=a)
                 for c, v in parts.items():
                     sums[name][c] += float(v.double().pow(2).sum())
-                ch_ann[name] = ch_ann.get(name, 0) + _per_channel(a)
+                ch_ann[name] = ch_ann.get(name, 0) + channel_sums(a)
     ann_o, snn_o = torch.cat(ann_out), torch.cat(snn_out)
-    kl = _kl(ann_o, snn_o)
+    kl = kl_to(ann_o, snn_o)
     layers = []
     for name in units:
         s, n = sums[name], max(1, counts[name])
@@ -446,11 +429,6 @@ def diagnose(snn: SpikingNetwork, model: nn.Module, data: Any, *, T: int | None 
     return diag
 
 
-def _per_channel(v: torch.Tensor) -> torch.Tensor:
-    """Per channel (dim 1), the sum of ``v`` over images and positions (float64)."""
-    return v.double().transpose(0, 1).reshape(v.shape[1], -1).sum(1)
-
-
 def _ablate(diag: Diagnosis, snn: SpikingNetwork, x_all: torch.Tensor, y: torch.Tensor | None,
             ann_o: torch.Tensor, analog_fn: dict[str, Callable], fixed: dict[str, Callable], T: int,
             batch_size: int, device: torch.device, main_share: float, say: Callable[[str], None]) -> None:
@@ -468,7 +446,7 @@ def _ablate(diag: Diagnosis, snn: SpikingNetwork, x_all: torch.Tensor, y: torch.
     last = time.perf_counter()
     for i, layer in enumerate(diag.layers):
         out = run([layer.name])
-        layer.kl_recovered = base_kl - float(_kl(ann_o, out).mean())
+        layer.kl_recovered = base_kl - float(kl_to(ann_o, out).mean())
         layer.accuracy_alone = _accuracy(out, y, ann_o)
         if time.perf_counter() - last > 5:
             say(f"layer {i + 1}/{len(diag.layers)} run as its ANN activation")
@@ -500,16 +478,11 @@ def needed_T(model: nn.Module, loader: Any, data: Any, *, Ts: Iterable[int] = (4
     "curve": {T: accuracy}, "ann": accuracy, "tolerance": tolerance}``."""
     import sys
 
-    from snnconv.pipeline import convert
+    from snnconv.pipeline import convert, draw_batches
 
     x_all, y_all = _batches(data, images)
     device = torch.device(device)
-    batches: list[torch.Tensor] = []
-    with torch.random.fork_rng(devices=[]):
-        for batch in loader:
-            if len(batches) >= calib_batches:
-                break
-            batches.append(split_batch(batch, where="the calibration loader")[0])
+    batches = draw_batches(loader, calib_batches)
     model = copy.deepcopy(model).to(device).eval()
     with torch.no_grad():
         ann_o = torch.cat([model(x_all[lo:lo + batch_size].to(device)) for lo in range(0, len(x_all), batch_size)])

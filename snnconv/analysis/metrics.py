@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from snnconv.data import SameShape, bounded, check_labels, split_batch
 from snnconv.errors import DataError
 
-__all__ = ["evaluate", "predictions", "accuracy_by_T", "distillation_loss", "TeacherLabelled", "teacher_targets"]
+__all__ = ["evaluate", "predictions", "accuracy_by_T", "distillation_loss", "TeacherLabelled", "teacher_targets",
+           "kl_to"]
 
 
 @contextlib.contextmanager
@@ -57,6 +58,13 @@ def predictions(model: nn.Module, loader: Iterable, device: torch.device | str =
     if not preds:
         raise DataError("the evaluation loader is empty: it yielded no batch")
     return torch.cat(preds), torch.cat(labels)
+
+
+def kl_to(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per image, ``KL(softmax(reference) || softmax(logits))`` in float64: how far a network's
+    outputs ``logits`` (``[B, classes]``) are from a reference's (the ANN's)."""
+    p = F.log_softmax(reference.double(), dim=1)
+    return (p.exp() * (p - F.log_softmax(logits.double(), dim=1))).sum(1)
 
 
 def evaluate(model: nn.Module, loader: Iterable, device: torch.device | str = "cpu") -> float:

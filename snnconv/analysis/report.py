@@ -89,7 +89,7 @@ def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     # every file of a run records its run id: one left by an earlier run in the folder is left out
     run_id = ((run["meta"] or {}).get("settings") or {}).get("run_id")
     run["left_out"] = []
-    for key in ("finetune", "evaluation"):
+    for key in ("finetune", "evaluation", "diagnosis"):
         found = (run[key] or {}).get("run_id") if isinstance(run[key], dict) else None
         if run_id and found and found != run_id:
             run["left_out"].append(f"{key}.json (run {found[:8]}, not the run of meta.json: {run_id[:8]})")
@@ -469,16 +469,32 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
 
 
 def _diagnosis_section(diag: Mapping[str, Any] | None, parts: list[str]) -> None:
-    """Where the accuracy goes (``snnconv diagnose``): the summary, the plot, the main layers."""
+    """Where the accuracy goes (``snnconv diagnose``): the summary, the plot, the main layers. A
+    diagnosis.json that is no such record (read as data) gives a note instead."""
     if not diag:
         return
+    section: list[str] = []
+    try:
+        _diagnosis_parts(diag, section)
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        section = ["<h2>Where the accuracy goes</h2>",
+                   _note(f"diagnosis.json is not a record of snnconv diagnose ({type(exc).__name__}: "
+                         f"{str(exc)[:120]}); run snnconv diagnose again")]
+    parts.extend(section)
+
+
+def _diagnosis_parts(diag: Mapping[str, Any], parts: list[str]) -> None:
     from snnconv.analysis.diagnosis import Diagnosis
     from snnconv.analysis.plots import draw_diagnosis
 
-    d = Diagnosis.from_dict({k: v for k, v in diag.items() if k != "network"})
+    d = Diagnosis.from_dict({k: v for k, v in diag.items() if k not in ("network", "run_id")})
     parts.append(f"<h2>Where the accuracy goes ({html.escape(str(diag.get('network', 'the SNN')))}, "
                  f"T={d.T}, {d.images} test images)</h2>")
     parts.append("".join(f"<p>{html.escape(line)}</p>" for line in d.summary(top=0).splitlines()))
+    by = {layer.name: layer for layer in d.layers}
+    rows = [[n, by[n].site or "", f"{by[n].departure:.2f}", *(f"{by[n].causes.get(c, 0):.2f}" for c in
+            ("carried", "clip", "quantisation", "temporal")), f"{by[n].kl_recovered:.3f}", by[n].own]
+            for n in d.ranking[:10]]
 
     def draw(_ax):
         fig = _ax.figure
@@ -486,10 +502,6 @@ def _diagnosis_section(diag: Mapping[str, Any] | None, parts: list[str]) -> None
         draw_diagnosis(d, fig.subplots(2, 1, sharex=True))
 
     parts.append(_img(_png(draw, size=(9, 6)), "departure by cause, per IF layer"))
-    by = {layer.name: layer for layer in d.layers}
-    rows = [[n, by[n].site or "", f"{by[n].departure:.2f}", *(f"{by[n].causes.get(c, 0):.2f}" for c in
-            ("carried", "clip", "quantisation", "temporal")), f"{by[n].kl_recovered:.3f}", by[n].own]
-            for n in d.ranking[:10]]
     parts.append(_table(["IF layer", "ANN site", "departure", "carried", "clip", "quantisation", "temporal",
                          "KL removed as ANN", "its own cause"], rows))
 

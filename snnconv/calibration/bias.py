@@ -145,7 +145,8 @@ def _bias_setup(snn: SpikingNetwork, reference: nn.Module, loader: Any, T: int |
     ref.to(device)
     batches = [x.to(device) for x in batches]
     out = copy.deepcopy(snn)
-    burst = int(snn.meta.get("burst", 1))  # t steps of neurons of bursts of up to B spikes: t * B levels
+    # t steps of neurons of bursts of up to B spikes: t * B levels
+    burst = max((m.burst for m in neurons(out.net).values()), default=1)
     # the membrane's reference means come from the weight fit's reference pass (both at L = T)
     fit = WeightCalibration(out.net, ref, batches, T, ref_nodes if membrane else None,
                             levels=T * burst) if weights else None

@@ -193,7 +193,7 @@ def out_dir(args, default: str) -> str:
 
 #: What a run folder's commands write: ``convert --overwrite`` removes these (and only these).
 RUN_FILES = ("ann.pt", "snn.pt", "snn_finetuned.pt", "meta.json", "evaluation.json", "finetune.json",
-             "accuracy_vs_T.png", "snn.nir", "snn.prefix.pt", "report.html")
+             "accuracy_vs_T.png", "snn.nir", "snn.prefix.pt", "report.html", "diagnosis.json", "diagnosis.png")
 RUN_FOLDERS = ("finetune", "backends")
 
 
@@ -221,14 +221,15 @@ def new_run_dir(args, default: str) -> tuple[str, str]:
     return out, uuid.uuid4().hex
 
 
-def _run_id_of(folder: str) -> str | None:
-    """The run id recorded in ``folder``'s meta.json, or None (no meta.json, or none recorded)."""
+def recorded(folder: str, key: str) -> str | None:
+    """The setting ``key`` (``run_id``, ``model``) recorded in ``folder``'s meta.json, or None (no
+    meta.json, none recorded, or not a string)."""
     try:
         with open(os.path.join(folder, "meta.json")) as fh:
-            found = json.load(fh).get("settings", {}).get("run_id")
+            found = json.load(fh).get("settings", {}).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return found if isinstance(found, str) else None
+    return found if isinstance(found, str) and found else None
 
 
 def load_snn(args, path: str, name: str = "snn.pt"):
@@ -244,7 +245,7 @@ def load_snn(args, path: str, name: str = "snn.pt"):
     src = snn_path(path, name)
     snn = SpikingNetwork.load(src)
     folder = os.path.dirname(src) or "."
-    run, own = _run_id_of(folder), snn.meta.get("run_id") if isinstance(snn.meta, dict) else None
+    run, own = recorded(folder, "run_id"), snn.meta.get("run_id") if isinstance(snn.meta, dict) else None
     if run is not None and own != run:
         raise UsageError(f"{src} belongs to another run (run id {own}) than {folder}/meta.json "
                          f"(run id {run}): it was left by an earlier run in the same folder. Delete "

@@ -16,6 +16,7 @@ from snnconv.cli.common import (
     num_classes,
     positive_int,
     print_accuracy,
+    recorded,
     say,
     time_steps,
     write_json,
@@ -74,23 +75,13 @@ def _cmd_report(args) -> int:
     return 0
 
 
-def _recorded_model(folder: str) -> str | None:
-    """The ``--model`` a run folder's meta.json records (``snnconv convert`` writes it)."""
-    try:
-        with open(os.path.join(folder, "meta.json"), encoding="utf-8") as fh:
-            model = json.load(fh).get("settings", {}).get("model")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return model if isinstance(model, str) and model else None
-
-
 def _cmd_diagnose(args) -> int:
     from snnconv.analysis.diagnosis import diagnose, needed_T
     from snnconv.analysis.plots import plot_diagnosis
 
     snn, src = load_snn(args, args.snn)
     folder = os.path.dirname(src) or "."
-    model_name = args.model or _recorded_model(folder)
+    model_name = args.model or recorded(folder, "model")
     weights = args.weights or os.path.join(folder, "ann.pt")
     if not model_name:
         raise UsageError("diagnose compares the SNN with its ANN: give --model NAME|MODULE:FACTORY (and "
@@ -108,7 +99,8 @@ def _cmd_diagnose(args) -> int:
         d.needed = needed_T(ann, train, test, images=args.images, device=args.device, progress=not args.quiet)
     out = args.out or folder
     os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, "diagnosis.json"), dict(d.to_dict(), network=os.path.basename(src)))
+    run_id = snn.meta.get("run_id") if isinstance(snn.meta, dict) else None
+    write_json(os.path.join(out, "diagnosis.json"), dict(d.to_dict(), network=os.path.basename(src), run_id=run_id))
     plot_diagnosis(d, os.path.join(out, "diagnosis.png"))
     say(args, d.summary())
     print(f"wrote {os.path.join(out, 'diagnosis.json')} and diagnosis.png")

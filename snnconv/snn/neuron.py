@@ -402,12 +402,9 @@ def lif_step(v: torch.Tensor, x: torch.Tensor, p: LeakyParams, *,
         surrogate_function: ``None`` (no gradient through the spike), or a spikingjelly
             surrogate applied to ``h - v_threshold`` (forward: NIR's strict ``>``).
         detach_reset: no gradient through the spike in the reset.
-        burst: up to this many spikes in one step (subtractive reset): ``s`` is the sum over
-            k = 1..B of ``h >= k * theta`` (with a surrogate, of ``surrogate(h - k * theta)``).
 
     Returns:
-        ``(s, v')``: spikes in {0, 1} (in {0, ..., B} for a burst) of ``h``'s dtype and the
-        membrane after the reset.
+        ``(s, v')``: spikes in {0, 1} of ``h``'s dtype and the membrane after the reset.
 
     Shape:
         ``x``: ``[b, *shape]``; ``s`` and ``v'``: the same.

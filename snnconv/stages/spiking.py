@@ -245,8 +245,6 @@ def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
     gm.recompile()
     snn = SpikingNetwork(gm, T).eval()
     snn.meta = {"neurons": record, "time_expanded": expanded, "reset": reset}
-    if burst > 1:
-        snn.meta["burst"] = burst
     assert_no_batchnorm(snn, stage="IF replacement")
     return snn
 
