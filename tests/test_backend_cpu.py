@@ -33,14 +33,14 @@ def test_every_zoo_network_is_covered():
     assert sorted(_NARROW) == models.names()
 
 
-def _convert(name: str, *, per_channel=False, reset="subtract", T=3, seed=0):
+def _convert(name: str, *, per_channel=False, reset="subtract", T=3, seed=0, burst=1):
     """A narrow zoo network converted on random data (a cheap, real conversion)."""
     torch.manual_seed(seed)
     model = _NARROW[name](SHAPE[0])
     x = torch.rand(8, *_shape(name))
     snn, _ = snnconv.convert(model, [(x, torch.zeros(8, dtype=torch.long))], T=T, L=4,
                              calib_batches=1, per_channel=per_channel, bias_calibration=False,
-                             maxpool="avg", reset=reset, progress=False,
+                             maxpool="avg", reset=reset, progress=False, burst=burst,
                              on_collapse="warn")  # random weights: a silent layer is no error here
     return snn
 
@@ -81,6 +81,17 @@ def test_per_channel_thresholds_at_several_T(name, reset):
         _assert_same_as_snn(snn, x, T)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("name", ["small_cnn", "resnet8"])
+def test_burst_neurons_are_bit_identical_after_a_nir_round_trip(name, per_channel):
+    """Neurons of bursts (up to B spikes a step) through their NIR form (B Thresholds and a sum)."""
+    snn = _convert(name, per_channel=per_channel, burst=3)
+    x = 3 * torch.randn(5, *_shape(name))  # strong inputs: counts above 1
+    for T in (1, 3):
+        result = _assert_same_as_snn(snn, x, T)
+        assert max(float(c.max()) for c in result.spikes.values()) > T  # bursts happened
+
+
 def test_float64_on_request_matches_the_double_snn():
     snn = _convert("resnet8").double()
     x = torch.randn(4, *SHAPE, dtype=torch.float64)
@@ -98,6 +109,7 @@ def test_compiled_neuron_kernel_gives_the_same_bits():
     snn = _convert("resnet8", per_channel=True)
     x = torch.randn(3, *SHAPE)
     _assert_same_as_snn(snn, x, 2, neuron="compiled")
+    _assert_same_as_snn(_convert("resnet8", burst=3), 3 * x, 2, neuron="compiled")
 
 
 def test_a_sequence_input_of_repeated_frames_is_the_static_input():

@@ -1,13 +1,15 @@
 """Burst neurons (up to B spikes in one step): one step definition that every path gives bit for
-bit, the QCFS limit at L = T * B, files, refusals."""
+bit, the QCFS limit at L = T * B, files, refusals; the NIR form (B Thresholds and their sum)."""
 
 from __future__ import annotations
 
+import nir
 import pytest
 import torch
 
 import snnconv
 from snnconv.errors import ConfigError, NIRError
+from snnconv.snn.nir_io import from_nir, load_nir, save_nir
 from snnconv.snn.neuron import IFNeuron, emit, fire_subtractive_, if_sequence, if_step
 
 
@@ -62,7 +64,7 @@ def test_a_burst_neuron_on_a_constant_input_is_qcfs_at_T_times_B_levels(burst):
     assert torch.allclose(limit, qcfs, atol=1e-6)
 
 
-def test_convert_with_bursts_saves_loads_and_refuses_nir_by_name(small_digits_ann, digits_loaders, tmp_path):
+def test_convert_with_bursts_saves_loads_and_exports_to_nir(small_digits_ann, digits_loaders, tmp_path):
     train, test = digits_loaders
     snn, meta = snnconv.convert(small_digits_ann, train, T=2, burst=4, finetune_epochs=0, progress=False)
     assert meta.settings["burst"] == 4 and meta.settings["L"] == 8
@@ -73,8 +75,29 @@ def test_convert_with_bursts_saves_loads_and_refuses_nir_by_name(small_digits_an
     snn.save(path)
     again = snnconv.SpikingNetwork.load(path)
     assert torch.equal(snn(x), again(x))
-    with pytest.raises(NIRError, match="burst=4"):
-        snnconv.export_nir(snn)
+    graph = snnconv.export_nir(snn)
+    integrators = [n for n in graph.nodes.values() if type(n).__name__ == "I"]
+    assert integrators and all(n.metadata["burst"] == 4 for n in integrators)
+    assert sum(type(n).__name__ == "Threshold" for n in graph.nodes.values()) == 4 * len(integrators)
+    save_nir(graph, tmp_path / "snn.nir")
+    back = from_nir(load_nir(tmp_path / "snn.nir"))
+    assert torch.equal(snn(x), back(x))
+    assert all(m.burst == 4 for m in snnconv.snn.neuron.neurons(back.net).values())
+
+
+def test_a_burst_pattern_that_does_not_add_up_is_refused(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    snn, _ = snnconv.convert(small_digits_ann, train, T=2, burst=2, finetune_epochs=0, progress=False)
+    graph = snnconv.export_nir(snn)
+    fire2 = next(n for n in graph.nodes if n.endswith("_fire2"))
+    graph.nodes[fire2] = nir.Threshold(graph.nodes[fire2].threshold * 1.5)  # not theta * (2 - v_init)
+    with pytest.raises(NIRError, match="2 - v_init"):
+        from_nir(graph)
+    graph = snnconv.export_nir(snn)
+    integrator = next(n for n in graph.nodes.values() if type(n).__name__ == "I")
+    integrator.metadata["burst"] = 3  # metadata says 3, the graph has 2 Thresholds
+    with pytest.raises(NIRError, match="exactly 3 Thresholds"):
+        from_nir(graph)
 
 
 def test_burst_needs_subtractive_reset():

@@ -28,10 +28,11 @@ def _sim(graph, x, T=T):
     return Loihi2SimBackend().compile(graph, record=True).run(x, T)
 
 
-@pytest.mark.parametrize("reset,dense_limit,calibrated,split,groups", [
-    ("zero", 2**22, False, True, 1), ("subtract", 0, False, True, 1), ("subtract", 2**22, True, True, 1),
-    ("zero", 0, False, False, 1), ("zero", 2**22, False, True, 2)])
-def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split, groups):
+@pytest.mark.parametrize("reset,dense_limit,calibrated,split,groups,burst", [
+    ("zero", 2**22, False, True, 1, 1), ("subtract", 0, False, True, 1, 1), ("subtract", 2**22, True, True, 1, 1),
+    ("zero", 0, False, False, 1, 1), ("zero", 2**22, False, True, 2, 1), ("subtract", 2**22, True, True, 1, 3),
+    ("subtract", 0, False, True, 2, 3)])
+def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split, groups, burst):
     """Every population's v and spikes at every step, and the readout, are identical.
 
     The hard-reset net runs Lava's Dense/DelayDense + LIF; the subtractive one Sparse/
@@ -39,11 +40,12 @@ def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split, g
     per-channel initial membrane (one integer per neuron). ``split``: mixed-sign connections
     as two single-sign synapse groups (the default), else Lava's mixed sign mode. ``groups=2``:
     every connection's rounding residual as a second connection with a negative exponent.
+    ``burst``: neurons that emit up to 3 spikes a step as one graded spike.
     """
     ok, reason = LavaBackend().availability()
     if not ok:
         pytest.skip(f"Lava side environment missing: {reason}")
-    g = small_graph(reset, seed=1, calibrated=calibrated)
+    g = small_graph(reset, seed=1, calibrated=calibrated, burst=burst)
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
     opts = {"split_signs": split, "weight_groups": groups}
     sim = Loihi2SimBackend().compile(g, record=True, **opts).run(x, T)
@@ -59,6 +61,7 @@ def test_lava_and_sim_agree_bit_for_bit(reset, dense_limit, calibrated, split, g
     for name, s in sim.extra["trace"]["s"].items():
         assert torch.equal(s.reshape(lava.extra["trace"]["s"][name].shape), lava.extra["trace"]["s"][name])
         assert s.any(), f"{name} never spiked: the check would be vacuous"
+    assert burst == 1 or max(int(s.max()) for s in sim.extra["trace"]["s"].values()) > 1  # graded spikes
     assert torch.equal(sim.outputs, lava.outputs)
     assert {k: v.tolist() for k, v in sim.spikes.items()} == {k: v.tolist() for k, v in lava.spikes.items()}
     assert sim.synops == pytest.approx(lava.synops)
@@ -72,11 +75,12 @@ def _dense(c, shapes):
 
 
 @pytest.mark.portable
-@pytest.mark.parametrize("reset", ["zero", "subtract"])
-def test_sim_follows_the_fixed_point_equations(reset):
+@pytest.mark.parametrize("reset,burst", [("zero", 1), ("subtract", 1), ("subtract", 3)])
+def test_sim_follows_the_fixed_point_equations(reset, burst):
     """Recompute each population step by step with numpy int64 from the integer matrices:
-    a = sum_k shift(W_k @ s_k, e_k); u = a << 6; v = clip24(v + u + bias); s = v > vth << 6."""
-    g = small_graph(reset, seed=2, per_channel=(reset == "zero"))
+    a = sum_k shift(W_k @ s_k, e_k); u = a << 6; v = clip24(v + u + bias); s = v > vth << 6
+    (a burst of up to B: s = clip((v - 1) // (vth << 6), 0, B), a graded spike)."""
+    g = small_graph(reset, seed=2, per_channel=(reset == "zero"), burst=burst)
     x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(1)) * 2
     res = _sim(g, x)
     q = quantize(g)
@@ -111,10 +115,11 @@ def test_sim_follows_the_fixed_point_equations(reset):
                 assert np.array_equal(v, v_tr[p.name][t].reshape(3, -1))
                 v = np.zeros_like(v)
                 continue
-            s = v > (p.vth << 6)
+            s = np.clip((v - 1) // (p.vth << 6), 0, burst) if burst > 1 else v > (p.vth << 6)
             assert np.array_equal(s, s_tr[p.name][t].reshape(3, -1)), (p.name, t)
             v = np.where(s, 0, v) if reset == "zero" else v - s * (p.vth << 6)
             assert np.array_equal(v, v_tr[p.name][t].reshape(3, -1)), (p.name, t)
+    assert burst == 1 or max(float(s.max()) for s in s_tr.values()) > 1  # graded spikes happened
 
 
 @pytest.mark.portable
@@ -206,14 +211,16 @@ def test_bad_input_and_options_are_refused():
 
 def test_sim_matches_the_float_snn_up_to_quantisation(trained_digits_cnn, digits_loaders):
     """On a converted digits CNN (pooling between convolutions, per-channel thresholds) the
-    8-bit simulator keeps the cpu backend's (float) decisions and each layer's spike counts."""
+    8-bit simulator keeps the cpu backend's (float) decisions and each layer's spike counts,
+    graded spikes (burst neurons) included."""
     from snnconv.snn.nir_io import export_nir
 
     train, test = digits_loaders
     x, y = next(iter(test))
-    for reset in ("subtract", "zero"):
+    for reset, burst in (("subtract", 1), ("zero", 1), ("subtract", 4)):
         snn, _ = snnconv.convert(copy.deepcopy(trained_digits_cnn), train, T=8, reset=reset,
-                                 per_channel=True, progress=False)
+                                 per_channel=True, progress=False, burst=burst,
+                                 finetune_epochs=None if burst == 1 else 0)
         graph = export_nir(snn)
         cpu = snnconv.backends.get("cpu").compile(graph).run(x, 8)
         ref, counts = cpu.outputs, cpu.spikes
@@ -221,6 +228,6 @@ def test_sim_matches_the_float_snn_up_to_quantisation(trained_digits_cnn, digits
         assert set(res.spikes) == set(counts)
         for name, c in res.spikes.items():
             want = float(counts[name].sum())
-            assert abs(float(c.sum()) - want) <= 0.02 * want + 10, (reset, name)
+            assert abs(float(c.sum()) - want) <= 0.02 * want + 10, (reset, burst, name)
         agree = (ref.mean(0).argmax(1) == res.outputs.mean(0).argmax(1)).float().mean().item()
         assert agree >= (0.95 if reset == "subtract" else 0.75), (reset, agree)

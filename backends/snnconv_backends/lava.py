@@ -208,7 +208,7 @@ class LavaProgram(Program):
                          "vth": None if per_vth else int(p.vth),
                          "v_init": None if per_neuron else int(p.v_init),
                          "static": bool(p.static), "bias_from": 0 if p.static or not p.has_bias else int(p.depth),
-                         "conns": conns, "du": int(p.du), "dv": int(p.dv)})
+                         "conns": conns, "du": int(p.du), "dv": int(p.dv), "burst": int(p.burst)})
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped

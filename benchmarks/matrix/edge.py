@@ -58,13 +58,15 @@ def ann_row(name: str, epochs: int, cache: str, test_images: int) -> dict:
             "train_seconds": round(seconds, 1), "test_images": len(test), "ann": acc}
 
 
-#: Each cell: convert()'s settings and whether the diagnosis runs beside it.
+#: Each cell: convert()'s settings, whether the diagnosis runs beside it, and whether the network
+#: is exported to NIR and run by the cpu and loihi2-sim backends (``--chip-images`` test images).
 CELLS = {
-    "default_T4": (dict(T=4), False),
-    "free_T8": (dict(T=8, finetune_epochs=0), False),
-    "free_T4": (dict(T=4, finetune_epochs=0), True),
-    "burst4_T4": (dict(T=4, burst=4), False),
-    "burst4_free_T4": (dict(T=4, burst=4, finetune_epochs=0), True),
+    "default_T4": (dict(T=4), False, False),
+    "free_T8": (dict(T=8, finetune_epochs=0), False, False),
+    "free_T4": (dict(T=4, finetune_epochs=0), True, False),
+    "burst4_T4": (dict(T=4, burst=4), False, False),
+    "burst4_free_T4": (dict(T=4, burst=4, finetune_epochs=0), True, False),
+    "burst4_free_T4_chip": (dict(T=4, burst=4, finetune_epochs=0), False, True),
 }
 
 
@@ -79,7 +81,7 @@ def _read(path: str) -> list:
 
 def cell(name: str, cell_name: str, args) -> dict:
     """One conversion of the cached ANN ``name`` as the cell says, evaluated (and diagnosed)."""
-    settings, diagnosed = CELLS[cell_name]
+    settings, diagnosed, chip = CELLS[cell_name]
     train, test = fmnist(SIZE, 60000, args.test_images)
     model = trained(name, SIZE, train, args.epochs, args.cache)
     picks = torch.randperm(len(train), generator=torch.Generator().manual_seed(args.seed))[:args.convert_images]
@@ -104,7 +106,30 @@ def cell(name: str, cell_name: str, args) -> dict:
                             "gap_recovered": d.gap_recovered(), "images": d.images,
                             "causes": {layer.name: dict(layer.causes, own=layer.own, kl=layer.kl_recovered)
                                        for layer in d.layers}}
+    if chip:
+        row["chip"] = on_chip(snn, test, settings["T"], args.chip_images)
     return row
+
+
+def on_chip(snn, test, T: int, images: int) -> dict:
+    """``snn`` through NIR on the first ``images`` test images: the cpu backend (the float
+    network) and loihi2-sim (Loihi 2's fixed-point arithmetic, 8-bit weights, graded spikes
+    for bursts): accuracy of each, their agreement, and loihi2-sim's energy per image."""
+    graph = snnconv.export_nir(snn)
+    x, y = test.tensors[0][:images], test.tensors[1][:images]
+    out = {"images": int(len(y))}
+    decisions = {}
+    for backend in ("cpu", "loihi2-sim"):
+        start = time.perf_counter()
+        program = snnconv.backends.get(backend).compile(graph)
+        parts = [program.run(part, T) for part in x.split(32)]
+        decisions[backend] = torch.cat([r.outputs.mean(0).argmax(1) for r in parts])
+        out[backend] = 100.0 * float((decisions[backend] == y).float().mean())
+        out[f"{backend}_seconds"] = round(time.perf_counter() - start, 1)
+        if backend == "loihi2-sim":  # the first batch's energy record (per image)
+            out["loihi2_energy"] = parts[0].extra.get("energy")
+    out["agreement"] = 100.0 * float((decisions["cpu"] == decisions["loihi2-sim"]).float().mean())
+    return out
 
 
 def table(rows: list) -> str:
@@ -161,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--convert-images", type=int, default=3072)
     ap.add_argument("--test-images", type=int, default=1000)
     ap.add_argument("--diagnose-images", type=int, default=512)
+    ap.add_argument("--chip-images", type=int, default=256, help="test images for the cpu / loihi2-sim cells")
     ap.add_argument("--train-only", action="store_true", help="only train (and cache) the ANNs")
     ap.add_argument("--table", action="store_true", help="only the table and plot of the cells measured")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -9,8 +9,16 @@ Graph metadata: ``{"producer": "snnconv", "snnconv_format": FORMAT_VERSION, "T":
 
 Neuron metadata (on the ``I`` of the subtractive pattern, or on the ``IF`` of a hard-reset site):
 ``{"snnconv_neuron": "if", "reset": ..., "v_init": ..., "compare": ..., "threshold":
-"per_layer" | "per_channel"}``. ``v_init`` is in units of theta: the number ``0.5`` for QCFS's
-shift, a list (per layer or channel) for calibrated ones, ``0.0`` for hard reset.
+"per_layer" | "per_channel"}``, and ``"burst": B`` for a neuron that emits up to B spikes in
+one step. ``v_init`` is in units of theta: the number ``0.5`` for QCFS's shift, a list (per
+layer or channel) for calibrated ones, ``0.0`` for hard reset.
+
+Burst neurons. A subtractive neuron with ``burst`` B > 1 fires its k-th spike of a step when its
+membrane reaches k thresholds: B ``Threshold`` nodes ``X_fire``, ``X_fire2``, ..., ``X_fireB``
+on the one integrator (thresholds :func:`fire_threshold` ``(theta, v_init, k)``), whose spikes a
+``Scale`` of ones marked ``{"snnconv_op": "sum"}`` (``X_spikes``) adds up: the count, 0..B, is
+what the reset ``Scale(-theta)`` and the next layers receive. Every node means what NIR's spec
+says; only the count leaving ``X_spikes`` is graded (Loihi 2 carries it as a graded spike).
 
 The comparison. snnconv's neurons fire on ``h >= theta``; NIR's ``IF`` and ``Threshold`` fire
 on ``v > v_threshold``. Format 2 (written now) states NIR's comparison, ``compare=">"``, and
@@ -61,7 +69,7 @@ from snnconv.errors import ConfigError
 from snnconv.vocabulary import RESETS
 
 __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
-           "SPEC_COMPARE", "NEURON_KEY", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP", "CONCAT_OP",
+           "SPEC_COMPARE", "NEURON_KEY", "BURST_KEY", "SPIKES_SUFFIX", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP", "CONCAT_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
            "spec_threshold", "engine_threshold", "neuron_metadata", "graph_metadata",
            "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain",
@@ -79,6 +87,10 @@ SPEC_COMPARE = ">"
 #: the comparisons a file may state (">=": format 1)
 COMPARES = (">", ">=")
 NEURON_KEY = "snnconv_neuron"
+#: neuron metadata key: the most spikes a burst neuron emits in one step (absent: 1)
+BURST_KEY = "burst"
+#: the node after a burst neuron's Threshold nodes that sums their spikes (its name's suffix)
+SPIKES_SUFFIX = "_spikes"
 OP_KEY = "snnconv_op"
 MODULE_KEY = "snnconv_module"
 SUM_OP = "sum"
@@ -99,12 +111,13 @@ SOURCE_VERSION_KEY = "nir_file_version"
 V_RESET_SINCE = (1, 0, 6)
 
 
-def fire_threshold(theta: np.ndarray, v_init: np.ndarray) -> np.ndarray:
+def fire_threshold(theta: np.ndarray, v_init: np.ndarray, k: int = 1) -> np.ndarray:
     """The threshold, compared with ``>=``, of a subtractive neuron whose integrator starts at
-    0: ``theta * (1 - v_init)`` in float32 (``theta / 2`` exactly for ``v_init = 1/2``). Writer
-    and reader both compute it here, so the file's value is checked bit for bit."""
+    0: ``theta * (1 - v_init)`` in float32 (``theta / 2`` exactly for ``v_init = 1/2``); with
+    ``k``, of its k-th spike in one step (a burst neuron): ``theta * (k - v_init)``. Writer and
+    reader both compute it here, so the file's value is checked bit for bit."""
     theta = np.asarray(theta, dtype=np.float32)
-    return (theta * (np.float32(1) - np.asarray(v_init, dtype=np.float32))).astype(np.float32)
+    return (theta * (np.float32(k) - np.asarray(v_init, dtype=np.float32))).astype(np.float32)
 
 
 def spec_threshold(theta: np.ndarray) -> np.ndarray:
@@ -137,12 +150,16 @@ def v_init_metadata(v_init: np.ndarray) -> float | list[float]:
     return 0.5 if v.ndim == 0 and float(v) == 0.5 else [float(x) for x in v.reshape(-1)]
 
 
-def neuron_metadata(reset: str, v_init: Any, per_channel: bool) -> dict[str, Any]:
-    """The metadata of one neuron site (see the module docstring)."""
+def neuron_metadata(reset: str, v_init: Any, per_channel: bool, burst: int = 1) -> dict[str, Any]:
+    """The metadata of one neuron site (see the module docstring); ``burst`` is written only
+    where it is above 1."""
     if reset not in RESETS:
         raise ConfigError(f"reset {reset!r} is not one of {RESETS}")
-    return {NEURON_KEY: "if", "reset": reset, "v_init": v_init, "compare": COMPARE,
+    meta = {NEURON_KEY: "if", "reset": reset, "v_init": v_init, "compare": COMPARE,
             "threshold": "per_channel" if per_channel else "per_layer"}
+    if burst != 1:
+        meta[BURST_KEY] = int(burst)
+    return meta
 
 
 def graph_metadata(T: int, reset: str) -> dict[str, Any]:

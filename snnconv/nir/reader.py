@@ -63,8 +63,10 @@ import nir
 import numpy as np
 
 from snnconv.errors import NIRError
+from snnconv.vocabulary import MAX_BURST
 from snnconv.nir.format import (
     ADAPTIVE_AVGPOOL,
+    BURST_KEY,
     COMPARES,
     CONCAT_OP,
     FORMAT_VERSION,
@@ -222,6 +224,87 @@ def _check_gain(name: str, r: np.ndarray, dt: float, what: str) -> None:
 
 # --- the parser --------------------------------------------------------------------------------
 
+def _read_subtractive(name: str, node: Any, meta: Mapping[str, Any], per_channel: bool | None,
+                      dt: float, nodes: Mapping[str, Any], kinds: Mapping[str, str],
+                      ins: Mapping[str, list[str]], outs: Mapping[str, list[str]]
+                      ) -> tuple[dict[str, Any], str, str]:
+    """The subtractive neuron whose integrator is ``name``: its params, the node that carries its
+    spikes (its Threshold, or a burst's sum node) and its reset Scale. A burst of B (metadata
+    ``burst``): B Thresholds, at :func:`fire_threshold` ``(theta, v_init, k)`` for k = 1..B, into
+    one sum node that feeds the reset (see :mod:`snnconv.nir.format`)."""
+    r = _array(node.r, name, "r")
+    _check_gain(name, r, dt, "an integrator")
+    burst = meta.get(BURST_KEY, 1)
+    if isinstance(burst, bool) or not isinstance(burst, int) or not 1 <= burst <= MAX_BURST:
+        raise NIRError(f"node '{name}': metadata burst={burst!r}; expected an integer in [1, {MAX_BURST}]")
+    pattern = ("I -> Threshold -> Scale(-theta) -> I" if burst == 1 else
+               f"I -> {burst} Thresholds -> Scale of ones (sum) -> Scale(-theta) -> I")
+    fires = outs[name]
+    if len(fires) != burst or any(kinds[f] != "threshold" for f in fires):
+        what = "an I node must feed exactly one Threshold" if burst == 1 else \
+            f"an I node of burst {burst} must feed exactly {burst} Thresholds"
+        raise NIRError(f"node '{name}': {what} (the subtractive neuron pattern {pattern}); it feeds {fires}")
+    for fire in fires:
+        if ins[fire] != [name]:
+            raise NIRError(f"node '{fire}': the neuron's Threshold must receive only '{name}', "
+                           f"got {ins[fire]}")
+    out = fires[0]
+    if burst > 1:
+        sums = outs[fires[0]]
+        out = sums[0] if len(sums) == 1 else ""
+        if not out or kinds[out] != "scale" or _meta(nodes[out]).get(OP_KEY) != SUM_OP \
+                or any(outs[f] != [out] for f in fires) or sorted(ins[out]) != sorted(fires):
+            raise NIRError(f"node '{name}': the spikes of its {burst} Thresholds must go only into "
+                           f"one Scale of ones marked snnconv_op='sum' that receives only them "
+                           f"(the burst neuron pattern {pattern})")
+    resets = [s for s in outs[out] if kinds[s] == "scale" and outs[s] == [name]]
+    if len(resets) != 1:
+        raise NIRError(f"node '{name}': no single reset Scale from '{out}' back into "
+                       f"'{name}' (found {resets}); a bare I node has no exact spiking meaning")
+    reset = resets[0]
+    if ins[reset] != [out]:
+        raise NIRError(f"node '{reset}': the reset Scale must receive only '{out}', got {ins[reset]}")
+    v_meta = meta.get("v_init")
+    calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
+    _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
+                       "subtract", 0.5, required=True)
+    compare = _compare(name, meta, required=True, default=SPEC_COMPARE)
+    scale = _array(nodes[reset].scale, reset, "scale")
+    thresholds = [_array(nodes[f].threshold, f, "threshold") for f in fires]
+    if any(not (scale.shape == t.shape == r.shape) for t in thresholds):
+        raise NIRError(f"node '{name}': the neuron's shapes disagree: I {r.shape}, Threshold(s) "
+                       f"{[t.shape for t in thresholds]}, Scale '{reset}' {scale.shape}")
+    theta_full = -scale
+    if (theta_full <= 0).any():
+        raise NIRError(f"node '{reset}': the reset Scale must be -theta with theta > 0; "
+                       f"found max {float(scale.max())!r}. Non-positive thresholds are refused")
+    v0: Any = np.float32(0.5)
+    if calibrated:
+        v0 = np.asarray(v_meta, dtype=np.float64)
+        if v0.shape == (1,):
+            v0 = v0.reshape(())  # one value for the layer
+        if v0.ndim > 1 or (v0.ndim == 1 and v0.shape[0] != r.shape[0]) \
+                or not np.isfinite(v0).all() or (v0 < 0).any() or (v0 > 1).any():
+            raise NIRError(f"node '{name}': metadata v_init must be a number or one value "
+                           f"per channel ({r.shape[0]}), each in [0, 1]; got shape {v0.shape}")
+        v0 = v0.astype(np.float32)
+    v_full = np.broadcast_to(v0.reshape(v0.shape + (1,) * (len(r.shape) - v0.ndim)), r.shape)
+    # the k-th Threshold in edge order fires the k-th spike of a step
+    for k, (fire, threshold) in enumerate(zip(fires, thresholds), start=1):
+        expected = fire_threshold(theta_full, v_full, k)
+        if compare == ">":
+            expected = spec_threshold(expected)
+        if not np.array_equal(threshold, expected):
+            raise NIRError(f"node '{fire}': threshold must be exactly theta * ({k} - v_init) "
+                           f"{'(one float32 step below it, compared with >)' if compare == '>' else ''}"
+                           f"(theta = -scale of '{reset}', v_init from the metadata: "
+                           f"{'calibrated' if calibrated else '1/2'}); it is not")
+    params = {"theta": _theta_compact(theta_full, name, per_channel), "reset": "subtract", "v_init": v0}
+    if burst > 1:
+        params["burst"] = burst
+    return params, out, reset
+
+
 #: The node kinds of snnconv's IF neuron (NIR's IF, or the I/Threshold pattern read in parse()).
 _NEURON_NODES = {"IF": "if", "I": "integrator", "Threshold": "threshold"}
 #: NIR node type -> node kind: the op it is read as (:data:`snnconv.nir.ops.OPS`), or a neuron part.
@@ -344,65 +427,13 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         per_channel = {"per_channel": True, "per_layer": False}.get(granularity) \
             if isinstance(granularity, str) else None
         if kind == "integrator":
-            r = _array(node.r, name, "r")
-            _check_gain(name, r, dt, "an integrator")
-            fed = outs[name]
-            if len(fed) != 1 or kinds[fed[0]] != "threshold":
-                raise NIRError(
-                    f"node '{name}': an I node must feed exactly one Threshold (the subtractive "
-                    f"neuron pattern I -> Threshold -> Scale(-theta) -> I); it feeds {fed}")
-            fire = fed[0]
-            if ins[fire] != [name]:
-                raise NIRError(f"node '{fire}': the neuron's Threshold must receive only '{name}', "
-                               f"got {ins[fire]}")
-            resets = [s for s in outs[fire] if kinds[s] == "scale" and outs[s] == [name]]
-            if len(resets) != 1:
-                raise NIRError(f"node '{name}': no single reset Scale from '{fire}' back into "
-                               f"'{name}' (found {resets}); a bare I node has no exact spiking meaning")
-            reset = resets[0]
-            if ins[reset] != [fire]:
-                raise NIRError(f"node '{reset}': the reset Scale must receive only '{fire}', got "
-                               f"{ins[reset]}")
-            v_meta = meta.get("v_init")
-            calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
-            _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
-                               "subtract", 0.5, required=True)
-            compare = _compare(name, meta, required=True, default=SPEC_COMPARE)
-            scale = _array(nodes[reset].scale, reset, "scale")
-            threshold = _array(nodes[fire].threshold, fire, "threshold")
-            if not (scale.shape == threshold.shape == r.shape):
-                raise NIRError(f"node '{name}': the neuron's shapes disagree: I {r.shape}, "
-                               f"Threshold '{fire}' {threshold.shape}, Scale '{reset}' {scale.shape}")
-            theta_full = -scale
-            if (theta_full <= 0).any():
-                raise NIRError(f"node '{reset}': the reset Scale must be -theta with theta > 0; "
-                               f"found max {float(scale.max())!r}. Non-positive thresholds are refused")
-            v0: Any = np.float32(0.5)
-            if calibrated:
-                v0 = np.asarray(v_meta, dtype=np.float64)
-                if v0.shape == (1,):
-                    v0 = v0.reshape(())  # one value for the layer
-                if v0.ndim > 1 or (v0.ndim == 1 and v0.shape[0] != r.shape[0]) \
-                        or not np.isfinite(v0).all() or (v0 < 0).any() or (v0 > 1).any():
-                    raise NIRError(f"node '{name}': metadata v_init must be a number or one value "
-                                   f"per channel ({r.shape[0]}), each in [0, 1]; got shape "
-                                   f"{v0.shape}")
-                v0 = v0.astype(np.float32)
-            v_full = np.broadcast_to(v0.reshape(v0.shape + (1,) * (len(r.shape) - v0.ndim)), r.shape)
-            expected = fire_threshold(theta_full, v_full)
-            if compare == ">":
-                expected = spec_threshold(expected)
-            if not np.array_equal(threshold, expected):
-                raise NIRError(f"node '{fire}': threshold must be exactly theta * (1 - v_init) "
-                               f"{'(one float32 step below it, compared with >)' if compare == '>' else ''}"
-                               f"(theta = -scale of '{reset}', v_init from the metadata: "
-                               f"{'calibrated' if calibrated else '1/2'}); it is not")
-            neuron_params[name] = {"theta": _theta_compact(theta_full, name, per_channel),
-                                   "reset": "subtract", "v_init": v0}
-            neuron_shapes[name] = r.shape
+            params, fire, reset = _read_subtractive(name, node, meta, per_channel, dt, nodes, kinds,
+                                                    ins, outs)
+            neuron_params[name] = params
+            neuron_shapes[name] = _array(node.r, name, "r").shape
             alias[fire] = name
             own_reset[name] = reset
-            hidden.update((fire, reset))
+            hidden.update((*outs[name], fire, reset))  # the Threshold(s), a burst's sum, the reset
         elif kind == "if":
             r = _array(node.r, name, "r")
             v_th = _array(node.v_threshold, name, "v_threshold")

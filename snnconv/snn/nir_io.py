@@ -62,6 +62,7 @@ from snnconv.nir.format import (
     MODULE_KEY,
     OP_KEY,
     SCALE_OP,
+    SPIKES_SUFFIX,
     SUM_OP,
     fire_threshold,
     graph_metadata,
@@ -303,14 +304,19 @@ class _Exporter:
             raise NIRError(f"IF neuron '{base}' has {v0.numel()} per-channel initial membranes but "
                            f"its input has shape {shape}")
         # v_init 0.5 (QCFS's shift) as a number; calibrated ones as a list (per layer or channel)
-        meta = neuron_metadata("subtract", v_init_metadata(v0.numpy()), theta.dim() == 1)
+        burst = int(getattr(mod, "burst", 1))
+        meta = neuron_metadata("subtract", v_init_metadata(v0.numpy()), theta.dim() == 1, burst)
         x = self.add(base, nir.I(r=np.ones(shape, np.float32), metadata=meta), srcs)
-        # fires when v[t] - v_init >= theta - theta * v_init (the integrator starts at 0), i.e.
-        # on v[t] - v_init > the float32 just below it (NIR's comparison)
-        fire = self.add(f"{x}_fire", nir.Threshold(spec_threshold(fire_threshold(full, _full(v0, shape)))))
-        reset_node = self.add(f"{x}_reset", nir.Scale(-full))
-        self.edges += [(x, fire), (fire, reset_node), (reset_node, x)]
-        return fire
+        # the k-th spike of a step fires when v[t] - v_init >= k * theta - theta * v_init (the
+        # integrator starts at 0), i.e. on v[t] - v_init > the float32 just below it (NIR's comparison)
+        fires = [self.add(f"{x}_fire{k if k > 1 else ''}",
+                          nir.Threshold(spec_threshold(fire_threshold(full, _full(v0, shape), k))), (x,))
+                 for k in range(1, burst + 1)]
+        # a burst's count: the spikes of its B thresholds summed (see snnconv.nir.format)
+        out = fires[0] if burst == 1 else self.sum_node(f"{x}{SPIKES_SUFFIX}", tuple(fires), shape)
+        reset_node = self.add(f"{x}_reset", nir.Scale(-full), (out,))
+        self.edges.append((reset_node, x))
+        return out
 
     def scale(self, mod: Scale, shape: tuple[int, ...]) -> nir.NIRNode:
         """A Scale node, or in a hard-reset network (when the scale is per layer or per channel)
@@ -409,11 +415,6 @@ WRITERS: tuple[tuple[type | tuple[type, ...], _Writer], ...] = (
 
 #: Module kinds that convert (the activation checks accept them) but that NIR cannot express:
 #: export refuses them all by name before it writes anything (:func:`no_nir_form`).
-#: Why a burst neuron (several spikes in one step) is refused by NIR export.
-BURST_HAS_NO_NIR_FORM = ("NIR's IF and Threshold nodes emit one spike per step; a neuron that emits "
-                         "up to B in one step (graded spikes) has no NIR form: convert with burst=1 "
-                         "to export, or run the network in torch (snn(x), snnconv evaluate)")
-
 NO_NIR_FORM: dict[type, str] = {
     nn.Conv3d: "NIR has no 3-d convolution",
     nn.ConvTranspose1d: "NIR has no transposed convolution",
@@ -435,9 +436,7 @@ def no_nir_form(module: nn.Module) -> list[str]:
     when the network (an ANN before conversion, or a SpikingNetwork) can be exported."""
     net = module.net if isinstance(module, SpikingNetwork) else module
     return [f"'{name}' ({type(m).__name__}): {NO_NIR_FORM[type(m)]}" for name, m in net.named_modules()
-            if type(m) in NO_NIR_FORM] + [
-        f"'{name}' (IFNeuron, burst={m.burst}): {BURST_HAS_NO_NIR_FORM}" for name, m in net.named_modules()
-        if isinstance(m, IFNeuron) and m.burst > 1]
+            if type(m) in NO_NIR_FORM]
 
 
 def _probe_shapes(snn: SpikingNetwork, input_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
@@ -580,7 +579,7 @@ def _scale_module(op: Any, meta: dict, T: int) -> nn.Module:
 def _if_module(op: Any, meta: dict, T: int) -> nn.Module:
     v0 = op.params.get("v_init")
     return IFNeuron(_tensor(op.params["theta"]), T, reset=op.params["reset"],
-                    v_init=None if v0 is None else _tensor(v0))
+                    v_init=None if v0 is None else _tensor(v0), burst=op.params.get("burst", 1))
 
 
 def _leaky_module(op: Any, meta: dict, T: int) -> nn.Module:

@@ -19,12 +19,15 @@ reset -> :class:`SubtractiveIF`, whose model reuses Lava's fixed-point LIF dynam
 custom neuron program; the readout -> :class:`Readout` (v = clip24(a_in << 6), no spikes);
 connections -> ``Dense`` / ``Sparse`` (``DelayDense`` / ``DelaySparse`` with extra delays);
 biases of later layers -> one always-on ``LIF`` ("clock") and a connection per layer; one
-threshold per neuron -> :class:`ChannelIF` (a custom neuron program, either reset); a static
+threshold per neuron -> :class:`ChannelIF` (a custom neuron program, either reset); a burst
+neuron -> :class:`BurstIF` (graded spikes: the count, read by its connections with
+``num_message_bits``); a static
 input that reaches a population at depth d beside spikes -> its bias current, written after the
 first d steps (the run pauses there: its input arrives at step d + 1).
 
 The result (npz): ``v<j>`` ``[steps, B, N]`` int32 (membrane after reset) and ``s<j>``
-``[steps, B, N]`` bool per population, ``seconds`` (build + run wall time).
+``[steps, B, N]`` bool per population (uint8 counts for a burst population), ``seconds``
+(build + run wall time).
 """
 
 import json
@@ -137,6 +140,41 @@ class PyChannelIFModelFixed(AbstractPyLifModelFixed):
             self.v[spike_vector] -= self.effective_vth[spike_vector]
 
 
+class BurstIF(AbstractProcess):
+    """Integrate-and-fire neuron with reset by subtraction that emits up to ``burst`` spikes a
+    step as one graded spike (Loihi 2 custom neuron program; one threshold per neuron):
+    s = clip((v - 1) // (vth << 6), 0, burst), i.e. the k with v > k * (vth << 6); v -= s * (vth << 6).
+    """
+
+    def __init__(self, *, shape, vth, burst, v=0, bias_mant=0, bias_exp=0, name=None):
+        super().__init__(shape=shape, name=name)
+        _if_vars(self, shape, v, bias_mant, bias_exp)
+        self.vth = Var(shape=shape, init=vth)
+        self.burst = Var(shape=(1,), init=int(burst))
+
+
+@implements(proc=BurstIF, protocol=LoihiProtocol)
+@requires(CPU)
+@tag("fixed_pt")
+class PyBurstIFModelFixed(AbstractPyLifModelFixed):
+    """Lava's fixed-point LIF dynamics with graded spikes (the count) and a subtractive reset."""
+
+    s_out: PyOutPort = LavaPyType(PyOutPort.VEC_DENSE, np.int32, precision=24)
+    vth: np.ndarray = LavaPyType(np.ndarray, np.int32, precision=17)
+    burst: np.ndarray = LavaPyType(np.ndarray, np.int32, precision=8)
+
+    def scale_threshold(self):
+        self.effective_vth = np.left_shift(self.vth.astype(np.int64), self.vth_shift)
+        self.isthrscaled = True
+
+    def spiking_activation(self):
+        count = np.floor_divide(self.v.astype(np.int64) - 1, self.effective_vth)
+        return np.clip(count, 0, int(self.burst[0])).astype(np.int32)
+
+    def reset_voltage(self, spike_vector):
+        self.v[:] = (self.v.astype(np.int64) - spike_vector.astype(np.int64) * self.effective_vth).astype(np.int32)
+
+
 class Readout(AbstractProcess):
     """Non-spiking readout: v[t] = clip24(u[t]) with u[t] = a_in << 6 (read every step)."""
 
@@ -213,6 +251,13 @@ def main(job_path, out_path):
             procs[p["name"]] = LIF(shape=(n,), du=du, dv=dv, vth=LI_VTH, v=0, name=p["name"])
         elif p["role"] == "readout":
             procs[p["name"]] = Readout(shape=(n,), name=p["name"])
+        elif int(p.get("burst", 1)) > 1:  # graded spikes: a threshold per neuron
+            v0 = (int(p["v_init"]) if p["v_init"] is not None
+                  else np.tile(job[f"p{j}_v_init"].astype(np.int32), B))
+            vth = (np.full(n, int(p["vth"]), np.int32) if p["vth"] is not None
+                   else np.tile(job[f"p{j}_vth"].astype(np.int32), B))
+            procs[p["name"]] = BurstIF(shape=(n,), vth=vth, burst=int(p["burst"]), v=v0,
+                                       bias_mant=mant, bias_exp=exp, name=p["name"])
         elif p["vth"] is None:  # one threshold per neuron
             v0 = (int(p["v_init"]) if p["v_init"] is not None
                   else np.tile(job[f"p{j}_v_init"].astype(np.int32), B))
@@ -228,6 +273,7 @@ def main(job_path, out_path):
             procs[p["name"]] = SubtractiveIF(shape=(n,), vth=int(p["vth"]), v=v0,
                                              bias_mant=mant, bias_exp=exp, name=p["name"])
     conns = []
+    bursts = {p["name"]: int(p.get("burst", 1)) for p in spec["populations"]}
     for p in spec["populations"]:
         for c in p["conns"]:
             i = int(c["index"])
@@ -244,17 +290,19 @@ def main(job_path, out_path):
                 w = _block(rows, cols, vals, n_tgt, n_src, B)
             delay, exp = int(c["delay"]), int(c["exp"])
             dense = w.shape[0] * w.shape[1] <= int(spec.get("dense_limit", DENSE_LIMIT))
+            # a burst source's graded spikes: the weight times the count
+            bits = {"num_message_bits": 8} if int(bursts.get(c["source"], 1)) > 1 else {}
             if delay == 0:
-                conn = (Dense(weights=w.toarray(), weight_exp=exp) if dense
-                        else Sparse(weights=w, weight_exp=exp))
+                conn = (Dense(weights=w.toarray(), weight_exp=exp, **bits) if dense
+                        else Sparse(weights=w, weight_exp=exp, **bits))
             elif dense:
                 conn = DelayDense(weights=w.toarray(), delays=np.full(w.shape, delay, dtype=int),
-                                  weight_exp=exp)
+                                  weight_exp=exp, **bits)
             else:
                 # delays with the weights' sparsity (an int would be expanded to a dense matrix)
                 delays = w.copy()
                 delays.data = np.full(delays.data.shape, delay, dtype=int)
-                conn = DelaySparse(weights=w, delays=delays, weight_exp=exp)
+                conn = DelaySparse(weights=w, delays=delays, weight_exp=exp, **bits)
             src.s_out.connect(conn.s_in)
             conn.a_out.connect(procs[p["name"]].a_in)
             conns.append(conn)
@@ -284,7 +332,8 @@ def main(job_path, out_path):
             if (p["name"], var) not in mons:
                 continue
             rec = np.asarray(mons[p["name"], var].get_data()[p["name"]][var]).reshape(steps, B, n)
-            out[key] = rec.astype(np.int32) if var == "v" else rec != 0
+            out[key] = (rec.astype(np.int32) if var == "v" else
+                        rec.astype(np.uint8) if int(p.get("burst", 1)) > 1 else rec != 0)
     first.stop()
     np.savez(out_path, **out)
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from snnconv.errors import BackendError
+from snnconv.snn.neuron import emit
 
 if TYPE_CHECKING:
     from snnconv_backends.engine.stats import Stats
@@ -17,12 +18,13 @@ __all__ = ["if_loop", "compiled_loop"]
 
 
 def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
-            ties: tuple[float, "Stats"] | None = None, v0: torch.Tensor | None = None):
+            ties: tuple[float, "Stats"] | None = None, v0: torch.Tensor | None = None, burst: int = 1):
     """Exact IF dynamics, in place. ``u``: ``[T, b, ...]`` (ours to overwrite) or, ``static``,
     ``[b, ...]`` presented at every step. Returns spikes ``[T, b, ...]`` in ``u.dtype`` and
     ``None`` (the statistics are taken from the spikes). ``ties = (tol, stats)``: also count
     the updates with ``|h - threshold| <= tol * threshold`` into ``stats``. ``v0``: the
-    subtractive neuron's initial membrane (broadcastable, units of theta; None: 1/2)."""
+    subtractive neuron's initial membrane (broadcastable, units of theta; None: 1/2). ``burst``
+    B > 1: the subtractive neuron emits up to B spikes a step (:func:`snnconv.snn.neuron.emit`)."""
     if static:
         x = u / theta if reset == "subtract" else u
         s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
@@ -40,8 +42,9 @@ def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: s
             else:  # v + x / theta, the division rounded first (as SpikingNetwork's x / theta)
                 v = torch.addcdiv(half, xs[0], theta) if t == 0 else v.addcdiv_(xs[t], theta)
             if ties is not None:
-                ties[1].add_ties(((v - 1.0).abs() <= ties[0]).sum())
-            torch.ge(v, 1.0, out=s[t])
+                level = 1.0 if burst == 1 else torch.round(v).clamp_(1, burst)  # the nearest k
+                ties[1].add_ties(((v - level).abs() <= ties[0]).sum())
+            emit(v, burst, out=s[t])
             v.sub_(s[t])
     else:
         for t in range(T):
@@ -53,7 +56,7 @@ def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: s
     return s, None
 
 
-def _if_fused(T: int, static: bool, reset: str, calibrated: bool = False) -> Callable:
+def _if_fused(T: int, static: bool, reset: str, calibrated: bool = False, burst: int = 1) -> Callable:
     """The IF dynamics of :func:`if_loop` unrolled over ``T`` steps, written out of place so
     that ``torch.compile`` fuses them into one kernel (one read of the input, one write of the
     spikes, the membrane in registers), with the batch sum of the spikes per step and position
@@ -67,7 +70,10 @@ def _if_fused(T: int, static: bool, reset: str, calibrated: bool = False) -> Cal
         out = []
         for t in range(T):
             h = v + (x if static else x[t])
-            s = (h >= (1.0 if reset == "subtract" else theta)).to(x.dtype)
+            if burst > 1:  # emit(h, burst), out of place
+                s = torch.floor(h).clamp(0, burst)
+            else:
+                s = (h >= (1.0 if reset == "subtract" else theta)).to(x.dtype)
             v = h - s if reset == "subtract" else h - h * s
             out.append(s)
         s = torch.stack(out)
@@ -76,7 +82,8 @@ def _if_fused(T: int, static: bool, reset: str, calibrated: bool = False) -> Cal
 
     # dynamo keeps compiled variants per code object (and caps their number): give each
     # (T, static, reset) its own code object so that they do not evict one another
-    tag = f"if_fused_T{T}_{'static' if static else 'seq'}_{reset}{'_v0' if calibrated else ''}"
+    tag = (f"if_fused_T{T}_{'static' if static else 'seq'}_{reset}{'_v0' if calibrated else ''}"
+           f"{f'_burst{burst}' if burst > 1 else ''}")
     fused.__code__ = fused.__code__.replace(co_name=tag)
     fused.__name__ = fused.__qualname__ = tag
     return fused
@@ -86,7 +93,7 @@ _COMPILED: dict[tuple, Callable] = {}
 
 
 def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
-                  v0: torch.Tensor | None = None):
+                  v0: torch.Tensor | None = None, burst: int = 1):
     """:func:`_if_fused` through ``torch.compile``, cached for the process.
 
     The input is viewed as ``[T, b, C, M]`` (``[b, C, M]`` when static) and theta as ``[C, 1]``
@@ -108,10 +115,10 @@ def compiled_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, re
         view = (*shape[:lead], C, M)
     if reset == "subtract":  # IEEE division by torch, as SpikingNetwork's x / theta
         u = u / theta if static else u.div_(theta)
-    key = (T, static, reset, C == 1, M == 1, u.device.type, v0 is not None)
+    key = (T, static, reset, C == 1, M == 1, u.device.type, v0 is not None, burst)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = torch.compile(_if_fused(T, static, reset, v0 is not None), dynamic=True)
+        fn = _COMPILED[key] = torch.compile(_if_fused(T, static, reset, v0 is not None, burst), dynamic=True)
     try:
         args = (u.reshape(view), th) if v0 is None else (u.reshape(view), th, v0.reshape(-1, 1).expand(C, 1))
         s, per_pos = fn(*args)

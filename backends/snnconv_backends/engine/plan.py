@@ -58,7 +58,7 @@ class Plan:
         parsed: a ``ParsedGraph`` from :func:`snnconv.nir.reader.parse`.
         device, dtype: where and in which float type to compute.
         backend: the backend's name (for error messages).
-        neuron_loop: ``(u, theta, T, static, reset, v0=None) -> (spikes, batch sums or None)``
+        neuron_loop: ``(u, theta, T, static, reset, v0=None, burst=1) -> (spikes, batch sums or None)``
             (``v0``: the subtractive neuron's initial membrane per channel, None for 1/2); the
             default is the exact in-place loop :func:`if_loop`.
         neuron_dtype: the dtype of the membrane (default ``dtype``; float32 under bfloat16
@@ -112,6 +112,7 @@ class Plan:
         self.lazy_scales = {
             op.name for op in ops
             if op.kind == "scale" and len(op.inputs) == 1 and self.by_name[op.inputs[0]].kind == "neuron"
+            and int(self.by_name[op.inputs[0]].params.get("burst", 1)) == 1  # s * theta exact for s in {0, 1}
             and len(users.get(op.name, ())) == 1 and len(users[op.name][0].inputs) >= 2
             and users[op.name][0].kind not in ("output",)}
         self.fanout = fanouts(ops, self.by_name)
@@ -135,7 +136,7 @@ class Plan:
         theta = to_tensor(p["theta"], nd, dev)
         if theta.dim() == 1:
             theta = theta.reshape(-1, *([1] * (len(op.out_shape) - 1)))
-        reset = p["reset"]
+        reset, burst = p["reset"], int(p.get("burst", 1))
         loop, tol = self.neuron_loop, self.tie_tolerance
         v0 = p.get("v_init")
         if v0 is not None and np.asarray(v0).ndim == 0 and float(v0) == 0.5:
@@ -149,9 +150,9 @@ class Plan:
             if u.dtype != nd:
                 u = u.to(nd)  # a copy: ours to overwrite
             if tol is None:
-                s, per_pos = loop(u, theta, T, static, reset, v0=v0)
+                s, per_pos = loop(u, theta, T, static, reset, v0=v0, burst=burst)
             else:
-                s, per_pos = if_loop(u, theta, T, static, reset, ties=(tol, stats), v0=v0)
+                s, per_pos = if_loop(u, theta, T, static, reset, ties=(tol, stats), v0=v0, burst=burst)
             return (s if s.dtype == dt else s.to(dt)), per_pos
 
         return neuron

@@ -87,7 +87,9 @@ class Loihi2Program(Program):
                 for k, val in c.items():
                     cnt[k] = cnt[k] + val if k in cnt else val
                 for k, val in s.items():
-                    spk.setdefault(k, []).append(val.bool().cpu())
+                    # a burst population's graded spikes keep their counts
+                    spk.setdefault(k, []).append((val.to(torch.uint8) if self.q.population(k).burst > 1
+                                                  else val.bool()).cpu())
                 for k, val in v.items():
                     vlt.setdefault(k, []).append(val.cpu())
                 for a in ("saturated", "wrapped", "bias_clipped"):

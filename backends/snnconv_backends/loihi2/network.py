@@ -109,6 +109,9 @@ class Population:
             hard reset; a calibrated ``v_init`` (a fraction of theta per channel) gives one
             integer per neuron ``[size]`` (int64), ``round(v_init * (vth << 6))``.
         reset: ``"zero"``, ``"subtract"`` or ``"none"`` (readout).
+        burst: the most spikes a subtractive neuron emits in one step, as one graded spike
+            whose payload is the count (Loihi 2's graded spikes): ``s = clip((v - 1) // (vth << 6),
+            0, burst)``, then ``v -= s * (vth << 6)``; 1: a binary spike on ``v > vth << 6``.
         scale: integer units per float unit of this population's input, per channel ``[C]``
             or ``[1]``: ``v = x * scale`` (``scale = (vth << 6) / theta`` for neurons).
         conns: incoming connections.
@@ -142,6 +145,7 @@ class Population:
     gain: np.ndarray = field(default_factory=lambda: np.ones(1))
     late_static: tuple = ()
     bias: np.ndarray | None = None
+    burst: int = 1
 
     @property
     def size(self) -> int:

@@ -210,7 +210,8 @@ def _bias_report(const: np.ndarray, scale: np.ndarray) -> dict[str, Any]:
 
 def _saturating_bias(bias: np.ndarray, pos: np.ndarray, neg: np.ndarray, theta: np.ndarray) -> np.ndarray:
     """IF neurons' biases clipped where the clipping changes no spike: a neuron whose bias
-    exceeds its threshold plus its most negative input sum ``neg`` fires at every step whatever
+    exceeds ``theta`` (its threshold; B thresholds for a burst neuron, whose most is B spikes
+    a step) plus its most negative input sum ``neg`` fires its most at every step whatever
     its inputs (with either reset its membrane only grows past the threshold), and one whose bias
     is below minus its largest input sum ``pos`` never fires (its membrane, which starts at most at
     the threshold, never grows). Such biases, often thousands of thresholds on a channel that
@@ -228,6 +229,16 @@ def _channel_min(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def _channel_max(values: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return values.reshape(shape[0], -1).max(1) if len(shape) else values.reshape(1)
+
+
+def _burst(op: Any) -> int:
+    """The most spikes the neuron op ``op`` emits in one step (1 but for a burst neuron, whose
+    count travels as one graded spike)."""
+    return int(op.params.get("burst", 1)) if op.kind == "neuron" else 1
+
+
+def _burst_report(op: Any) -> dict[str, Any]:
+    return {"burst": _burst(op), "spikes": f"graded, 0..{_burst(op)} per step"} if _burst(op) > 1 else {}
 
 
 def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_signs: bool = True,
@@ -302,13 +313,15 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                                "a bias current")
         chip: dict[str, Any] = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
         if static and not spiking:
-            vth: Any = FIRST_VTH  # an int, or one per channel (ndarray) below
+            # an int, or one per channel (ndarray) below; the bias current reaches about two
+            # thresholds, 2B for a burst neuron (which emits up to B a step)
+            vth: Any = max(1, FIRST_VTH // _burst(tgt))
             scale = (vth << LOIHI["vth_shift"]) / theta
             pops.append(Population(
                 tgt.name, role, shape, 0, vth, _v_init(tgt, vth, shape),
                 reset, scale, (), True,
                 {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)",
-                 **({} if leaky is None else leaky.report)}, **chip))
+                 **_burst_report(tgt), **({} if leaky is None else leaky.report)}, burst=_burst(tgt), **chip))
             depth[tgt.name] = 0
             continue
         d = max(depth[s] for s, _ in spiking) + 1
@@ -342,11 +355,11 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
         # per-neuron worst-case sums in float units
         pos = np.zeros(n)
         neg = np.zeros(n)
-        for _, _, kind, w, _ in raw:
+        for _, s, kind, w, _ in raw:
             p_, n_ = _row_sums(kind, w, shape)
-            pos, neg = pos + p_, neg + n_
+            pos, neg = pos + p_ * _burst(mp.ops[s]), neg + n_ * _burst(mp.ops[s])
         if as_current and role == "neuron" and not late:
-            const = _saturating_bias(const, pos, neg, per_neuron_values(theta, shape))
+            const = _saturating_bias(const, pos, neg, per_neuron_values(theta, shape) * _burst(tgt))
         if not as_current:
             pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
         worst = np.maximum(pos, -neg)
@@ -429,7 +442,8 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                                             fanout(kind, gmant, cparams, tuple(mp.ops[s].out_shape), shape)))
                     p_, n_ = _row_sums(kind, gmant, shape)
                     p_, n_ = _shifted_bounds(p_, n_, gexp)
-                    tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
+                    # a burst source's graded spike carries up to B times the weight
+                    tot_pos, tot_neg = tot_pos + p_ * _burst(mp.ops[s]), tot_neg + n_ * _burst(mp.ops[s])
             if np.any(const != 0) and not as_current:
                 m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
                                               bits=_bits(weight_bits, f"{tgt.name}.bias"), split=split_signs)
@@ -461,7 +475,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                **({"static_bias": [[op.name for op in ch] for ch in late]} if late else {}),
                "a_in_bound": bound, "a_in_budget": a_max,
                "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c)),
-               **({} if leaky is None else leaky.report)}
+               **_burst_report(tgt), **({} if leaky is None else leaky.report)}
         if role == "neuron" and vth_min < 64:
             rep["warning"] = (f"vth = {vth_min}: the worst-case input is about {a_max // max(vth_min, 1)} times "
                               "the threshold, so the threshold has few bits; expect a larger "
@@ -472,7 +486,7 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
                                _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
                                np.asarray(scale_c, np.float64), tuple(conns), False, rep,
                                late_static=late, bias=const.astype(np.float64) if as_current else None,
-                               **chip))
+                               burst=_burst(tgt) if role == "neuron" else 1, **chip))
     names = {c.name for p in pops for c in p.conns}
     for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
         unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []

@@ -137,8 +137,8 @@ def _apply_conn(c: Connection, s: torch.Tensor, src_shape, tgt_shape, cache: dic
 
 def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor | None, T: int,
                  B: int, stats: RuntimeCounters, record: bool):
-    """Run ``T`` steps of ``pop``: returns (spikes ``[T, B, N]`` float32 0/1, voltages int32 or
-    None). ``a_in``: the current ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
+    """Run ``T`` steps of ``pop``: returns (spikes ``[T, B, N]`` float32 0/1, or the counts
+    0..burst of a burst population, voltages int32 or None). ``a_in``: the current ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
     ``bias``: ``[B, N]``."""
     n = pop.size
     dev = cast(torch.Tensor, a_in if a_in is not None else bias).device
@@ -176,13 +176,21 @@ def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor 
     spikes = torch.empty(T, B, n, dtype=torch.float32, device=dev)
     volts = torch.empty(T, B, n, dtype=torch.int32, device=dev) if record else None
     hard = pop.reset == "zero"
+    if pop.burst > 1:
+        vth_i = vth.to(torch.int64) if isinstance(vth, torch.Tensor) else int(vth)
+        counts = torch.empty(B, n, dtype=torch.int64, device=dev)
     for t in range(T):
         v.add_(u[t])
         vmin, vmax = torch.aminmax(v)
         if float(vmin) < lo or float(vmax) > hi:  # 24-bit saturation (rare): clip and count
             stats.saturated += int(((v < lo) | (v > hi)).sum())
             v.clamp_(lo, hi)
-        torch.gt(v, vth, out=spikes[t])
+        if pop.burst > 1:  # a graded spike: the count of k in 1..B with v > k * vth, exact on int64
+            torch.clamp(torch.div(v.to(torch.int64) - 1, vth_i, rounding_mode="floor"), 0, pop.burst,
+                        out=counts)
+            spikes[t].copy_(counts)
+        else:
+            torch.gt(v, vth, out=spikes[t])
         if hard:  # v - v * s: exact on integer-valued floats (s is 0 or 1)
             v.addcmul_(v, spikes[t], value=-1.0)
         elif np.ndim(pop.vth):
