@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Subset
 import snnconv
 from snnconv.analysis.diagnosis import diagnose
 from snnconv.analysis.metrics import evaluate
+from snnconv.constructs.prefix import analog_prefix
 from snnconv.io.atomic import atomic_write_text
 
 from ..common import RESULTS
@@ -117,6 +118,10 @@ def on_chip(snn, test, T: int, images: int) -> dict:
     for bursts): accuracy of each, their agreement, and loihi2-sim's energy per image."""
     graph = snnconv.export_nir(snn)
     x, y = test.tensors[0][:images], test.tensors[1][:images]
+    stem = analog_prefix(snn)  # the static first layers run once per image, off the graph
+    if stem is not None:
+        with torch.no_grad():
+            x = stem(x)
     out = {"images": int(len(y))}
     decisions = {}
     for backend in ("cpu", "loihi2-sim"):
