@@ -12,6 +12,8 @@ is always the threshold compared with ``>=``)::
     X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X, t = theta/2 compared as X's
     metadata states: ">=" in format 1, ">" with t = nextafter(theta/2, 0) in format 2):
         h[t] = v[t-1] + x[t] / theta;  s[t] = h[t] >= 1;  v[t] = h[t] - s[t];  v[0] = 1/2
+    burst B > 1 (metadata "burst": B; B Thresholds X_fire, X_fire2, ... at t_k = theta * (k - 1/2)
+    into one sum Scale X_spikes, which feeds X_reset): s[t] = min(B, floor(h[t])) where h >= 1
     reset "zero" (one node X = IF(r * dt = 1, v_threshold, v_reset=0)): NIR's IF, firing on
     v > v_threshold (theta = nextafter(v_threshold, inf)) unless its metadata says ">="
     (format 1: theta = v_threshold):
@@ -45,7 +47,8 @@ sumpool2d       kernel_size, stride, padding
 flatten         start_dim, end_dim (batch-free, as written in the node)
 scale           scale (the node's full batch-free shape)
 sum             (none)
-neuron          theta (shape ``()`` or ``(C,)``), reset ("subtract" | "zero")
+neuron          theta (shape ``()`` or ``(C,)``), reset ("subtract" | "zero"), v_init, burst
+                (only where above 1)
 lif, cubalif,   Euler coefficients at ``dt`` (:mod:`snnconv.nir.leaky`)
 li
 ==============  ======================================================================

@@ -14,6 +14,9 @@ is snnconv's ``v >= theta`` exactly; the neurons' metadata states ``compare=">"`
   ``h >= 1``, subtract 1: snnconv's neuron step for step. ``X``'s metadata records
   ``reset="subtract"`` and ``v_init=0.5`` (in units of theta); consumers read the spikes from
   ``X_fire``.
+- ``burst`` B > 1 (neurons that emit up to B spikes a step): B Thresholds ``X_fire``,
+  ``X_fire2``, ..., at ``nextafter(theta * (k - v_init), 0)``, into a sum node ``X_spikes`` (a
+  Scale of ones) that feeds the reset and the consumers: the count (``snnconv.nir.format``).
 - ``reset="zero"``: one ``IF(r=1, v_threshold=nextafter(theta, 0), v_reset=0)`` node per site,
   metadata ``reset="zero"``, ``v_init=0.0``: NIR's own IF, and spikingjelly's
   ``IFNode(v_reset=0.)`` but for a membrane exactly at ``nextafter(theta, 0)``. Identity
