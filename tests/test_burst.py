@@ -9,8 +9,8 @@ import torch
 
 import snnconv
 from snnconv.errors import ConfigError, NIRError
-from snnconv.snn.nir_io import from_nir, load_nir, save_nir
 from snnconv.snn.neuron import IFNeuron, emit, fire_subtractive_, if_sequence, if_step
+from snnconv.snn.nir_io import from_nir, load_nir, save_nir
 
 
 @pytest.mark.parametrize("burst", [1, 2, 3, 8])

@@ -69,7 +69,8 @@ from snnconv.errors import ConfigError
 from snnconv.vocabulary import RESETS
 
 __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
-           "SPEC_COMPARE", "NEURON_KEY", "BURST_KEY", "SPIKES_SUFFIX", "OP_KEY", "MODULE_KEY", "SUM_OP", "SCALE_OP", "CONCAT_OP",
+           "SPEC_COMPARE", "NEURON_KEY", "BURST_KEY", "SPIKES_SUFFIX", "OP_KEY", "MODULE_KEY", "SUM_OP",
+           "SCALE_OP", "CONCAT_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
            "spec_threshold", "engine_threshold", "neuron_metadata", "graph_metadata",
            "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain",

@@ -66,7 +66,6 @@ import nir
 import numpy as np
 
 from snnconv.errors import NIRError
-from snnconv.vocabulary import MAX_BURST
 from snnconv.nir.format import (
     ADAPTIVE_AVGPOOL,
     BURST_KEY,
@@ -99,6 +98,7 @@ from snnconv.nir.values import integers as _ints
 from snnconv.nir.values import meta as _meta
 from snnconv.nir.values import type_shape as _type_shape
 from snnconv.nir.values import window_out as _window_out
+from snnconv.vocabulary import MAX_BURST
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
 

@@ -138,7 +138,8 @@ def _apply_conn(c: Connection, s: torch.Tensor, src_shape, tgt_shape, cache: dic
 def _neuron_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor | None, T: int,
                  B: int, stats: RuntimeCounters, record: bool):
     """Run ``T`` steps of ``pop``: returns (spikes ``[T, B, N]`` float32 0/1, or the counts
-    0..burst of a burst population, voltages int32 or None). ``a_in``: the current ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
+    0..burst of a burst population, voltages int32 or None). ``a_in``: the current
+    ``u = a_in << 6``, ``[T*B, N]`` integer-valued float32;
     ``bias``: ``[B, N]``."""
     n = pop.size
     dev = cast(torch.Tensor, a_in if a_in is not None else bias).device
