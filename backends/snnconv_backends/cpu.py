@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-from snnconv_backends.engine import Plan, PlanProgram, Stats, check_options, compiled_loop, dtype_option
+from snnconv_backends.engine import Plan, PlanProgram, Stats, StepStats, check_options, compiled_loop, dtype_option
 from snnconv_backends.registry import Backend, RunResult, parse_graph
 
 __all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed", "parse_graph"]
@@ -49,15 +49,20 @@ class CPUProgram(PlanProgram):
         self.threads = threads
         self.name = name
 
-    def run(self, x: torch.Tensor, T: int | None = None) -> RunResult:
+    def run(self, x: torch.Tensor, T: int | None = None, *, exit_rule: Any = None) -> RunResult:
         """Run ``T`` steps (default: the graph's T) on ``x`` (``[B, ...]`` or ``[T, B, ...]``).
+
+        ``exit_rule``: an :class:`~snnconv.exit_rule.ExitRule`: each image stops at the step its
+        readout meets the rule and leaves the batch (``extra["early_exit"]``; see
+        :meth:`~snnconv_backends.engine.PlanProgram._run_exit`).
 
         Raises:
             BackendError: wrong input shape or dtype, or ``T < 1``.
         """
         x, seq, T = self._checked(x, T)
         B, per = self._chunking(x, seq, T)
-        stats = Stats(self.plan, T)
+        rule = self._exit_rule(exit_rule)
+        stats = Stats(self.plan, T) if rule is None else StepStats(self.plan, T)
         start = time.perf_counter()
         with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
             out = self._run_chunks(x, T, seq, per, stats)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-from snnconv_backends.engine import Plan, PlanProgram, Stats, check_options, compiled_loop, dtype_option
+from snnconv_backends.engine import Plan, PlanProgram, Stats, StepStats, check_options, compiled_loop, dtype_option
 from snnconv_backends.registry import Backend, RunResult, parse_graph
 
 __all__ = ["GPUBackend", "GPUProgram", "DTYPES"]
@@ -98,26 +98,35 @@ class GPUProgram(PlanProgram):
         self.deterministic = deterministic
         self.neuron = neuron
 
-    def run(self, x: torch.Tensor, T: int | None = None) -> RunResult:
+    def run(self, x: torch.Tensor, T: int | None = None, *, exit_rule: Any = None) -> RunResult:
         """Run ``T`` steps on ``x`` (``[B, ...]`` or ``[T, B, ...]``, any device).
+
+        ``exit_rule``: an :class:`~snnconv.exit_rule.ExitRule`: each image stops at the step its
+        readout meets the rule and leaves the batch (``extra["early_exit"]``; see
+        :meth:`~snnconv_backends.engine.PlanProgram._run_exit`).
 
         Raises:
             BackendError: wrong input shape or dtype, or ``T < 1``.
         """
         x, seq, T = self._checked(x, T)
         B, per = self._chunking(x, seq, T)
-        stats = Stats(self.plan, T)
+        rule = self._exit_rule(exit_rule)
+        stats = Stats(self.plan, T) if rule is None else StepStats(self.plan, T)
         dev = self.plan.device
         with torch.no_grad(), _numerics(dev, self.deterministic):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             start = time.perf_counter()
-            out = self._run_chunks(x, T, seq, per, stats)
+            if rule is None:
+                out, extra = self._run_chunks(x, T, seq, per, stats), {}
+            else:
+                out, record = self._run_exit(x, T, rule, stats)  # type: ignore[arg-type]
+                extra = {"early_exit": record}
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             seconds = time.perf_counter() - start
             result = self._result(out, stats, B, T, per, seconds, device=str(dev),
-                                  deterministic=self.deterministic, neuron=self.neuron)
+                                  deterministic=self.deterministic, neuron=self.neuron, **extra)
         if self.plan.tie_tolerance is not None:  # counted by the run, summed by the result's stats
             result.extra.update(threshold_ties=stats.ties, tie_tolerance=self.plan.tie_tolerance)
         return result

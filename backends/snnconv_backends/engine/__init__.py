@@ -27,7 +27,7 @@ per graph; for a layer fed directly by spikes this is spikingjelly's ``SynOpCoun
 from snnconv_backends.engine.kernels import compiled_loop
 from snnconv_backends.engine.ops import WEIGHTED
 from snnconv_backends.engine.plan import Plan, check_options, check_T
-from snnconv_backends.engine.program import PlanProgram, dtype_option
+from snnconv_backends.engine.program import PlanProgram, StepStats, dtype_option
 from snnconv_backends.engine.stats import Stats
 
-__all__ = ["Plan", "PlanProgram", "Stats", "check_options", "check_T", "compiled_loop", "dtype_option", "WEIGHTED"]
+__all__ = ["Plan", "PlanProgram", "Stats", "StepStats", "check_options", "check_T", "compiled_loop", "dtype_option", "WEIGHTED"]

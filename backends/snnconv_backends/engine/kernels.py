@@ -18,13 +18,17 @@ __all__ = ["if_loop", "compiled_loop"]
 
 
 def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: str,
-            ties: tuple[float, "Stats"] | None = None, v0: torch.Tensor | None = None, burst: int = 1):
+            ties: tuple[float, "Stats"] | None = None, v0: torch.Tensor | None = None, burst: int = 1,
+            v_start: torch.Tensor | None = None, v_end: list | None = None):
     """Exact IF dynamics, in place. ``u``: ``[T, b, ...]`` (ours to overwrite) or, ``static``,
     ``[b, ...]`` presented at every step. Returns spikes ``[T, b, ...]`` in ``u.dtype`` and
     ``None`` (the statistics are taken from the spikes). ``ties = (tol, stats)``: also count
     the updates with ``|h - threshold| <= tol * threshold`` into ``stats``. ``v0``: the
     subtractive neuron's initial membrane (broadcastable, units of theta; None: 1/2). ``burst``
-    B > 1: the subtractive neuron emits up to B spikes a step (:func:`snnconv.snn.neuron.emit`)."""
+    B > 1: the subtractive neuron emits up to B spikes a step (:func:`snnconv.snn.neuron.emit`).
+    ``v_start``: the membrane ``[b, ...]`` a run stopped with (a run continued step by step:
+    the same operations as one run of all the steps); ``v_end``: a list that receives the
+    membrane after the last step."""
     if static:
         x = u / theta if reset == "subtract" else u
         s = torch.empty((T, *u.shape), dtype=u.dtype, device=u.device)
@@ -34,7 +38,8 @@ def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: s
         xs = u
     v: torch.Tensor
     if reset == "subtract":
-        half = torch.tensor(0.5, dtype=s.dtype, device=s.device) if v0 is None else v0
+        half = (v_start if v_start is not None else
+                torch.tensor(0.5, dtype=s.dtype, device=s.device) if v0 is None else v0)
         for t in range(T):
             # v[0] = 1/2 added in the first step's operation (a + b == b + a), no fill pass
             if static:
@@ -48,11 +53,16 @@ def if_loop(u: torch.Tensor, theta: torch.Tensor, T: int, static: bool, reset: s
             v.sub_(s[t])
     else:
         for t in range(T):
-            v = xs[0].clone() if t == 0 else v.add_(xs[t])  # 0 + x[0] == x[0]
+            if t == 0:  # 0 + x[0] == x[0]
+                v = xs[0].clone() if v_start is None else torch.add(v_start, xs[0])
+            else:
+                v.add_(xs[t])
             if ties is not None:
                 ties[1].add_ties(((v - theta).abs() <= ties[0] * theta).sum())
             torch.ge(v, theta, out=s[t])
             v.addcmul_(v, s[t], value=-1.0)
+    if v_end is not None:
+        v_end.append(v)
     return s, None
 
 

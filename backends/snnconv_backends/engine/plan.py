@@ -17,7 +17,7 @@ from snnconv_backends.engine.ops import OP_BUILDERS, RUNNABLE, to_tensor
 from snnconv_backends.engine.stats import Stats, fanouts, macs_per_image
 from snnconv_backends.registry import check_finite
 
-__all__ = ["Plan", "check_options", "check_T"]
+__all__ = ["Plan", "Carry", "check_options", "check_T"]
 
 
 def check_options(backend: str, options: dict[str, Any], allowed: dict[str, Any]) -> dict[str, Any]:
@@ -146,10 +146,15 @@ class Plan:
             if v0.dim() == 1:
                 v0 = v0.reshape(-1, *([1] * (len(op.out_shape) - 1)))
 
-        def neuron(u: torch.Tensor, T: int, static: bool, stats: "Stats"):
+        def neuron(u: torch.Tensor, T: int, static: bool, stats: "Stats", state: dict | None = None):
             if u.dtype != nd:
                 u = u.to(nd)  # a copy: ours to overwrite
-            if tol is None:
+            if state is not None:  # a run continued: the membranes it stopped with, kept for the next
+                end: list = []
+                s, per_pos = if_loop(u, theta, T, static, reset, ties=None if tol is None else (tol, stats),
+                                     v0=v0, burst=burst, v_start=state.get(op.name), v_end=end)
+                state[op.name] = end[0]
+            elif tol is None:
                 s, per_pos = loop(u, theta, T, static, reset, v0=v0, burst=burst)
             else:
                 s, per_pos = if_loop(u, theta, T, static, reset, ties=(tol, stats), v0=v0, burst=burst)
@@ -161,7 +166,11 @@ class Plan:
         """A leaky neuron (state in the neuron dtype, outputs in the layer dtype)."""
         fn, dt = leaky_fn(op, self.neuron_dtype, self.device), self.dtype
 
-        def leaky(u: torch.Tensor, T: int, static: bool, stats: "Stats"):
+        def leaky(u: torch.Tensor, T: int, static: bool, stats: "Stats", state: dict | None = None):
+            if state is not None:
+                raise BackendError(f"backend {self.backend!r}: early exit runs IF neurons step by step; "
+                                   f"the leaky neuron '{op.name}' ({op.kind}) cannot be continued. Run "
+                                   "without an exit rule")
             out, per_pos = fn(u, T, static, stats)
             return (out if out.dtype == dt else out.to(dt)), per_pos
 
@@ -196,14 +205,23 @@ class Plan:
         check_finite(x, self.backend)
         return x.to(device=self.device, dtype=self.dtype), seq
 
-    def run_chunk(self, x: torch.Tensor, T: int, seq: bool, stats: "Stats") -> torch.Tensor:
-        """Per-step readout ``[T, b, ...]`` of one chunk (``x``: ``[b, ...]`` or ``[T, b, ...]``)."""
+    def run_chunk(self, x: torch.Tensor, T: int, seq: bool, stats: "Stats",
+                  carry: "Carry | None" = None) -> torch.Tensor:
+        """Per-step readout ``[T, b, ...]`` of one chunk (``x``: ``[b, ...]`` or ``[T, b, ...]``).
+
+        ``carry``: continue a run (a static ``x``): the neurons start from the membranes in
+        ``carry.v`` and leave theirs there; the ops that see only the static input are computed
+        once, on the first call, and read from ``carry.static`` after (so that the images of a
+        batch keep their bits when others leave it, :meth:`Carry.keep`)."""
         b = x.shape[1] if seq else x.shape[0]
         values: dict[str, tuple[Any, bool]] = {}  # a tensor, or a lazily scaled one (_Scaled)
         owned: set[str] = set()
         out = None
         for i, step in enumerate(self.steps):
             op = step.op
+            if carry is not None and op.name in carry.static:
+                values[op.name] = (carry.static[op.name], False)  # not owned: never written in place
+                continue
             if op.kind == "input":
                 values[op.name] = (x.reshape(T * b, *x.shape[2:]) if seq else x, seq)
                 continue
@@ -212,11 +230,13 @@ class Plan:
                 out = u if dyn else u.unsqueeze(0).expand(T, *u.shape).reshape(T * b, *u.shape[1:])
                 break
             if op.kind in STATEFUL:
+                state = None if carry is None else carry.v
                 if not dyn:
-                    s, per_pos = step.fn(u, T, True, stats)
+                    s, per_pos = step.fn(u, T, True, stats, state) if state is not None else step.fn(u, T, True, stats)
                 else:
                     u = u.view(T, b, *u.shape[1:])
-                    s, per_pos = step.fn(u if fresh else u.clone(), T, False, stats)
+                    u = u if fresh else u.clone()
+                    s, per_pos = step.fn(u, T, False, stats, state) if state is not None else step.fn(u, T, False, stats)
                 if op.kind in SPIKING:
                     stats.add_neuron(op.name, s, per_pos)
                 values[op.name] = (s.view(T * b, *s.shape[2:]), True)
@@ -231,6 +251,9 @@ class Plan:
                 values[op.name] = (step.fn(u), dyn)
                 if op.kind != "flatten" or fresh:
                     owned.add(op.name)
+            if carry is not None and step.static and op.kind not in STATEFUL and not seq:
+                carry.static[op.name] = values[op.name][0]  # once per image, then read
+                owned.discard(op.name)
             # free what nobody reads any more
             for src in op.inputs:
                 if self.steps[self.index[src]].last_use == i:
@@ -276,6 +299,24 @@ class Plan:
                 acc = acc.add_(t) if acc_fresh else acc + t
             acc_fresh = True
         return acc, dyn, True
+
+
+class Carry:
+    """What a run continued step by step keeps between its calls of :meth:`Plan.run_chunk`: each
+    neuron's membrane (``v``) and the values of the ops that see only the static input
+    (``static``), all with the batch first."""
+
+    __slots__ = ("v", "static")
+
+    def __init__(self) -> None:
+        self.v: dict[str, torch.Tensor] = {}
+        self.static: dict[str, torch.Tensor] = {}
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the images ``rows`` (a bool mask or indices over the batch)."""
+        for d in (self.v, self.static):
+            for k, t in d.items():
+                d[k] = t[rows]
 
 
 class _Scaled:

@@ -8,11 +8,29 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-from snnconv_backends.engine.plan import Plan, check_T
+from snnconv.exit_rule import ExitRule, exit_histogram
+from snnconv_backends.engine.plan import Carry, Plan, check_T
 from snnconv_backends.engine.stats import Stats
 from snnconv_backends.registry import Program, RunResult
 
-__all__ = ["PlanProgram", "dtype_option"]
+__all__ = ["PlanProgram", "StepStats", "dtype_option"]
+
+
+class StepStats(Stats):
+    """:class:`Stats` of a run continued one step at a time: the spikes of each call (``[1, b,
+    ...]``) are counted at step :attr:`step` of the run."""
+
+    def __init__(self, plan: Plan, T: int):
+        super().__init__(plan, T)
+        self.step = 0
+
+    def add_neuron(self, name: str, s: torch.Tensor, per_pos: torch.Tensor | None = None) -> None:
+        if per_pos is None:
+            per_pos = s.reshape(s.shape[0], s.shape[1], -1).sum(1, dtype=torch.float32)
+        row = per_pos.to(torch.float64)[0]
+        if name not in self.acc:
+            self.acc[name] = torch.zeros((self.T, row.numel()), dtype=torch.float64, device=row.device)
+        self.acc[name][self.step] += row
 
 
 def dtype_option(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> torch.dtype:
@@ -62,6 +80,62 @@ class PlanProgram(Program):
         parts = x.split(per, dim=1 if seq else 0)
         outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _exit_rule(self, rule: Any) -> ExitRule | None:
+        """``rule`` checked: None or an :class:`~snnconv.exit_rule.ExitRule`."""
+        if rule is not None and not isinstance(rule, ExitRule):
+            raise BackendError(f"backend {self.name!r}: exit_rule must be an snnconv.exit_rule.ExitRule or None, "
+                               f"got a {type(rule).__name__}")
+        return rule
+
+    def _run_exit(self, x: torch.Tensor, T: int, rule: ExitRule, stats: "StepStats") -> tuple[torch.Tensor, dict]:
+        """Each image of the static batch ``x`` run step by step until ``rule`` is met on its
+        accumulated readout (:meth:`ExitRule.met <snnconv.exit_rule.ExitRule.met>`), then
+        dropped from the batch, so that later steps run only on the others. Returns the per-step
+        readout ``[T, B, ...]`` (after an image's exit step, its answer: the mean of the steps
+        it ran) and the record ``{"rule", "steps" [B], "output" [B, ...], "mean_steps",
+        "histogram"}``."""
+        if x.dim() != len(self.plan.input_shape) + 1:
+            raise BackendError(f"backend {self.name!r}: early exit takes a static batch [B, ...], not a "
+                               "sequence")
+        per = self.chunk_size or x.shape[0]  # images a step holds at most (one step: no time folding)
+        outs, answers, exits = [], [], []
+        for part in x.split(per):
+            b = part.shape[0]
+            carry, active = Carry(), torch.arange(b, device=part.device)
+            steps: torch.Tensor | None = None
+            total: torch.Tensor | None = None
+            answer: torch.Tensor | None = None
+            exit_at = torch.full((b,), T, dtype=torch.long)
+            xa = part
+            for k in range(1, T + 1):
+                stats.step = k - 1
+                y = self.plan.run_chunk(xa, 1, False, stats, carry)[0]
+                if steps is None:
+                    steps = y.new_empty((T, b, *y.shape[1:]))
+                    answer = y.new_empty((b, *y.shape[1:]))
+                steps[k - 1, active] = y
+                total = y.clone() if total is None else total.add_(y)  # steps 1..k summed in order
+                done = (torch.ones(len(active), dtype=torch.bool, device=y.device) if k == T
+                        else rule.met(total.reshape(len(active), -1), k).to(y.device))
+                if bool(done.any()):
+                    rows = active[done]
+                    mean = total[done] / k
+                    answer[rows] = mean  # type: ignore[index]
+                    steps[k:, rows] = mean
+                    exit_at[rows.cpu()] = k
+                    keep = ~done
+                    active, total, xa = active[keep], total[keep], xa[keep]
+                    carry.keep(keep)
+                if not len(active):
+                    break
+            outs.append(steps)
+            answers.append(answer)
+            exits.append(exit_at)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # type: ignore[arg-type]
+        exit_steps = torch.cat(exits)
+        return out, {"rule": rule.to_dict(), "steps": exit_steps, "output": torch.cat(answers),  # type: ignore[arg-type]
+                     "mean_steps": float(exit_steps.double().mean()), "histogram": exit_histogram(exit_steps, T)}
 
     def _result(self, out: torch.Tensor, stats: Stats, B: int, T: int, per: int, seconds: float,
                 **extra: Any) -> RunResult:
