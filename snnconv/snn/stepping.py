@@ -53,6 +53,8 @@ class _IFStep(nn.Module):
         super().__init__()
         self.neuron = neuron
         self.v: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None  # this step's spikes, where recorded
+        self.record = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.neuron
@@ -62,11 +64,12 @@ class _IFStep(nn.Module):
             torch.ge(v, channel_view(m.theta, x.dim()), out=s)
             v.addcmul_(v, s, value=-1.0)
             self.v = v
-            return s
-        u = x / channel_view(m.theta, x.dim())  # in units of theta; becomes the spikes
-        v0 = channel_view(m.v_init.to(u.dtype), u.dim()) if self.v is None else self.v
-        self.v = fire_subtractive_(u.unsqueeze(0), v0, burst=m.burst)
-        return u
+        else:
+            s = x / channel_view(m.theta, x.dim())  # the input in units of theta; becomes the spikes
+            v0 = channel_view(m.v_init.to(s.dtype), s.dim()) if self.v is None else self.v
+            self.v = fire_subtractive_(s.unsqueeze(0), v0, burst=m.burst)
+        self.last = s if self.record else None
+        return s
 
     def keep(self, mask: torch.Tensor) -> None:
         if self.v is not None:
@@ -83,6 +86,8 @@ class _LeakyStep(nn.Module):
         super().__init__()
         self.neuron = neuron
         self.state: tuple[torch.Tensor, torch.Tensor] | None = None  # (i, v); i unused but for CubaLIF
+        self.last: torch.Tensor | None = None
+        self.record = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.neuron
@@ -99,6 +104,7 @@ class _LeakyStep(nn.Module):
         else:
             out, (i, v) = cubalif_step((i, v), x, p, detach_reset=m.detach_reset)
         self.state = (i, v)
+        self.last = out if self.record else None
         return out
 
     def keep(self, mask: torch.Tensor) -> None:
@@ -146,10 +152,16 @@ class Stepper:
 
     The graph's modules are shared with ``net``, not copied; each neuron call site gets a
     step module of its own that holds its state. Run it without gradients.
+
+    Args:
+        net: the graph of a :class:`~snnconv.snn.network.SpikingNetwork` (``snn.net``).
+        record: keep each step's spikes: :attr:`spikes` after :meth:`step`.
     """
 
-    def __init__(self, net: fx.GraphModule):
+    def __init__(self, net: fx.GraphModule, *, record: bool = False):
         graph = net.graph
+        self._record = bool(record)
+        self._sites: list[str] = []  # each step module's neuron, by qualified name (#2: its second call)
         static: set[fx.Node] = set()  # computed from the input alone, before any neuron
         expands: list[fx.Node] = []  # time expansions of a static value: held, computed once
         modules: dict[str, object] = {}
@@ -202,6 +214,9 @@ class Stepper:
             mod = modules.get(node.target) if node.op == "call_module" else None
             if stateful and isinstance(mod, (IFNeuron, LeakyNeuron)):
                 step = _IFStep(mod) if isinstance(mod, IFNeuron) else _LeakyStep(mod)
+                step.record = self._record
+                calls = sum(site.split("#")[0] == node.target for site in self._sites)
+                self._sites.append(node.target + (f"#{calls + 1}" if calls else ""))
                 self._states.append(step)
                 env[node].target = f"_snnconv_step_{len(self._states)}"
                 mods[env[node].target] = step
@@ -225,6 +240,13 @@ class Stepper:
     def step(self) -> torch.Tensor:
         """The next step's readout of the images still in the batch (``[b, ...]``)."""
         return self._dynamic(self._x)
+
+    @property
+    def spikes(self) -> dict[str, torch.Tensor]:
+        """The last step's output of every neuron (``[b, ...]``), by the neuron's qualified name
+        in ``net`` (a name called twice: ``name#2`` for its second call site); only with
+        ``record=True``."""
+        return {site: s.last for site, s in zip(self._sites, self._states) if s.last is not None}
 
     def keep(self, mask: torch.Tensor) -> None:
         """Keep only the images where ``mask`` (``[b]`` bool) is True, in their order."""
