@@ -33,8 +33,8 @@ import torch
 from snnconv.errors import ConfigError, DataError
 from snnconv.vocabulary import MAX_T
 
-__all__ = ["EXIT_RULES", "DEFAULT_EXIT_RULE", "META_KEY", "ExitRule", "exit_score", "accumulate", "exit_histogram",
-           "stored_rule"]
+__all__ = ["EXIT_RULES", "DEFAULT_EXIT_RULE", "DEFAULT_TOLERANCE", "META_KEY", "ExitRule", "exit_score", "accumulate",
+           "exit_histogram", "stored_rule"]
 
 #: The kinds of exit rule: the top-1 minus top-2 margin of the mean readout, or its softmax confidence.
 EXIT_RULES = ("margin", "softmax")
@@ -43,6 +43,9 @@ EXIT_RULES = ("margin", "softmax")
 #: (within 0.05 steps at every tolerance measured, benchmarks/README.md), and it needs no
 #: exponential on a chip.
 DEFAULT_EXIT_RULE = "margin"
+#: The accuracy (percentage points) that :func:`snnconv.calibrate_exit` lets early exit give up
+#: against the fixed T by default.
+DEFAULT_TOLERANCE = 0.3
 #: Where a network's calibrated rule is kept: ``meta[META_KEY] = {"rule": ExitRule.to_dict(), ...}``
 #: (the calibration's record beside it; :func:`snnconv.calibrate_exit` writes it).
 META_KEY = "early_exit"
@@ -195,7 +198,8 @@ class ExitRule:
         if set(data) - keys or not {"kind", "threshold"} <= set(data):
             raise ConfigError(f"an exit rule is stored as a dict with the keys {sorted(keys)} (min_steps "
                               f"optional); got the keys {sorted(map(str, data))}")
-        return cls(kind=data["kind"], threshold=_threshold(data["threshold"], text=True), min_steps=data.get("min_steps", 1))
+        return cls(kind=data["kind"], threshold=_threshold(data["threshold"], text=True),
+                   min_steps=data.get("min_steps", 1))
 
 
 def stored_rule(meta: Any) -> ExitRule | None:

@@ -26,6 +26,7 @@ from snnconv.data import SameShape, bounded, check_labels, split_batch
 from snnconv.errors import ConfigError, DataError
 from snnconv.exit_rule import (
     DEFAULT_EXIT_RULE,
+    DEFAULT_TOLERANCE,
     EXIT_RULES,
     META_KEY,
     ExitRule,
@@ -39,10 +40,6 @@ from snnconv.snn.network import SpikingNetwork, check_T
 
 __all__ = ["ExitEvaluation", "ExitCurve", "ExitCalibration", "evaluate_exit", "exit_curves", "calibrate_exit",
            "DEFAULT_TOLERANCE"]
-
-#: The accuracy (percentage points) :func:`calibrate_exit` may give up against the fixed T by default.
-DEFAULT_TOLERANCE = 0.3
-
 
 @dataclass(frozen=True)
 class ExitEvaluation:

@@ -203,7 +203,8 @@ class SpikingNetwork(nn.Module):
         over the steps it ran, ``accumulate(run(x, T))[k - 1] / k`` (the readouts of steps 1..k
         summed in step order, :func:`snnconv.exit_rule.accumulate`, divided by k; up to the
         rounding of the layers' kernels at another batch size, see
-        :mod:`snnconv.snn.stepping`); one that never meets the rule runs all T steps. Without gradients, on CPU in chunks as :meth:`forward`.
+        :mod:`snnconv.snn.stepping`); one that never meets the rule runs all T steps. Without
+        gradients; on CPU in chunks, as :meth:`forward`.
 
         Args:
             x: a static batch ``[B, ...]``.
