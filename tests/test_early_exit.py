@@ -306,6 +306,13 @@ def test_the_curve_is_what_evaluation_measures_at_each_threshold(labelled):
         for i in picks:
             ev = evaluate_exit(snn, data, ExitRule(kind, curve.thresholds[i], 2))
             assert (ev.accuracy, ev.mean_steps) == pytest.approx((curve.accuracy[i], curve.mean_steps[i]), abs=1e-9)
+            assert curve.point(curve.thresholds[i]) == i
+        # a threshold chosen elsewhere lands on the point whose behaviour it has
+        g = torch.Generator().manual_seed(3)
+        for t in torch.rand(5, generator=g).double() * curve.edges[-1]:
+            ev = evaluate_exit(snn, data, ExitRule(kind, float(t), 2))
+            i = curve.point(float(t))
+            assert (ev.accuracy, ev.mean_steps) == pytest.approx((curve.accuracy[i], curve.mean_steps[i]), abs=1e-9)
 
 
 @pytest.mark.parametrize("tolerance", [0.0, 1.0, 5.0, 30.0])

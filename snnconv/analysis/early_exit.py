@@ -14,6 +14,7 @@ of the fixed-T run truncated at k (:meth:`SpikingNetwork.run_with_exit
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -67,7 +68,9 @@ class ExitCurve:
     One point per distinct behaviour, loosest first: ``thresholds[i]`` (0.0 for the first,
     which stops every image at ``min_steps``; a midpoint between two observed scores in
     between; ``inf`` for the last, which runs every image T steps) gives ``accuracy[i]``
-    (percent) at ``mean_steps[i]``. ``accuracy_fixed`` is the accuracy at the fixed ``T``.
+    (percent) at ``mean_steps[i]``. ``accuracy_fixed`` is the accuracy at the fixed ``T``;
+    ``edges`` the scores at which the behaviour changes (point ``i`` holds for thresholds in
+    ``(edges[i - 1], edges[i]]``).
     """
 
     kind: str
@@ -78,6 +81,21 @@ class ExitCurve:
     thresholds: list[float]
     accuracy: list[float]
     mean_steps: list[float]
+    edges: list[float] = field(default_factory=list, repr=False)
+
+    def point(self, threshold: float) -> int:
+        """The index of the point that ``threshold`` gives on these images (a threshold chosen
+        on other data, say)."""
+        return bisect.bisect_left(self.edges, float(threshold))
+
+    def loosest(self, tolerance: float) -> int:
+        """The index of the loosest point whose accuracy is at least ``accuracy_fixed -
+        tolerance``, as is every stricter point's (the last point, every image at T, always is)."""
+        need = self.accuracy_fixed - float(tolerance) - 1e-9
+        chosen = len(self.accuracy) - 1
+        while chosen > 0 and self.accuracy[chosen - 1] >= need:
+            chosen -= 1
+        return chosen
 
     def to_dict(self) -> dict[str, Any]:
         """The curve as plain data (an infinite threshold written ``"inf"``)."""
@@ -216,9 +234,11 @@ def _observe(snn: SpikingNetwork, data: Iterable, T: int, labels: bool, device: 
                      "labels" if labels else "fixed-T answers")
 
 
-def _sweep(score: torch.Tensor, right: torch.Tensor, min_steps: int) -> tuple[list[float], list[int], list[int]]:
+def _sweep(score: torch.Tensor, right: torch.Tensor, min_steps: int
+           ) -> tuple[list[float], list[float], list[int], list[int]]:
     """Every distinct behaviour of ``score >= threshold`` (``score``, ``right``: ``[N, T]``),
-    loosest first: ``(thresholds, right answers, steps run)`` summed over the images.
+    loosest first: ``(thresholds, edges, right answers, steps run)``, the last two summed over
+    the images, ``edges`` the scores where the behaviour changes.
 
     An image stops at the first step ``k`` in ``[min_steps, T)`` whose score reaches the
     threshold, else at T: with ``P[k]`` its running maximum of the scores from ``min_steps``,
@@ -230,7 +250,7 @@ def _sweep(score: torch.Tensor, right: torch.Tensor, min_steps: int) -> tuple[li
     m = min(min_steps, T)
     base_right, base_steps = int(right[:, m - 1].sum()), N * m
     if m >= T:
-        return [0.0], [base_right], [base_steps]
+        return [0.0], [], [base_right], [base_steps]
     P = torch.cummax(score[:, m - 1:T - 1], dim=1).values  # steps m .. T-1
     P = torch.cat([P, torch.full((N, 1), math.inf, dtype=P.dtype)], dim=1)  # step T ends every image
     L = P.shape[1]
@@ -240,12 +260,12 @@ def _sweep(score: torch.Tensor, right: torch.Tensor, min_steps: int) -> tuple[li
     for c in range(L - 2, -1, -1):
         nxt[:, c] = torch.where(start[:, c + 1], torch.tensor(c + 1), nxt[:, c + 1])
     at = start[:, :L - 1]  # a move per start of a finite value
-    rows, c = at.nonzero(as_tuple=True)
-    c_to = nxt[rows, c]
-    values = P[rows, c]
-    d_steps = c_to - c
+    rows, col = at.nonzero(as_tuple=True)
+    col_to = nxt[rows, col]
+    values = P[rows, col]
+    d_steps = col_to - col
     r = right[:, m - 1:].long()
-    d_right = r[rows, c_to] - r[rows, c]
+    d_right = r[rows, col_to] - r[rows, col]
     order = torch.argsort(values, stable=True)
     values, d_steps, d_right = values[order], d_steps[order], d_right[order]
     last = torch.ones(len(values), dtype=torch.bool)  # the last move of each distinct value
@@ -254,17 +274,16 @@ def _sweep(score: torch.Tensor, right: torch.Tensor, min_steps: int) -> tuple[li
     cum_right = base_right + torch.cumsum(d_right, 0)[last]
     u = values[last].tolist()
     thresholds = [0.0] + [(a + b) / 2 for a, b in zip(u[:-1], u[1:])] + [math.inf]
-    return thresholds, [base_right] + cum_right.tolist(), [base_steps] + cum_steps.tolist()
+    return thresholds, u, [base_right] + cum_right.tolist(), [base_steps] + cum_steps.tolist()
 
 
-def _curve(obs: _Observed, kind: str, min_steps: int) -> tuple[ExitCurve, list[int]]:
-    """The curve of ``kind`` and, per setting, the number of right answers."""
+def _curve(obs: _Observed, kind: str, min_steps: int) -> ExitCurve:
     score, right = obs.scores[kind], obs.right
     N, T = right.shape
-    thresholds, rights, steps = _sweep(score, right, min_steps)
+    thresholds, edges, rights, steps = _sweep(score, right, min_steps)
     return ExitCurve(kind=kind, min_steps=min_steps, T=T, images=N,
                      accuracy_fixed=100.0 * int(right[:, -1].sum()) / N, thresholds=thresholds,
-                     accuracy=[100.0 * n / N for n in rights], mean_steps=[s / N for s in steps]), rights
+                     accuracy=[100.0 * n / N for n in rights], mean_steps=[s / N for s in steps], edges=edges)
 
 
 def _check_kind(kind: Any) -> str:
@@ -300,7 +319,7 @@ def exit_curves(snn: SpikingNetwork, data: Iterable, *, kinds: Iterable[str] = E
     kinds = [_check_kind(k) for k in kinds]
     min_steps = _check_min_steps(min_steps)
     obs = _observe(snn, data, T, bool(labels), device, progress)
-    return {kind: _curve(obs, kind, min_steps)[0] for kind in kinds}
+    return {kind: _curve(obs, kind, min_steps) for kind in kinds}
 
 
 def calibrate_exit(snn: SpikingNetwork, data: Iterable, *, T: int | None = None,
@@ -351,17 +370,11 @@ def calibrate_exit(snn: SpikingNetwork, data: Iterable, *, T: int | None = None,
     kind = _check_kind(rule)
     min_steps = _check_min_steps(min_steps)
     obs = _observe(snn, data, T, bool(labels), device, progress)
-    curve, rights = _curve(obs, kind, min_steps)
-    N = curve.images
-    need = int(obs.right[:, -1].sum()) - float(tolerance) * N / 100.0 - 1e-9 * N  # right answers
-    chosen = len(rights) - 1  # the strictest, every image at T, meets any tolerance
-    for i in range(len(rights) - 1, -1, -1):
-        if rights[i] < need:
-            break
-        chosen = i
+    curve = _curve(obs, kind, min_steps)
+    chosen = curve.loosest(tolerance)
     found = ExitRule(kind, curve.thresholds[chosen], min_steps)
     exits = _exit_steps(obs.scores[kind], found)
-    record = ExitCalibration(rule=found, T=T, tolerance=float(tolerance), targets=obs.targets, images=N,
+    record = ExitCalibration(rule=found, T=T, tolerance=float(tolerance), targets=obs.targets, images=curve.images,
                              accuracy_fixed=curve.accuracy_fixed, accuracy=curve.accuracy[chosen],
                              mean_steps=curve.mean_steps[chosen], histogram=exit_histogram(exits, T), curve=curve)
     if store:

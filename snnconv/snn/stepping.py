@@ -118,7 +118,7 @@ class _LeakyStep(nn.Module):
 class _Held(nn.Module):
     """A static value (the input of a time expansion), computed once per batch."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.value: torch.Tensor | None = None
 
