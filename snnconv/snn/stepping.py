@@ -178,24 +178,22 @@ class Stepper:
                     if node.all_input_nodes and all(n in static for n in node.all_input_nodes):
                         expands.append(node)
                     modules[node.target] = nn.Identity()  # where not held: one step is no expansion
-                elif isinstance(mod, (IFNeuron, LeakyNeuron)):
-                    modules[node.target] = mod
-                else:
-                    modules[node.target] = mod
-                    if all(n in static for n in node.all_input_nodes):
-                        static.add(node)
+                    continue
+                modules[node.target] = mod
+                if not isinstance(mod, (IFNeuron, LeakyNeuron)) and all(n in static for n in node.all_input_nodes):
+                    static.add(node)
             elif node.op in ("call_function", "call_method") and all(n in static for n in node.all_input_nodes):
                 static.add(node)
         output = next(n for n in graph.nodes if n.op == "output")
-        self._static = self._graph(net, graph, modules, [e.args[0] for e in expands], set(), {}) if expands else None
+        self._static = self._graph(graph, modules, [e.args[0] for e in expands], set(), {}) if expands else None
         held = {e: f"_snnconv_held_{i}" for i, e in enumerate(expands)}
         for name in held.values():
             self._held.append(_Held())
             modules[name] = self._held[-1]
-        self._dynamic = self._graph(net, graph, modules, [output], set(held), held, stateful=True)
+        self._dynamic = self._graph(graph, modules, [output], set(held), held, stateful=True)
 
-    def _graph(self, net: fx.GraphModule, graph: fx.Graph, modules: dict, outputs: list, stop: set,
-               held: dict, stateful: bool = False) -> fx.GraphModule:
+    def _graph(self, graph: fx.Graph, modules: dict, outputs: list, stop: set, held: dict,
+               stateful: bool = False) -> fx.GraphModule:
         """A graph module of the nodes ``outputs`` need; ``held`` nodes read their held value;
         ``stateful``: each neuron call site becomes a step module of its own."""
         needed = _needed([o for o in outputs if isinstance(o, fx.Node)], stop)
