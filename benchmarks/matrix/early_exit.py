@@ -3,7 +3,7 @@
 For each architecture of ``--archs`` and seed, the matrix's ANN (``anns.cached_ann``: real
 Fashion-MNIST, ``--epochs`` epochs on ``--subset`` training images), converted with
 ``convert(ann, loader, T=--T, finetune_epochs=--finetune-epochs)`` on those images (every other
-setting at its default), then:
+setting at its default; ``--finetune-epochs default``: convert()'s own fine-tuning), then:
 
 - per rule kind, accuracy against mean steps for every threshold (:func:`snnconv.analysis.early_exit.exit_curves`)
   on ``--held`` training images that neither the ANN nor the conversion saw (the next images of
@@ -164,6 +164,10 @@ def plot(jobs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def _epochs(text: str) -> int | None:
+    return None if text == "default" else int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", nargs="+", default=["tv_resnet", "small_cnn", "mobilenet"])
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subset", type=int, default=5000, help="training images of the ANN and the conversion")
     ap.add_argument("--held", type=int, default=5000, help="held-out training images the rule is calibrated on")
     ap.add_argument("--test-images", type=int, default=0, help="the first N test images (default: all)")
-    ap.add_argument("--finetune-epochs", type=int, default=0, help="convert()'s fine-tuning (default 0: none)")
+    ap.add_argument("--finetune-epochs", type=_epochs, default=0,
+                    help="convert()'s fine-tuning epochs, or 'default' (convert()'s own; default 0: none)")
     ap.add_argument("--tolerances", type=float, nargs="+", default=list(TOLERANCES))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/matrix"))
