@@ -164,11 +164,12 @@ def evaluate_exit(snn: SpikingNetwork, data: Iterable, rule: ExitRule | None | s
     readout over the steps it ran. Never draws from the global RNG.
 
     Args:
-        snn: a converted network (moved to nothing: already on ``device``).
+        snn: a converted network, already on ``device``.
         data: an iterable of ``(x, y)`` batches (a DataLoader).
         rule: an :class:`~snnconv.exit_rule.ExitRule`; ``"stored"`` (default): the rule
             :func:`calibrate_exit` stored with the network, or none if it has none; ``None``: no
-            early exit (the accuracy of :func:`snnconv.analysis.metrics.evaluate` at T, bit for bit).
+            early exit (the predictions of :func:`snnconv.analysis.metrics.evaluate` at T, bit
+            for bit).
         T: the most steps an image runs (default ``snn.T``).
         device: where the batches go.
         progress: a progress bar over the batches.
