@@ -18,8 +18,8 @@ from snnconv.cli import build_parser, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCREENSHOT = os.path.join(ROOT, "runs", "report-screenshot.png")
-COMMANDS = ["demo", "convert", "finetune", "evaluate", "diagnose", "export", "inspect", "run", "check", "report",
-            "backends"]
+COMMANDS = ["demo", "convert", "finetune", "evaluate", "calibrate-exit", "diagnose", "export", "inspect", "run",
+            "check", "report", "backends"]
 HAS_NIR_AND_BACKENDS = all(importlib.util.find_spec(m) is not None
                            for m in ("snnconv.snn.nir_io", "snnconv.backends"))
 

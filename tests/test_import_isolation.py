@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 STAGES = ("snnconv.pipeline", "snnconv.stages", "snnconv.calibration", "snnconv.snn.network",
           "snnconv.snn.nir_io", "snnconv.analysis.health", "snnconv.guards", "snnconv.graph")
 #: What of snnconv a backend may load: the package itself, its errors, the shared names, the NIR
-#: package, the neurons' step (stage-free) and the energy figures, with the packages around them.
-ALLOWED = {"snnconv", "snnconv.errors", "snnconv.vocabulary",
+#: package, the neurons' step (stage-free), the energy figures and the early-exit rule, with the
+#: packages around them.
+ALLOWED = {"snnconv", "snnconv.errors", "snnconv.vocabulary", "snnconv.exit_rule",
            "snnconv.nir", "snnconv.nir.format", "snnconv.nir.reader", "snnconv.nir.leaky",
            "snnconv.nir.values", "snnconv.nir.ops", "snnconv.snn", "snnconv.snn.neuron", "snnconv.analysis",
            "snnconv.analysis.energy"}
@@ -27,7 +28,7 @@ ALLOWED = {"snnconv", "snnconv.errors", "snnconv.vocabulary",
 MODULES = ["snnconv_backends", "snnconv_backends.registry", "snnconv.nir.reader",
            "snnconv_backends.engine", "snnconv_backends.cpu", "snnconv_backends.gpu",
            "snnconv_backends.loihi2", "snnconv_backends.lava", "snnconv.errors", "snnconv.analysis.energy",
-           "snnconv"]
+           "snnconv.exit_rule", "snnconv"]
 
 
 def _loaded_after_import(module: str) -> list[str]:

@@ -25,6 +25,7 @@ ENTRY = Entry(
         "finetune": "BPTT fine-tuning of that SNN: accuracy by T, step time, memory",
         "sweep": "several finetune runs side by side, tabulated",
         "edge": "torchvision's networks built for the edge: real ANNs, the default conversion, the diagnosis",
+        "early_exit": "early exit, margin against softmax: calibrated on held-out images, read on the test split",
     },
     tiny=("robustness", "--tiny", "--no-finetune", "--no-variants", "--jobs", "1", "--threads", "1",
           "--set", "finetune_epochs=0", "reconstruction_steps=2", "--out", "{out}/robustness"),

@@ -4,6 +4,7 @@
     snnconv convert --model small_cnn --data digits --train-epochs 30 --out runs/d
     snnconv finetune runs/d --data digits --T 4 --epochs 2
     snnconv export runs/d && snnconv run runs/d/snn.nir --backend cpu --data digits
+    snnconv calibrate-exit runs/d --data digits        early exit: each image stops when its answer is sure
     snnconv diagnose runs/d --data digits              where the accuracy goes, layer by layer
     snnconv report runs/d                              one HTML page with every plot
     snnconv convert --model mynets:build --weights w.pt --data images/ --image-size 32 --out runs/m
@@ -32,8 +33,8 @@ __all__ = ["main", "build_parser"]
 
 #: The subcommands, in the order ``snnconv --help`` lists them: each adds its parser.
 COMMANDS = (convert.add_demo, convert.add_convert, convert.add_finetune, evaluate.add_evaluate,
-            evaluate.add_diagnose, check.add_check, evaluate.add_report, nir.add_export, nir.add_inspect, nir.add_run,
-            nir.add_backends)
+            evaluate.add_calibrate_exit, evaluate.add_diagnose, check.add_check, evaluate.add_report, nir.add_export,
+            nir.add_inspect, nir.add_run, nir.add_backends)
 
 
 def build_parser() -> argparse.ArgumentParser:

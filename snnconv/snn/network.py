@@ -24,12 +24,14 @@ import torch.nn as nn
 
 from snnconv.config import MAX_T
 from snnconv.errors import CheckpointError, ConfigError, DataError
+from snnconv.exit_rule import ExitRule, stored_rule
 from snnconv.graph import largest_value
 from snnconv.io.atomic import atomic_write_bytes
 from snnconv.io.digest import UnverifiedFileWarning, content_digest
 from snnconv.io.torchfile import load_untrusted
 from snnconv.snn.graphfile import FUNCTIONS, graph_from_dict, graph_to_dict
 from snnconv.snn.neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
+from snnconv.snn.stepping import ExitRun, Stepper, run_chunk_with_exit
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "FUNCTIONS", "SpikingNetwork", "check_T",
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
@@ -95,7 +97,9 @@ class SpikingNetwork(nn.Module):
             if isinstance(m, (IFNeuron, LeakyNeuron, TimeExpand)):
                 m.T = value
 
-    def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
+    def check_input(self, x: torch.Tensor) -> None:
+        """Refuse an input that is not a static batch ``[B, *input_shape]`` of finite values
+        (``DataError`` saying what was given)."""
         shape = self.meta.get("input_shape") if isinstance(self.meta, dict) else None
         if isinstance(x, torch.Tensor) and shape is not None and x.dim() != len(shape) + 1:
             raise DataError(f"the network takes a static batch [B, {', '.join(map(str, shape))}] "
@@ -106,6 +110,9 @@ class SpikingNetwork(nn.Module):
             raise DataError(f"the input holds {int((~torch.isfinite(x)).sum())} NaN or infinite "
                             f"value(s) (shape {tuple(x.shape)}); give finite values (check the data "
                             "and its preprocessing)")
+
+    def _steps(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        self.check_input(x)
         parts = [x]
         old = self.T
         self.T = T
@@ -184,6 +191,66 @@ class SpikingNetwork(nn.Module):
             for h in handles:
                 h.remove()
         return (out, counts) if spike_counts else out
+
+    def run_with_exit(self, x: torch.Tensor, rule: ExitRule | None | str = "stored", T: int | None = None
+                      ) -> ExitRun:
+        """Each image run until its answer is sure: ``(output [B, classes], steps [B])``.
+
+        The batch runs one step at a time (:class:`~snnconv.snn.stepping.Stepper`); after step
+        ``k`` the images whose accumulated readout meets ``rule`` (:meth:`ExitRule.met
+        <snnconv.exit_rule.ExitRule.met>`) leave the batch, so the later steps run only on the
+        others. An image that exits at step ``k`` gets ``steps = k`` and its readout averaged
+        over the steps it ran, ``accumulate(run(x, T))[k - 1] / k`` (the readouts of steps 1..k
+        summed in step order, :func:`snnconv.exit_rule.accumulate`, divided by k; up to the
+        rounding of the layers' kernels at another batch size, see
+        :mod:`snnconv.snn.stepping`); one that never meets the rule runs all T steps. Without
+        gradients; on CPU in chunks, as :meth:`forward`.
+
+        Args:
+            x: a static batch ``[B, ...]``.
+            rule: an :class:`~snnconv.exit_rule.ExitRule`; ``"stored"`` (the default): the rule
+                :func:`snnconv.calibrate_exit` stored in ``self.meta``, if any; ``None``: no
+                early exit, every image runs T steps and ``output`` is ``self(x)`` at T, bit for bit.
+            T: the most steps an image runs (default ``self.T``).
+
+        Returns:
+            :class:`~snnconv.snn.stepping.ExitRun` ``(output, steps)``.
+
+        Raises:
+            ConfigError: ``rule`` is neither an ExitRule, ``None`` nor ``"stored"``, or the rule
+                stored in ``self.meta`` is malformed.
+            DataError: ``x`` is not a batch this network takes, or its readout is not
+                ``[B, classes]``.
+        """
+        T = self.T if T is None else T
+        check_T(T)
+        T = int(T)
+        if isinstance(rule, str):
+            if rule != "stored":
+                raise ConfigError(f"rule must be an ExitRule, None (no early exit) or 'stored' (the rule "
+                                  f"calibrate_exit stored with the network), got {rule!r}")
+            rule = stored_rule(self.meta)
+        elif rule is not None and not isinstance(rule, ExitRule):
+            raise ConfigError(f"rule must be an ExitRule, None (no early exit) or 'stored', got a "
+                              f"{type(rule).__name__}")
+        was = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                if rule is None:
+                    out = self._steps(x, T)
+                    return ExitRun(out.mean(0), torch.full((len(x),), T, dtype=torch.long, device=out.device))
+                self.check_input(x)
+                parts = [x]
+                if self.chunk_size and x.device.type == "cpu":
+                    parts = list(x.split(self._chunk_images(x, 1)))
+                stepper = Stepper(self.net)
+                runs = [run_chunk_with_exit(stepper, part, rule, T) for part in parts]
+        finally:
+            self.train(was)
+        if len(runs) == 1:
+            return runs[0]
+        return ExitRun(torch.cat([r.output for r in runs]), torch.cat([r.steps for r in runs]))
 
     def thresholds(self) -> dict[str, torch.Tensor]:
         """Each IF layer's threshold theta."""

@@ -1,0 +1,212 @@
+"""Early exit on the few-step matrix's networks: the margin rule against the softmax rule.
+
+For each architecture of ``--archs`` and seed, the matrix's ANN (``anns.cached_ann``: real
+Fashion-MNIST, ``--epochs`` epochs on ``--subset`` training images), converted with
+``convert(ann, loader, T=--T, finetune_epochs=--finetune-epochs)`` on those images (every other
+setting at its default; ``--finetune-epochs default``: convert()'s own fine-tuning), then:
+
+- per rule kind, accuracy against mean steps for every threshold (:func:`snnconv.analysis.early_exit.exit_curves`)
+  on ``--held`` training images that neither the ANN nor the conversion saw (the next images of
+  the matrix's seeded permutation) and on the test split (the first ``--test-images``);
+- per rule kind and tolerance, the threshold :func:`snnconv.calibrate_exit` chooses on the held-out
+  images (with their labels) read on the test curve: the test accuracy against the fixed T and the
+  mean steps; beside it, the fewest mean steps any threshold needs on the test images themselves
+  (an oracle, the rule's best case);
+- the fixed-T accuracy at T = 1..``--T`` (the truncated run) and, for the default kind at
+  tolerance 0.3, the wall time of ``snn.run_with_exit`` against ``snn.run`` at the fixed T on
+  the same ``--wall-images`` test images (the best of ``--repeats`` runs each, in turns,
+  ``--threads`` threads).
+
+Writes ``<out>.json`` (rows and the test curves, thinned to 200 points), ``<out>.md`` (the table)
+and ``<out>.png`` (accuracy against mean steps on the test split).
+
+    python -m benchmarks matrix early_exit --archs tv_resnet small_cnn mobilenet --out OUT/early_exit
+    python -m benchmarks matrix early_exit --smoke --out /tmp/early_exit    # digits, one narrow net, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import snnconv
+from snnconv.analysis.early_exit import exit_curves
+from snnconv.analysis.metrics import accuracy_by_T
+from snnconv.exit_rule import DEFAULT_EXIT_RULE, EXIT_RULES, ExitRule
+from snnconv.io.atomic import atomic_write_text
+
+from .anns import cached_ann, datasets
+
+TOLERANCES = (0.1, 0.3, 0.5, 1.0)
+
+
+def _data(args, seed: int):
+    """(ANN training images, held-out training images, test images) as TensorDatasets."""
+    dataset = "digits" if args.smoke else "fmnist"
+    train, test = datasets(dataset, args.subset, seed)
+    if args.smoke:  # digits: the last fifth of the training split is held out
+        n = len(train) * 4 // 5
+        held = TensorDataset(*(t[n:] for t in train.tensors))
+        train = TensorDataset(*(t[:n] for t in train.tensors))
+    else:  # the images after the matrix's subset in its seeded permutation
+        from snnconv.data import fashion_mnist
+
+        full = fashion_mnist(None, train=True)
+        idx = torch.randperm(len(full), generator=torch.Generator().manual_seed(1000 + seed))
+        idx = idx[args.subset:args.subset + args.held]
+        held = TensorDataset(*(t[idx] for t in full.tensors))
+    if args.test_images:
+        test = TensorDataset(*(t[:args.test_images] for t in test.tensors))
+    return train, held, test
+
+
+def _thin(curve, points: int = 200) -> dict:
+    """The curve's points, at most ``points`` of them (evenly by index, the ends kept)."""
+    n = len(curve.accuracy)
+    keep = sorted({round(i * (n - 1) / (points - 1)) for i in range(points)}) if n > points else range(n)
+    return {"mean_steps": [curve.mean_steps[i] for i in keep], "accuracy": [curve.accuracy[i] for i in keep]}
+
+
+def job(arch: str, seed: int, args) -> dict:
+    """One network: converted, its curves on the held-out and test images, the table's rows."""
+    torch.manual_seed(seed)
+    train, held, test = _data(args, seed)
+    spec = dict(dataset="digits" if args.smoke else "fmnist", arch=arch, epochs=args.epochs, seed=seed,
+                subset=None if args.smoke else args.subset, smoke=args.smoke, cache=args.cache)
+    ann, _ = cached_ann(spec, train, torch.device("cpu"))
+    loader = DataLoader(train, batch_size=128, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    start = time.perf_counter()
+    extra = {"maxpool": "avg"} if arch == "vgg_max" else {}
+    snn, _ = snnconv.convert(ann, loader, T=args.T, finetune_epochs=args.finetune_epochs, seed=seed,
+                             progress=False, **extra)
+    convert_s = time.perf_counter() - start
+    held_loader, test_loader = DataLoader(held, batch_size=250), DataLoader(test, batch_size=250)
+    on_held = exit_curves(snn, held_loader, T=args.T)
+    on_test = exit_curves(snn, test_loader, T=args.T)
+    fixed = accuracy_by_T(snn, test_loader, range(1, args.T + 1))
+    rows = []
+    for kind in EXIT_RULES:
+        h, t = on_held[kind], on_test[kind]
+        for tol in args.tolerances:
+            i = h.loosest(tol)
+            j = t.point(h.thresholds[i])
+            oracle = min(s for a, s in zip(t.accuracy, t.mean_steps) if a >= t.accuracy_fixed - tol - 1e-9)
+            rows.append({"arch": arch, "seed": seed, "kind": kind, "tolerance": tol, "threshold": h.thresholds[i],
+                         "held_accuracy": h.accuracy[i], "held_fixed": h.accuracy_fixed, "held_steps": h.mean_steps[i],
+                         "test_fixed": t.accuracy_fixed, "test_accuracy": t.accuracy[j],
+                         "test_steps": t.mean_steps[j], "oracle_steps": oracle})
+    # wall time on the test images: the fixed T, and the default rule at tolerance 0.3
+    rule = ExitRule(DEFAULT_EXIT_RULE, on_held[DEFAULT_EXIT_RULE].thresholds[on_held[DEFAULT_EXIT_RULE].loosest(0.3)])
+    x = test.tensors[0][:args.wall_images]
+    fixed_s, exit_s = math.inf, math.inf  # the best of --repeats, taken in turns (a shared machine)
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            for part in x.split(250):
+                snn.run(part, T=args.T)
+            fixed_s = min(fixed_s, time.perf_counter() - start)
+            start = time.perf_counter()
+            for part in x.split(250):
+                snn.run_with_exit(part, rule, T=args.T)
+            exit_s = min(exit_s, time.perf_counter() - start)
+    return {"arch": arch, "seed": seed, "T": args.T, "finetune_epochs": args.finetune_epochs,
+            "convert_seconds": round(convert_s, 1), "held_images": len(held), "test_images": len(test),
+            "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
+            "wall_per_image_ms": {"fixed_T": 1e3 * fixed_s / len(x), "early_exit": 1e3 * exit_s / len(x),
+                                  "rule": rule.to_dict()},
+            "test_curves": {k: _thin(c) for k, c in on_test.items()}}
+
+
+def table(jobs: list[dict]) -> str:
+    """The markdown table: per network, kind and tolerance, held-out calibration read on the test split."""
+    lines = ["| network | seed | rule | tolerance | test: fixed T | test: with exit | mean steps | oracle steps |",
+             "|---|---|---|---|---|---|---|---|"]
+    for j in jobs:
+        for r in j["rows"]:
+            lines.append(f"| {r['arch']} | {r['seed']} | {r['kind']} | {r['tolerance']:g} | {r['test_fixed']:.2f} | "
+                         f"{r['test_accuracy']:.2f} ({r['test_accuracy'] - r['test_fixed']:+.2f}) | "
+                         f"{r['test_steps']:.2f} | {r['oracle_steps']:.2f} |")
+    lines += ["", "| network | seed | fixed T = 1 .. T | wall per image, fixed T / early exit (ms) |",
+              "|---|---|---|---|"]
+    for j in jobs:
+        byT = " / ".join(f"{v:.1f}" for v in j["fixed_accuracy_by_T"].values())
+        w = j["wall_per_image_ms"]
+        lines.append(f"| {j['arch']} | {j['seed']} | {byT} | {w['fixed_T']:.2f} / {w['early_exit']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(jobs: list[dict], path: str) -> None:
+    """Accuracy against mean steps on the test split, one panel per network: each rule's curve and
+    the fixed-T points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(jobs), figsize=(4.2 * len(jobs), 3.4), squeeze=False)
+    for ax, j in zip(axes[0], jobs):
+        for kind, c in j["test_curves"].items():
+            ax.plot(c["mean_steps"], c["accuracy"], label=f"early exit, {kind}")
+        fixed = j["fixed_accuracy_by_T"]
+        ax.plot([int(k) for k in fixed], list(fixed.values()), "o--", color="grey", label="fixed T")
+        top = max(fixed.values())
+        ax.set_ylim(top - 15, top + 1)
+        ax.set_title(f"{j['arch']} (seed {j['seed']})", fontsize=9)
+        ax.set_xlabel("mean time steps per image")
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _epochs(text: str) -> int | None:
+    return None if text == "default" else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--archs", nargs="+", default=["tv_resnet", "small_cnn", "mobilenet"])
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--T", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=10, help="the ANN's training epochs (default 10)")
+    ap.add_argument("--subset", type=int, default=5000, help="training images of the ANN and the conversion")
+    ap.add_argument("--held", type=int, default=5000, help="held-out training images the rule is calibrated on")
+    ap.add_argument("--test-images", type=int, default=0, help="the first N test images (default: all)")
+    ap.add_argument("--finetune-epochs", type=_epochs, default=0,
+                    help="convert()'s fine-tuning epochs, or 'default' (convert()'s own; default 0: none)")
+    ap.add_argument("--tolerances", type=float, nargs="+", default=list(TOLERANCES))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wall-images", type=int, default=2000, help="test images the wall time is measured on")
+    ap.add_argument("--repeats", type=int, default=3, help="wall time: the best of this many runs of each")
+    ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/matrix"))
+    ap.add_argument("--smoke", action="store_true", help="digits, one narrow small CNN, 4 ANN epochs: seconds")
+    ap.add_argument("--out", default="early_exit", help="path of the results without extension")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.archs, args.epochs, args.seeds, args.T = ["small_cnn"], 4, 1, 4
+    command = "python -m benchmarks matrix early_exit " + " ".join(sys.argv[1:] if argv is None else argv)
+    jobs = []
+    for seed in range(args.seeds):
+        for arch in args.archs:
+            jobs.append(job(arch, seed, args))
+            print(f"{arch} seed {seed}: done", flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            atomic_write_text(args.out + ".json", json.dumps({"command": command, "jobs": jobs}, indent=1) + "\n")
+    atomic_write_text(args.out + ".md", table(jobs) + "\n")
+    plot(jobs, args.out + ".png")
+    print(table(jobs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

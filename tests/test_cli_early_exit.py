@@ -1,0 +1,83 @@
+"""``snnconv calibrate-exit`` and ``snnconv evaluate --early-exit``: the rule stored in the network
+file, and evaluation.json's early-exit record beside the fixed-T accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snnconv.cli import main
+from snnconv.exit_rule import ExitRule, stored_rule
+from snnconv.snn.network import SpikingNetwork
+
+
+@pytest.fixture
+def run(small_digits_snn, tmp_path):
+    small_digits_snn.save(tmp_path / "snn.pt")
+    return tmp_path
+
+
+def _evaluate(run, *flags) -> dict:
+    assert main(["evaluate", str(run), "--data", "digits", "--T", "2", "4", "--limit", "60", "--quiet",
+                 *flags]) == 0
+    return json.loads((run / "evaluation.json").read_text())
+
+
+def test_calibrate_exit_stores_the_rule_and_evaluate_then_uses_it(run, capsys):
+    assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "1", "--rule", "softmax"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {run / 'snn.pt'}" in out and "held-out" in out
+    snn = SpikingNetwork.load(run / "snn.pt")
+    rule = stored_rule(snn.meta)
+    assert rule is not None and rule.kind == "softmax" and snn.meta["early_exit"]["tolerance"] == 1.0
+    stored = snn.meta["early_exit"]
+    assert stored["accuracy"] >= stored["accuracy_fixed"] - 1.0 and stored["data"] == "digits"
+    ev = _evaluate(run)  # without a flag: the stored rule
+    e = ev["early_exit"]
+    assert ExitRule.from_dict(e["rule"]) == rule and e["calibration"]["stored"] is True
+    assert e["T"] == 4 and e["images"] == 60 and sum(e["histogram"]) == 60 and len(e["histogram"]) == 4
+    assert 1 <= e["mean_steps"] <= 4 and e["accuracy_fixed_T"] == ev["accuracy"]["4"]
+    assert e["mean_steps"] == pytest.approx(sum((k + 1) * n for k, n in enumerate(e["histogram"])) / 60)
+
+
+def test_evaluate_early_exit_without_a_stored_rule_calibrates_one_and_says_so(run, capsys):
+    before = (run / "snn.pt").read_bytes()
+    assert "early_exit" not in _evaluate(run)  # no rule, no flag: the record of before
+    ev = _evaluate(run, "--early-exit")
+    assert ev["early_exit"]["calibration"]["stored"] is False
+    assert ev["early_exit"]["calibration"]["tolerance"] == 0.3  # the default
+    capsys.readouterr()
+    assert (run / "snn.pt").read_bytes() == before  # evaluate never rewrites the network
+    assert main(["evaluate", str(run), "--data", "digits", "--T", "4", "--limit", "30", "--early-exit"]) == 0
+    out = capsys.readouterr().out
+    assert "no early-exit rule is stored" in out and "snnconv calibrate-exit stores it" in out
+    assert "SNN early exit" in out
+
+
+def test_exit_tolerance_calibrates_here_whatever_is_stored(run):
+    assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "0", "--quiet"]) == 0
+    ev = _evaluate(run, "--exit-tolerance", "50")
+    cal = ev["early_exit"]["calibration"]
+    assert cal["stored"] is False and cal["tolerance"] == 50.0
+    assert ev["early_exit"]["mean_steps"] == 1.0  # 50 points buys every image's first step
+    assert _evaluate(run)["early_exit"]["calibration"]["tolerance"] == 0.0  # the stored one is kept
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["evaluate", "{run}", "--exit-tolerance", "-1"], "--exit-tolerance"),
+    (["calibrate-exit", "{run}", "--tolerance", "101"], "--tolerance"),
+    (["calibrate-exit", "{run}", "--rule", "entropy"], "--rule"),
+    (["calibrate-exit", "{run}", "--min-steps", "0"], "--min-steps"),
+])
+def test_early_exit_flags_out_of_range_exit_2(run, argv, match, capsys):
+    assert main([a.format(run=run) for a in argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_a_malformed_stored_rule_is_one_line_exit_2(small_digits_snn, tmp_path, capsys):
+    small_digits_snn.meta["early_exit"] = {"rule": {"kind": "margin", "threshold": -1}}
+    small_digits_snn.save(tmp_path / "snn.pt")
+    assert main(["evaluate", str(tmp_path), "--data", "digits", "--T", "4", "--limit", "20", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "malformed" in err and "calibrate" in err
