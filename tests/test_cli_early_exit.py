@@ -81,3 +81,25 @@ def test_a_malformed_stored_rule_is_one_line_exit_2(small_digits_snn, tmp_path, 
     assert main(["evaluate", str(tmp_path), "--data", "digits", "--T", "4", "--limit", "20", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "malformed" in err and "calibrate" in err
+
+
+def test_run_with_the_rule_stored_in_the_nir_file(run, capsys):
+    """calibrate-exit, export, then run --early-exit: cpu drops exited images, loihi2-sim applies
+    the rule to its readout; both say so and record it."""
+    assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "2", "--quiet"]) == 0
+    assert main(["export", str(run)]) == 0
+    capsys.readouterr()
+    for backend, how in (("cpu", "exited images left the batch"), ("loihi2-sim", "applied to its readout")):
+        assert main(["run", str(run), "--backend", backend, "--data", "digits", "--limit", "40", "--quiet",
+                     "--early-exit"]) == 0
+        out = capsys.readouterr().out
+        assert "early exit (margin" in out and how in out
+        rec = json.loads(next((run / "backends").glob(f"{backend}_*.json")).read_text())
+        assert sum(rec["early_exit"]["histogram"]) == 40 and rec["early_exit"]["dropped"] == (backend == "cpu")
+
+
+def test_run_early_exit_without_a_stored_rule_is_exit_2(run, capsys):
+    assert main(["export", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(run), "--data", "digits", "--limit", "10", "--early-exit"]) == 2
+    assert "stores no early-exit rule" in capsys.readouterr().err

@@ -65,8 +65,12 @@ class CPUProgram(PlanProgram):
         stats = Stats(self.plan, T) if rule is None else StepStats(self.plan, T)
         start = time.perf_counter()
         with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
-            out = self._run_chunks(x, T, seq, per, stats)
-        return self._result(out, stats, B, T, per, time.perf_counter() - start)
+            if rule is None:
+                out, extra = self._run_chunks(x, T, seq, per, stats), {}
+            else:
+                out, record = self._run_exit(x, T, rule, stats)  # type: ignore[arg-type]
+                extra = {"early_exit": record}
+        return self._result(out, stats, B, T, per, time.perf_counter() - start, **extra)
 
 
 @contextlib.contextmanager

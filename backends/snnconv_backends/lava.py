@@ -31,7 +31,7 @@ from snnconv.errors import BackendError
 from snnconv_backends import loihi2
 from snnconv_backends.loihi2.backend import attach_fidelity
 from snnconv_backends.loihi2.simulate import connection_synops, static_eval, static_input
-from snnconv_backends.registry import Backend, Program, RunResult, parse_graph
+from snnconv_backends.registry import Backend, Program, RunResult, parse_graph, readout_exit
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_group", "WORKER"]
 
@@ -213,7 +213,10 @@ class LavaProgram(Program):
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
 
-    def run(self, x: torch.Tensor, T: int) -> RunResult:
+    def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:
+        """``exit_rule``: Lava runs all T steps; the rule is applied to the readout (:func:`readout_exit`)."""
+        if exit_rule is not None:
+            return readout_exit(self.run(x, T), exit_rule, "lava")
         x, T = loihi2.check_input(self.q, x, T, "lava")
         x = x.detach().cpu()
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import torch
 
 from snnconv.errors import BackendError
 
-__all__ = ["Backend", "Program", "RunResult", "BUILTINS", "ENTRY_POINT_GROUP", "available", "get",
+__all__ = ["Backend", "Program", "RunResult", "readout_exit", "BUILTINS", "ENTRY_POINT_GROUP", "available", "get",
            "names", "check_finite", "parse_graph"]
 
 #: Built-in backends, imported only when asked for.
@@ -63,6 +63,25 @@ class RunResult:
         return self.outputs.mean(0)
 
 
+def readout_exit(result: RunResult, rule: Any, backend: str) -> RunResult:
+    """``result`` (a run of all T steps) with ``extra["early_exit"]``: ``rule`` applied to its
+    readout, each image's exit step and answer (its readout averaged over the steps up to it),
+    for a backend that runs all T steps (its counts and energy stay those of all T)."""
+    from snnconv.exit_rule import ExitRule, accumulate, exit_histogram
+
+    if not isinstance(rule, ExitRule):
+        raise BackendError(f"backend {backend!r}: exit_rule must be an snnconv.exit_rule.ExitRule or None, "
+                           f"got a {type(rule).__name__}")
+    out = result.outputs.detach().float().cpu()
+    steps = rule.exit_steps(out.reshape(out.shape[0], out.shape[1], -1))
+    totals = accumulate(out)
+    answers = totals[steps - 1, torch.arange(len(steps))] / steps.reshape(-1, *[1] * (out.dim() - 2)).float()
+    result.extra["early_exit"] = {"rule": rule.to_dict(), "steps": steps, "output": answers,
+                                  "mean_steps": float(steps.double().mean()),
+                                  "histogram": exit_histogram(steps, out.shape[0]), "dropped": False}
+    return result
+
+
 def check_finite(x: torch.Tensor, backend: str) -> None:
     """Refuse an input holding NaN or infinite values (``BackendError`` with their count and the
     first one's index): a spiking network would turn them into ordinary-looking outputs."""
@@ -97,8 +116,14 @@ class Program(abc.ABC):
     """A graph compiled for one backend; :meth:`run` may be called many times."""
 
     @abc.abstractmethod
-    def run(self, x: torch.Tensor, T: int) -> RunResult:
+    def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:
         """Run ``T`` steps on ``x``: a static batch ``[B, ...]`` (direct encoding) or ``[T, B, ...]``.
+
+        ``exit_rule``: an :class:`snnconv.exit_rule.ExitRule`; each image's exit step and answer
+        go to ``extra["early_exit"]`` (``rule``, ``steps`` ``[B]``, ``output``, ``mean_steps``,
+        ``histogram``, ``dropped``). ``cpu`` and ``gpu`` drop an image from the batch at its exit
+        (``dropped``: True); the chip backends run all T steps and apply the rule to the readout
+        (:func:`readout_exit`).
 
         Raises:
             BackendError: ``x`` has the wrong shape or dtype, an empty batch, NaN or infinite

@@ -184,6 +184,8 @@ def _cmd_run(args) -> int:
     if T is None:
         raise UsageError(f"{args.file} records no T; give --T")
     T = int(T)
+    rule = _exit_rule(args, graph)
+    exits: list = []  # per batch: (each image's exit step, its answer)
     correct = torch.zeros(T, dtype=torch.float64)
     reference = from_nir(graph, dt=args.dt)
     refs, outputs, labels, extra, t_start = [], [], [], {}, time.perf_counter()
@@ -205,7 +207,9 @@ def _cmd_run(args) -> int:
                     x = prefix(x)
             with warnings.catch_warnings():  # judged once, on every image, below
                 warnings.simplefilter("ignore", _quantisation_warning())
-                r = program.run(x, T)
+                r = program.run(x, T) if rule is None else _run_exit(program, x, T, rule, args.backend)
+            if rule is not None:
+                exits.append(_exits(r, rule))
             fid = r.extra.get("fidelity") or {}
             for k, v in (fid.get("float_counts") or {}).items():
                 float_counts[k] = float_counts.get(k, 0.0) + torch.tensor(v, dtype=torch.float64)
@@ -237,6 +241,7 @@ def _cmd_run(args) -> int:
     print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
     by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
     print(f"accuracy by t: {by_t}")
+    early = None if rule is None else _exit_record(rule, exits, torch.cat(labels), T, args.backend)
     print("\nspikes per neuron layer (rate = spikes per neuron per step)")
     rows = [["layer", "neurons", "spikes", "rate", "by step"]]
     for name, counts in spikes.items():
@@ -274,6 +279,8 @@ def _cmd_run(args) -> int:
     rec["energy_45nm_per_image_nj"] = {"snn": energy["snn_pj"] / 1e3, "ann": energy["ann_pj"] / 1e3,
                                        "snn_over_ann": energy["ratio"]}
     rec["energy"] = energy
+    if early is not None:
+        rec["early_exit"] = early
     # what else changes the result: recorded, and a part of the file name where set
     settings = {k: v for k, v, unset in (("option", _backend_options(args.option), {}), ("dt", args.dt, 1.0),
                                          ("image_size", args.image_size, None)) if v != unset}
@@ -289,6 +296,56 @@ def _cmd_run(args) -> int:
         print(f"--strict: the quantisation check failed ({len(fidelity['warnings'])} departure(s))")
         return 1
     return 0
+
+
+def _exit_rule(args, graph):
+    """The early-exit rule stored in the file, where ``--early-exit`` asks for it."""
+    if not args.early_exit:
+        return None
+    from snnconv.exit_rule import stored_rule
+
+    rule = stored_rule(graph.metadata)
+    if rule is None:
+        raise UsageError(f"{args.file} stores no early-exit rule: calibrate one (snnconv calibrate-exit RUN), "
+                         "export the network again (snnconv export), or run without --early-exit")
+    return rule
+
+
+def _run_exit(program, x, T: int, rule, backend: str):
+    """``program.run`` with the rule; a backend whose ``run`` takes none runs all T steps and
+    the rule is applied to its readout."""
+    import inspect
+
+    from snnconv_backends.registry import readout_exit
+
+    if "exit_rule" in inspect.signature(program.run).parameters:
+        return program.run(x, T, exit_rule=rule)
+    return readout_exit(program.run(x, T), rule, backend)
+
+
+def _exits(r, rule) -> tuple:
+    """``(exit steps [B], answers [B, ...])`` of one run (its ``extra["early_exit"]``)."""
+    e = r.extra["early_exit"]
+    return e["steps"].cpu(), e["output"].float().cpu(), bool(e.get("dropped"))
+
+
+def _exit_record(rule, exits: list, labels, T: int, backend: str) -> dict:
+    """``run``'s early-exit record (printed): accuracy, mean steps and the exit steps' histogram."""
+    import torch
+
+    from snnconv.exit_rule import exit_histogram
+
+    steps = torch.cat([s for s, _, _ in exits])
+    answers = torch.cat([a for _, a, _ in exits])
+    acc = 100.0 * float((answers.reshape(len(steps), -1).argmax(1) == labels).double().mean())
+    dropped = bool(exits) and all(d for _, _, d in exits)
+    how = ("exited images left the batch" if dropped else
+           f"{backend} ran all T={T} steps; the rule was applied to its readout (steps, spikes and "
+           "energy above are those of all T steps)")
+    print(f"early exit ({rule.kind} >= {rule.threshold:g}, from step {rule.min_steps}): {acc:.2f}% at a mean of "
+          f"{float(steps.double().mean()):.2f} of {T} steps; {how}")
+    return {"rule": rule.to_dict(), "accuracy": acc, "mean_steps": float(steps.double().mean()),
+            "histogram": exit_histogram(steps, T), "dropped": dropped}
 
 
 def rate_text(image_steps: int, seconds: float) -> str:
@@ -384,6 +441,10 @@ def add_run(sub, pa: dict) -> None:
     p.add_argument("--dt", type=positive_float, default=1.0,
                    help="the time step the file is read at (default 1; a neuron integrates r * dt "
                         "of its input per step, which must be 1: --dt 1e-4 for r = 1e4)")
+    p.add_argument("--early-exit", action="store_true",
+                   help="each image stops at the step where the early-exit rule stored in the file is met "
+                        "(cpu and gpu drop it from the batch; the chip backends run all T and apply the "
+                        "rule to their readout)")
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when a quantised backend (loihi2-sim, lava) departs from the float "
                         "network beyond its stated tolerances (a layer's firing rate, weights flushed)")

@@ -54,6 +54,8 @@ import torch.nn as nn
 
 from snnconv.constructs.prefix import AnalogPrefix
 from snnconv.errors import NIRError
+from snnconv.exit_rule import META_KEY as EXIT_META_KEY
+from snnconv.exit_rule import stored_rule
 from snnconv.graph import describe_node, module_of
 from snnconv.nir.file import load_nir, save_nir
 from snnconv.nir.format import (
@@ -505,6 +507,9 @@ def export_nir(snn: SpikingNetwork, *, input_shape: tuple[int, ...] | None = Non
     metadata = graph_metadata(snn.T, reset)
     if getattr(ex, "prefix", None):  # the graph reads the analog prefix's output
         metadata[INPUT_KEY] = ANALOG_PREFIX
+    rule = stored_rule(snn.meta)  # a calibrated early-exit rule travels with the network
+    if rule is not None:
+        metadata[EXIT_META_KEY] = {"rule": rule.to_dict()}
     try:
         graph = nir.NIRGraph(nodes=ex.nodes, edges=ex.edges, metadata=metadata)
     except (ValueError, AssertionError, KeyError) as exc:
@@ -662,4 +667,7 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
     snn = SpikingNetwork(gm, T).eval()
     snn.meta = {"input_shape": list(parsed.input_shape), "reset": parsed.reset,
                 "time_expanded": expanded, "nir": dict(parsed.metadata)}
+    rule = stored_rule(parsed.metadata)  # checked: a malformed rule is refused, naming it
+    if rule is not None:
+        snn.meta[EXIT_META_KEY] = {"rule": rule.to_dict()}
     return snn

@@ -30,4 +30,5 @@ from snnconv_backends.engine.plan import Plan, check_options, check_T
 from snnconv_backends.engine.program import PlanProgram, StepStats, dtype_option
 from snnconv_backends.engine.stats import Stats
 
-__all__ = ["Plan", "PlanProgram", "Stats", "StepStats", "check_options", "check_T", "compiled_loop", "dtype_option", "WEIGHTED"]
+__all__ = ["Plan", "PlanProgram", "Stats", "StepStats", "check_options", "check_T", "compiled_loop", "dtype_option",
+           "WEIGHTED"]

@@ -46,7 +46,7 @@ def check_T(T: Any) -> int:
 @dataclass
 class _Step:
     op: Any                         # the parsed Op
-    fn: Any                         # the op's executor (a neuron's takes (u, T, static, stats)); None for input
+    fn: Any                         # the op's executor (a neuron's takes (u, T, static, stats, state)); None for input
     static: bool                    # depends only on the static input (runs once per chunk)
     last_use: int = -1              # index of the last step reading this value
 
@@ -232,11 +232,10 @@ class Plan:
             if op.kind in STATEFUL:
                 state = None if carry is None else carry.v
                 if not dyn:
-                    s, per_pos = step.fn(u, T, True, stats, state) if state is not None else step.fn(u, T, True, stats)
+                    s, per_pos = step.fn(u, T, True, stats, state)
                 else:
                     u = u.view(T, b, *u.shape[1:])
-                    u = u if fresh else u.clone()
-                    s, per_pos = step.fn(u, T, False, stats, state) if state is not None else step.fn(u, T, False, stats)
+                    s, per_pos = step.fn(u if fresh else u.clone(), T, False, stats, state)
                 if op.kind in SPIKING:
                     stats.add_neuron(op.name, s, per_pos)
                 values[op.name] = (s.view(T * b, *s.shape[2:]), True)

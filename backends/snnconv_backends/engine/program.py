@@ -99,7 +99,9 @@ class PlanProgram(Program):
             raise BackendError(f"backend {self.name!r}: early exit takes a static batch [B, ...], not a "
                                "sequence")
         per = self.chunk_size or x.shape[0]  # images a step holds at most (one step: no time folding)
-        outs, answers, exits = [], [], []
+        outs: list[torch.Tensor] = []
+        answers: list[torch.Tensor] = []
+        exits: list[torch.Tensor] = []
         for part in x.split(per):
             b = part.shape[0]
             carry, active = Carry(), torch.arange(b, device=part.device)
@@ -129,13 +131,15 @@ class PlanProgram(Program):
                     carry.keep(keep)
                 if not len(active):
                     break
+            assert steps is not None and answer is not None  # T >= 1: at least one step ran
             outs.append(steps)
             answers.append(answer)
             exits.append(exit_at)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # type: ignore[arg-type]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         exit_steps = torch.cat(exits)
-        return out, {"rule": rule.to_dict(), "steps": exit_steps, "output": torch.cat(answers),  # type: ignore[arg-type]
-                     "mean_steps": float(exit_steps.double().mean()), "histogram": exit_histogram(exit_steps, T)}
+        return out, {"rule": rule.to_dict(), "steps": exit_steps, "output": torch.cat(answers),
+                     "mean_steps": float(exit_steps.double().mean()), "histogram": exit_histogram(exit_steps, T),
+                     "dropped": True}
 
     def _result(self, out: torch.Tensor, stats: Stats, B: int, T: int, per: int, seconds: float,
                 **extra: Any) -> RunResult:

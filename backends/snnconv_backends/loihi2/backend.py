@@ -17,7 +17,7 @@ from snnconv_backends.loihi2.network import QuantizedNetwork
 from snnconv_backends.loihi2.quantisation import quantize
 from snnconv_backends.loihi2.report import build_result
 from snnconv_backends.loihi2.simulate import RuntimeCounters, run_quantized
-from snnconv_backends.registry import Backend, Program, RunResult, check_finite, parse_graph
+from snnconv_backends.registry import Backend, Program, RunResult, check_finite, parse_graph, readout_exit
 
 __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
@@ -65,7 +65,10 @@ class Loihi2Program(Program):
         self.options = dict(options)
         self.device = torch.device(self.options["device"])
 
-    def run(self, x: torch.Tensor, T: int) -> RunResult:
+    def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:
+        """``exit_rule``: runs all T steps and applies the rule to the readout (:func:`readout_exit`)."""
+        if exit_rule is not None:
+            return readout_exit(self.run(x, T), exit_rule, "loihi2-sim")
         x, T = check_input(self.q, x, T, "loihi2-sim")
         t0 = time.perf_counter()
         x = x.to(self.device)
