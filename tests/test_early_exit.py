@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from test_spiking import _randomise_bn as _random_bn
 
 import snnconv
 from snnconv import models
@@ -47,19 +47,6 @@ def _exact(snn: SpikingNetwork) -> SpikingNetwork:
             elif isinstance(m, (IFNeuron, Scale)):
                 m.theta.copy_(2.0 ** torch.round(torch.log2(m.theta)))
     return snn
-
-
-def _random_bn(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, _BatchNorm):
-                n = m.num_features
-                m.running_mean.copy_(0.2 * torch.randn(n, generator=g))
-                m.running_var.copy_(0.5 + 1.5 * torch.rand(n, generator=g))
-                m.weight.copy_(0.5 + torch.rand(n, generator=g))
-                m.bias.copy_(0.2 * torch.randn(n, generator=g))
-    return model.eval()
 
 
 def _spiking(reset: str = "subtract", burst: int = 1, per_channel: bool = True) -> SpikingNetwork:
