@@ -24,7 +24,9 @@ TINY = {
 }
 
 
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """The benchmarks' command line in a subprocess; ``timeout`` only guards against a hang (a
+    tiny mode takes seconds to a few minutes, more on a loaded machine)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "backends")]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=env,
