@@ -19,7 +19,7 @@ from test_spiking import _randomise_bn as _random_bn
 
 import snnconv
 from snnconv import models
-from snnconv.analysis.early_exit import calibrate_exit, evaluate_exit, exit_curves
+from snnconv.analysis.early_exit import calibrate_exit, evaluate_exit, exit_curves, observe_exits
 from snnconv.analysis.metrics import evaluate, predictions
 from snnconv.errors import ConfigError, DataError
 from snnconv.exit_rule import EXIT_RULES, ExitRule, accumulate, exit_histogram, exit_score, stored_rule
@@ -326,6 +326,17 @@ def test_the_calibrated_rule_meets_its_tolerance_on_the_data_it_was_calibrated_o
     i = curve.thresholds.index(rec.rule.threshold)
     assert all(a >= rec.accuracy_fixed - tolerance - 1e-9 for a in curve.accuracy[i:])
     assert i == 0 or curve.accuracy[i - 1] < rec.accuracy_fixed - tolerance
+
+
+def test_calibration_chooses_the_min_steps_with_the_fewest_mean_steps(labelled):
+    snn, data = labelled
+    obs = observe_exits(snn, data)
+    for tolerance in (0.0, 2.0, 10.0):
+        chosen = obs.calibrate("margin", tolerance)
+        by_min_steps = [obs.calibrate("margin", tolerance, m).mean_steps for m in range(1, 9)]
+        assert chosen.mean_steps == min(by_min_steps)
+        assert chosen.rule.min_steps == 1 + by_min_steps.index(min(by_min_steps))  # the first of equals
+        assert chosen == calibrate_exit(snn, data, tolerance=tolerance, store=False)  # one run, any setting
 
 
 def test_a_larger_tolerance_never_costs_more_steps(labelled):

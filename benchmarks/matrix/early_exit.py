@@ -5,13 +5,14 @@ Fashion-MNIST, ``--epochs`` epochs on ``--subset`` training images), converted w
 ``convert(ann, loader, T=--T, finetune_epochs=--finetune-epochs)`` on those images (every other
 setting at its default; ``--finetune-epochs default``: convert()'s own fine-tuning), then:
 
-- per rule kind, accuracy against mean steps for every threshold (:func:`snnconv.analysis.early_exit.exit_curves`)
-  on ``--held`` training images that neither the ANN nor the conversion saw (the next images of
-  the matrix's seeded permutation) and on the test split (the first ``--test-images``);
-- per rule kind and tolerance, the threshold :func:`snnconv.calibrate_exit` chooses on the held-out
-  images (with their labels) read on the test curve: the test accuracy against the fixed T and the
-  mean steps; beside it, the fewest mean steps any threshold needs on the test images themselves
-  (an oracle, the rule's best case);
+- one fixed-T run (:func:`snnconv.analysis.early_exit.observe_exits`) on ``--held`` training
+  images that neither the ANN nor the conversion saw (the next images of the matrix's seeded
+  permutation) and one on the test split (the first ``--test-images``);
+- per rule kind and tolerance, the rule :func:`snnconv.calibrate_exit` chooses on the held-out
+  images (with their labels; ``min_steps`` chosen, and fixed at 1) read on the test split: the
+  test accuracy against the fixed T and the mean steps; beside it, the fewest mean steps any
+  threshold (and ``min_steps``, where chosen) needs on the test images themselves (an oracle,
+  the rule's best case);
 - the fixed-T accuracy at T = 1..``--T`` (the truncated run) and, for the default kind at
   tolerance 0.3, the wall time of ``snn.run_with_exit`` against ``snn.run`` at the fixed T on
   the same ``--wall-images`` test images (the best of ``--repeats`` runs each, in turns,
@@ -37,9 +38,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
-from snnconv.analysis.early_exit import exit_curves
+from snnconv.analysis.early_exit import observe_exits
 from snnconv.analysis.metrics import accuracy_by_T
-from snnconv.exit_rule import DEFAULT_EXIT_RULE, EXIT_RULES, ExitRule
+from snnconv.exit_rule import DEFAULT_EXIT_RULE, EXIT_RULES
 from snnconv.io.atomic import atomic_write_text
 
 from .anns import cached_ann, datasets
@@ -88,22 +89,26 @@ def job(arch: str, seed: int, args) -> dict:
                              progress=False, **extra)
     convert_s = time.perf_counter() - start
     held_loader, test_loader = DataLoader(held, batch_size=250), DataLoader(test, batch_size=250)
-    on_held = exit_curves(snn, held_loader, T=args.T)
-    on_test = exit_curves(snn, test_loader, T=args.T)
+    on_held = observe_exits(snn, held_loader, T=args.T)
+    on_test = observe_exits(snn, test_loader, T=args.T)
+    test_curves = {(kind, m): on_test.curve(kind, m) for kind in EXIT_RULES for m in range(1, args.T + 1)}
     fixed = accuracy_by_T(snn, test_loader, range(1, args.T + 1))
     rows = []
     for kind in EXIT_RULES:
-        h, t = on_held[kind], on_test[kind]
         for tol in args.tolerances:
-            i = h.loosest(tol)
-            j = t.point(h.thresholds[i])
-            oracle = min(s for a, s in zip(t.accuracy, t.mean_steps) if a >= t.accuracy_fixed - tol - 1e-9)
-            rows.append({"arch": arch, "seed": seed, "kind": kind, "tolerance": tol, "threshold": h.thresholds[i],
-                         "held_accuracy": h.accuracy[i], "held_fixed": h.accuracy_fixed, "held_steps": h.mean_steps[i],
-                         "test_fixed": t.accuracy_fixed, "test_accuracy": t.accuracy[j],
-                         "test_steps": t.mean_steps[j], "oracle_steps": oracle})
+            for min_steps in (None, 1):  # chosen by the calibration, and from the first step
+                rec = on_held.calibrate(kind, tol, min_steps)
+                t = test_curves[kind, rec.rule.min_steps]
+                j = t.point(rec.rule.threshold)
+                oracle = min(s for (k, m), c in test_curves.items() if k == kind and (min_steps is None or m == 1)
+                             for a, s in zip(c.accuracy, c.mean_steps) if a >= c.accuracy_fixed - tol - 1e-9)
+                rows.append({"arch": arch, "seed": seed, "kind": kind, "tolerance": tol,
+                             "min_steps": "chosen" if min_steps is None else min_steps, "rule": rec.rule.to_dict(),
+                             "held_accuracy": rec.accuracy, "held_fixed": rec.accuracy_fixed,
+                             "held_steps": rec.mean_steps, "test_fixed": t.accuracy_fixed,
+                             "test_accuracy": t.accuracy[j], "test_steps": t.mean_steps[j], "oracle_steps": oracle})
     # wall time on the test images: the fixed T, and the default rule at tolerance 0.3
-    rule = ExitRule(DEFAULT_EXIT_RULE, on_held[DEFAULT_EXIT_RULE].thresholds[on_held[DEFAULT_EXIT_RULE].loosest(0.3)])
+    rule = on_held.calibrate(DEFAULT_EXIT_RULE, 0.3).rule
     x = test.tensors[0][:args.wall_images]
     fixed_s, exit_s = math.inf, math.inf  # the best of --repeats, taken in turns (a shared machine)
     with torch.no_grad():
@@ -121,18 +126,21 @@ def job(arch: str, seed: int, args) -> dict:
             "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
             "wall_per_image_ms": {"fixed_T": 1e3 * fixed_s / len(x), "early_exit": 1e3 * exit_s / len(x),
                                   "rule": rule.to_dict()},
-            "test_curves": {k: _thin(c) for k, c in on_test.items()}}
+            "test_curves": {kind: _thin(test_curves[kind, 1]) for kind in EXIT_RULES}}
 
 
 def table(jobs: list[dict]) -> str:
-    """The markdown table: per network, kind and tolerance, held-out calibration read on the test split."""
-    lines = ["| network | seed | rule | tolerance | test: fixed T | test: with exit | mean steps | oracle steps |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The markdown tables: per network, kind, tolerance and min_steps, the rule calibrated on the
+    held-out images read on the test split; the fixed-T accuracies and the wall times."""
+    lines = ["| network | seed | rule | tolerance | min_steps | test: fixed T | test: with exit | mean steps | "
+             "oracle steps |", "|---|---|---|---|---|---|---|---|---|"]
     for j in jobs:
         for r in j["rows"]:
-            lines.append(f"| {r['arch']} | {r['seed']} | {r['kind']} | {r['tolerance']:g} | {r['test_fixed']:.2f} | "
-                         f"{r['test_accuracy']:.2f} ({r['test_accuracy'] - r['test_fixed']:+.2f}) | "
-                         f"{r['test_steps']:.2f} | {r['oracle_steps']:.2f} |")
+            chosen = f"{r['rule']['min_steps']} (chosen)" if r["min_steps"] == "chosen" else str(r["min_steps"])
+            change = r["test_accuracy"] - r["test_fixed"]
+            lines.append(f"| {r['arch']} | {r['seed']} | {r['kind']} | {r['tolerance']:g} | {chosen} | "
+                         f"{r['test_fixed']:.2f} | {r['test_accuracy']:.2f} ({change:+.2f}) "
+                         f"| {r['test_steps']:.2f} | {r['oracle_steps']:.2f} |")
     lines += ["", "| network | seed | fixed T = 1 .. T | wall per image, fixed T / early exit (ms) |",
               "|---|---|---|---|"]
     for j in jobs:

@@ -236,8 +236,9 @@ def add_calibrate_exit(sub, pa: dict) -> None:
     p.add_argument("--rule", choices=EXIT_RULES, default=DEFAULT_EXIT_RULE,
                    help=f"the score an image stops on: the top-1 minus top-2 margin of its mean readout, or its "
                         f"softmax confidence (default {DEFAULT_EXIT_RULE})")
-    p.add_argument("--min-steps", type=positive_int, default=1, metavar="K", help="no image stops before step K "
-                                                                                   "(default 1)")
+    p.add_argument("--min-steps", type=positive_int, metavar="K",
+                   help="no image stops before step K (default: chosen by the calibration, the K with the fewest "
+                        "mean steps)")
     p.add_argument("--T", type=positive_int, help="the most steps an image runs (default: the network's own)")
 
 
