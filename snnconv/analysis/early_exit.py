@@ -347,7 +347,7 @@ def _check_kind(kind: Any) -> str:
 
 
 def _check_tolerance(tolerance: Any) -> float:
-    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 <= tolerance <= 100:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 <= float(tolerance) <= 100:
         raise ConfigError(f"tolerance (accuracy points early exit may give up) must be a number in [0, 100], "
                           f"got {tolerance!r}")
     return float(tolerance)
