@@ -134,8 +134,8 @@ class ConvertConfig:
         burst: the most spikes a neuron may emit in one step (default 1: binary spikes). With
             B > 1 (subtractive reset) each neuron's threshold is lambda / B and its rate over T
             steps has T * B levels (QCFS at ``L = T * B`` by default): graded spikes, as Loihi 2
-            carries them, which NIR cannot (export refuses such a network by name). It costs no
-            time step; it addresses the quantisation that :func:`snnconv.diagnose` measures.
+            carries them (NIR export writes B ``Threshold`` nodes per neuron and their sum). It
+            costs no time step; it addresses the quantisation that :func:`snnconv.diagnose` measures.
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer activity
             on the first two calibration batches goes into that stage's ``meta`` record
             (:mod:`snnconv.analysis.health`). A QCFS site left silent or saturated, or a network at

@@ -52,7 +52,8 @@ ADVICE = {
     "carried": "the layers before it (fix those first); or fine-tuning (finetune_epochs) to adapt its weights",
     "clip": "a higher threshold: percentile=100.0 or per_channel=True; or QCFS training (qcfs_epochs)",
     "quantisation": "more levels per step: burst=B (up to B spikes a step: T*B levels at no extra latency; "
-                    "no NIR form) or a larger T (see the T needed); or QCFS training at L=T (qcfs_epochs)",
+                    "graded spikes, plain NIR IF consumers carry one per step) or a larger T (see the T needed); "
+                    "or QCFS training at L=T (qcfs_epochs)",
     "temporal": "bias and membrane calibration (bias_calibration=True), fine-tuning (finetune_epochs), "
                 "or a larger T",
     "dead": "per_channel=True (thresholds per channel), or a lower percentile",

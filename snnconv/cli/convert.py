@@ -199,7 +199,8 @@ def add_convert(sub, pa: dict) -> None:
                         "(default: convert()'s, 300 at T <= 8 where no QCFS training ran; 0: none)")
     p.add_argument("--burst", type=positive_int, default=1, metavar="B",
                    help="up to B spikes a neuron may emit in one step (default 1): T*B levels in T steps; "
-                        "such a network runs in torch, and export refuses it (NIR has no graded spike)")
+                        "NIR export writes B Threshold nodes per neuron and their sum (graded spikes on "
+                        "loihi2-sim and lava)")
     p.add_argument("--overwrite", action="store_true",
                    help="--out holds a run: remove its files first (without it, such a folder is refused)")
     g = p.add_mutually_exclusive_group()
