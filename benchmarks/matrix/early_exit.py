@@ -19,7 +19,8 @@ setting at its default; ``--finetune-epochs default``: convert()'s own fine-tuni
   ``--threads`` threads).
 
 Writes ``<out>.json`` (rows and the test curves, thinned to 200 points), ``<out>.md`` (the table)
-and ``<out>.png`` (accuracy against mean steps on the test split).
+and ``<out>.png`` (accuracy against mean steps on the test split: per rule the most accuracy any
+threshold and ``min_steps`` reach in those steps, and from step 1).
 
     python -m benchmarks matrix early_exit --archs tv_resnet small_cnn mobilenet --out OUT/early_exit
     python -m benchmarks matrix early_exit --smoke --out /tmp/early_exit    # digits, one narrow net, seconds
@@ -68,11 +69,26 @@ def _data(args, seed: int):
     return train, held, test
 
 
-def _thin(curve, points: int = 200) -> dict:
-    """The curve's points, at most ``points`` of them (evenly by index, the ends kept)."""
-    n = len(curve.accuracy)
+def _thin(steps: list[float], accuracy: list[float], points: int = 200) -> dict:
+    """A curve's points, at most ``points`` of them (evenly by index, the ends kept)."""
+    n = len(accuracy)
     keep = sorted({round(i * (n - 1) / (points - 1)) for i in range(points)}) if n > points else range(n)
-    return {"mean_steps": [curve.mean_steps[i] for i in keep], "accuracy": [curve.accuracy[i] for i in keep]}
+    return {"mean_steps": [steps[i] for i in keep], "accuracy": [accuracy[i] for i in keep]}
+
+
+def _best(curves: list) -> tuple[list[float], list[float]]:
+    """The most accuracy any point of ``curves`` reaches in at most each mean steps (what the
+    calibration reaches where it chooses ``min_steps`` too)."""
+    points = sorted((s, a) for c in curves for s, a in zip(c.mean_steps, c.accuracy))
+    steps, accuracy, top = [], [], -1.0
+    for s, a in points:
+        if a > top:
+            top = a
+            steps.append(s)
+            accuracy.append(a)
+    steps.append(points[-1][0])  # flat to the most steps
+    accuracy.append(top)
+    return steps, accuracy
 
 
 def job(arch: str, seed: int, args) -> dict:
@@ -126,7 +142,11 @@ def job(arch: str, seed: int, args) -> dict:
             "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
             "wall_per_image_ms": {"fixed_T": 1e3 * fixed_s / len(x), "early_exit": 1e3 * exit_s / len(x),
                                   "rule": rule.to_dict()},
-            "test_curves": {kind: _thin(test_curves[kind, 1]) for kind in EXIT_RULES}}
+            "test_curves": {kind: {"min_steps_chosen": _thin(*_best([c for (k, _), c in test_curves.items()
+                                                                      if k == kind])),
+                                   "from_step_1": _thin(test_curves[kind, 1].mean_steps,
+                                                        test_curves[kind, 1].accuracy)}
+                            for kind in EXIT_RULES}}
 
 
 def table(jobs: list[dict]) -> str:
@@ -151,8 +171,8 @@ def table(jobs: list[dict]) -> str:
 
 
 def plot(jobs: list[dict], path: str) -> None:
-    """Accuracy against mean steps on the test split, one panel per network: each rule's curve and
-    the fixed-T points."""
+    """Accuracy against mean steps on the test split, one panel per network: each rule's best
+    accuracy at each mean steps (``min_steps`` free; dotted: from step 1) and the fixed-T points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -160,8 +180,11 @@ def plot(jobs: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(jobs), figsize=(4.2 * len(jobs), 3.4), squeeze=False)
     for ax, j in zip(axes[0], jobs):
-        for kind, c in j["test_curves"].items():
-            ax.plot(c["mean_steps"], c["accuracy"], label=f"early exit, {kind}")
+        for (kind, c), color in zip(j["test_curves"].items(), ("C0", "C1")):
+            ax.plot(c["min_steps_chosen"]["mean_steps"], c["min_steps_chosen"]["accuracy"], color=color,
+                    label=f"early exit, {kind}")
+            ax.plot(c["from_step_1"]["mean_steps"], c["from_step_1"]["accuracy"], ":", color=color,
+                    label=f"early exit, {kind}, from step 1")
         fixed = j["fixed_accuracy_by_T"]
         ax.plot([int(k) for k in fixed], list(fixed.values()), "o--", color="grey", label="fixed T")
         top = max(fixed.values())

@@ -7,9 +7,10 @@
 
 Calibration runs the network once at the fixed T (time folded into the batch, as
 ``snn.run``) and derives, from each image's accumulated readout after every step, the accuracy
-and the mean steps of *every* threshold at once: an image that exits at step k has the output
-of the fixed-T run truncated at k (:meth:`SpikingNetwork.run_with_exit
-<snnconv.snn.network.SpikingNetwork.run_with_exit>`), so no threshold needs a run of its own.
+and the mean steps of *every* threshold and ``min_steps`` at once (:class:`ExitObservation`): an
+image that exits at step k has the output of the fixed-T run truncated at k
+(:meth:`SpikingNetwork.run_with_exit <snnconv.snn.network.SpikingNetwork.run_with_exit>`), so no
+setting needs a run of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from snnconv.snn.network import SpikingNetwork, check_T
 
 __all__ = ["ExitEvaluation", "ExitCurve", "ExitCalibration", "ExitObservation", "evaluate_exit", "observe_exits",
            "exit_curves", "calibrate_exit", "DEFAULT_TOLERANCE"]
+
 
 @dataclass(frozen=True)
 class ExitEvaluation:

@@ -68,7 +68,8 @@ class SpikingNetwork(nn.Module):
 
     ``snn(x)`` takes a static batch ``[B, ...]``, presents it at every step and returns the
     readout averaged over T, ``[B, classes]``. ``snn.run(x)`` returns per-step readouts
-    ``[T, B, ...]`` (and per-layer spike counts on request). Neuron state starts fresh at
+    ``[T, B, ...]`` (and per-layer spike counts on request); ``snn.run_with_exit(x)`` stops
+    each image at the step where its answer is sure (early exit). Neuron state starts fresh at
     every call.
 
     Time is folded into the batch (``[T*B, ...]`` through every layer). Without gradients on
