@@ -101,8 +101,15 @@ def job(arch: str, seed: int, args) -> dict:
     loader = DataLoader(train, batch_size=128, shuffle=True, generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
     extra = {"maxpool": "avg"} if arch == "vgg_max" else {}
-    snn, _ = snnconv.convert(ann, loader, T=args.T, finetune_epochs=args.finetune_epochs, seed=seed,
-                             progress=False, **extra)
+    if args.horizons:  # convert()'s own fine-tuning, its readouts trained at these steps
+        from snnconv.defaults import default_finetune_epochs, finetune_recipe
+
+        epochs = args.finetune_epochs or default_finetune_epochs(loader)
+        extra["finetune_config"] = finetune_recipe(args.T, loader, epochs=epochs, seed=seed,
+                                                   horizons=tuple(args.horizons))
+    else:
+        extra["finetune_epochs"] = args.finetune_epochs
+    snn, _ = snnconv.convert(ann, loader, T=args.T, seed=seed, progress=False, **extra)
     convert_s = time.perf_counter() - start
     held_loader, test_loader = DataLoader(held, batch_size=250), DataLoader(test, batch_size=250)
     on_held = observe_exits(snn, held_loader, T=args.T)
@@ -138,6 +145,7 @@ def job(arch: str, seed: int, args) -> dict:
                 snn.run_with_exit(part, rule, T=args.T)
             exit_s = min(exit_s, time.perf_counter() - start)
     return {"arch": arch, "seed": seed, "T": args.T, "finetune_epochs": args.finetune_epochs,
+            "horizons": args.horizons,
             "convert_seconds": round(convert_s, 1), "held_images": len(held), "test_images": len(test),
             "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
             "wall_per_image_ms": {"fixed_T": 1e3 * fixed_s / len(x), "early_exit": 1e3 * exit_s / len(x),
@@ -214,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-images", type=int, default=0, help="the first N test images (default: all)")
     ap.add_argument("--finetune-epochs", type=_epochs, default=0,
                     help="convert()'s fine-tuning epochs, or 'default' (convert()'s own; default 0: none)")
+    ap.add_argument("--horizons", type=int, nargs="+", default=None,
+                    help="fine-tune (convert()'s recipe and budget) with the readouts at these steps trained")
     ap.add_argument("--tolerances", type=float, nargs="+", default=list(TOLERANCES))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wall-images", type=int, default=2000, help="test images the wall time is measured on")
