@@ -100,3 +100,32 @@ def test_loihi2_sim_applies_the_rule_to_its_readout(compiled):
     assert torch.equal(k, rule.exit_steps(fixed.outputs)) and record["dropped"] is False
     assert torch.equal(record["output"], accumulate(fixed.outputs)[k - 1, torch.arange(len(x))]
                        / k.reshape(-1, 1).float())
+
+
+def test_loihi2_sim_counts_each_images_work_up_to_its_exit(compiled):
+    snn, _, x = compiled
+    program = get("loihi2-sim").compile(export_nir(snn, input_shape=SHAPE), reference=False)
+    x = x[:10]
+    fixed = program.run(x, 6)
+    rule = _rules(fixed.outputs)[1]
+    run = program.run(x, 6, exit_rule=rule)
+    k = run.extra["early_exit"]["steps"]
+    assert run.extra["early_exit"]["counted"] == "to exit" and 1 < float(k.double().mean()) < 6
+    assert torch.equal(run.outputs, fixed.outputs)  # the simulation itself is the fixed one
+    cut = [ExitRule("margin", 0.0, min_steps=int(s)) for s in k]  # exits at exactly step k[i]
+    alone = [program.run(x[i:i + 1], 6, exit_rule=cut[i]) for i in range(len(x))]
+    for i, a in enumerate(alone):
+        assert int(a.extra["early_exit"]["steps"][0]) == int(k[i])
+    for name, counts in run.spikes.items():
+        assert torch.equal(counts, sum(a.spikes[name] for a in alone)), name
+        full = fixed.spikes[name]
+        assert torch.equal(counts, sum(torch.where(torch.arange(1, 7) <= k[i], program.run(x[i:i + 1], 6).spikes[name],
+                                                   0.0) for i in range(len(x)))) or not full.any()
+    for name, ops in run.synops.items():
+        assert ops == pytest.approx(sum(a.synops[name] for a in alone)), name
+        assert ops <= fixed.synops[name]
+    e, e_fixed = run.extra["energy"], fixed.extra["energy"]
+    assert e["steps_per_image"] == pytest.approx(float(k.double().mean()))
+    assert e["neuron_updates_per_image"] < e_fixed["neuron_updates_per_image"]
+    assert e["per_image_J"] < e_fixed["per_image_J"]
+    assert run.extra["latency"]["steps"] == pytest.approx(float(k.double().mean()) + program.q.depth)

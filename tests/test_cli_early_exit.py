@@ -84,18 +84,21 @@ def test_a_malformed_stored_rule_is_one_line_exit_2(small_digits_snn, tmp_path, 
 
 
 def test_run_with_the_rule_stored_in_the_nir_file(run, capsys):
-    """calibrate-exit, export, then run --early-exit: cpu drops exited images, loihi2-sim applies
-    the rule to its readout; both say so and record it."""
+    """calibrate-exit, export, then run --early-exit: cpu drops exited images, loihi2-sim counts
+    each image's work up to its exit; both say so and record it."""
     assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "2", "--quiet"]) == 0
     assert main(["export", str(run)]) == 0
     capsys.readouterr()
-    for backend, how in (("cpu", "exited images left the batch"), ("loihi2-sim", "applied to its readout")):
+    for backend, how, counted in (("cpu", "exited images left the batch", "dropped"),
+                                  ("loihi2-sim", "each image's steps up to its exit", "to exit")):
         assert main(["run", str(run), "--backend", backend, "--data", "digits", "--limit", "40", "--quiet",
                      "--early-exit"]) == 0
         out = capsys.readouterr().out
-        assert "early exit (margin" in out and how in out
+        assert "early exit (margin" in out and how in out and "held at its answer after its exit" in out
+        assert "WARNING" not in out  # the quantisation check compares all steps, not the cut counts
         rec = json.loads(next((run / "backends").glob(f"{backend}_*.json")).read_text())
         assert sum(rec["early_exit"]["histogram"]) == 40 and rec["early_exit"]["dropped"] == (backend == "cpu")
+        assert rec["early_exit"]["counted"] == counted
 
 
 def test_run_early_exit_without_a_stored_rule_is_exit_2(run, capsys):

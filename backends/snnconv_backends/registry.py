@@ -63,22 +63,34 @@ class RunResult:
         return self.outputs.mean(0)
 
 
-def readout_exit(result: RunResult, rule: Any, backend: str) -> RunResult:
-    """``result`` (a run of all T steps) with ``extra["early_exit"]``: ``rule`` applied to its
-    readout, each image's exit step and answer (its readout averaged over the steps up to it),
-    for a backend that runs all T steps (its counts and energy stay those of all T)."""
-    from snnconv.exit_rule import ExitRule, accumulate, exit_histogram
+def check_rule(rule: Any, backend: str) -> None:
+    """Refuse an ``exit_rule`` that is neither None nor an :class:`snnconv.exit_rule.ExitRule`."""
+    from snnconv.exit_rule import ExitRule
 
-    if not isinstance(rule, ExitRule):
+    if rule is not None and not isinstance(rule, ExitRule):
         raise BackendError(f"backend {backend!r}: exit_rule must be an snnconv.exit_rule.ExitRule or None, "
                            f"got a {type(rule).__name__}")
+
+
+def readout_exit(result: RunResult, rule: Any, backend: str, steps: torch.Tensor | None = None) -> RunResult:
+    """``result`` (a run of all T steps) with ``extra["early_exit"]``: ``rule`` applied to its
+    readout, each image's exit step and answer (its readout averaged over the steps up to it).
+    ``steps``: the exit steps where the backend counted each image's work up to them
+    (``counted: "to exit"``); without, the counts and energy stay those of all T (``"all T"``)."""
+    from snnconv.exit_rule import accumulate, exit_histogram
+
+    check_rule(rule, backend)
     out = result.outputs.detach().float().cpu()
-    steps = rule.exit_steps(out.reshape(out.shape[0], out.shape[1], -1))
+    counted = "all T" if steps is None else "to exit"
+    if steps is None:
+        steps = rule.exit_steps(out.reshape(out.shape[0], out.shape[1], -1))
+    steps = steps.cpu()
     totals = accumulate(out)
     answers = totals[steps - 1, torch.arange(len(steps))] / steps.reshape(-1, *[1] * (out.dim() - 2)).float()
     result.extra["early_exit"] = {"rule": rule.to_dict(), "steps": steps, "output": answers,
                                   "mean_steps": float(steps.double().mean()),
-                                  "histogram": exit_histogram(steps, out.shape[0]), "dropped": False}
+                                  "histogram": exit_histogram(steps, out.shape[0]), "dropped": False,
+                                  "counted": counted}
     return result
 
 

@@ -197,6 +197,7 @@ def _cmd_run(args) -> int:
     chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
     batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
     float_counts: dict = {}  # the float network's spike counts, where the backend compares (fidelity)
+    chip_counts: dict = {}  # the backend's own at every step (an early exit cuts ``spikes``)
     decisions = [0, 0]  # images on which the chip decides as the float network, images compared
     with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
         for x, y in DataLoader(dataset, batch_size=batch):
@@ -210,13 +211,15 @@ def _cmd_run(args) -> int:
                 r = program.run(x, T) if rule is None else _run_exit(program, x, T, rule, args.backend)
             if rule is not None:
                 exits.append(_exits(r, rule))
+            readout = r.outputs if rule is None else _held(r.outputs, exits[-1][0], exits[-1][1])
             fid = r.extra.get("fidelity") or {}
-            for k, v in (fid.get("float_counts") or {}).items():
-                float_counts[k] = float_counts.get(k, 0.0) + torch.tensor(v, dtype=torch.float64)
+            for mine, theirs in ((chip_counts, fid.get("counts")), (float_counts, fid.get("float_counts"))):
+                for k, v in (theirs or {}).items():
+                    mine[k] = mine.get(k, 0.0) + torch.tensor(v, dtype=torch.float64)
             if fid.get("decisions"):
                 decisions = [a + b for a, b in zip(decisions, fid["decisions"])]
             # accuracy of the readout averaged over the first t steps, t = 1..T
-            mean_t = r.outputs.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
+            mean_t = readout.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
             correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
             n += len(y)
             seconds += float(r.extra.get("seconds", 0.0))
@@ -228,7 +231,7 @@ def _cmd_run(args) -> int:
                 chip_runs.append(r)
             with torch.no_grad():  # the torch network read back from the same file: the reference
                 refs.append(reference.run(x, T=T).mean(0).argmax(1))
-            outputs.append(r.outputs.float().cpu())
+            outputs.append(readout.float().cpu())
             labels.append(y)
             extra = dict(r.extra or {})
             beat.update(len(y))
@@ -238,9 +241,10 @@ def _cmd_run(args) -> int:
     timed = seconds if seconds > 0 else time.perf_counter() - t_start  # the backend's own time, else wall
     print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
           f"{timed:.2f} s ({rate_text(n * T, timed)})")
-    print(f"accuracy (mean readout over T={T}): {100 * correct[-1] / n:.2f}%")
+    held = "" if rule is None else ", each image's readout held at its answer after its exit"
+    print(f"accuracy (mean readout over T={T}{held}): {100 * correct[-1] / n:.2f}%")
     by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
-    print(f"accuracy by t: {by_t}")
+    print(f"accuracy by t{held}: {by_t}")
     early = None if rule is None else _exit_record(rule, exits, torch.cat(labels), T, args.backend)
     print("\nspikes per neuron layer (rate = spikes per neuron per step)")
     rows = [["layer", "neurons", "spikes", "rate", "by step"]]
@@ -259,7 +263,7 @@ def _cmd_run(args) -> int:
 
         print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
         q = getattr(program, "q", None)  # the quantised network (loihi2-sim, lava)
-        fidelity = None if q is None else check(q, spikes, float_counts or None, n, T,
+        fidelity = None if q is None else check(q, chip_counts or spikes, float_counts or None, n, T,
                                                 (decisions[0], decisions[1]) if decisions[1] else None)
         if fidelity is not None:
             line = summary(fidelity, args.backend)
@@ -324,9 +328,23 @@ def _run_exit(program, x, T: int, rule, backend: str):
 
 
 def _exits(r, rule) -> tuple:
-    """``(exit steps [B], answers [B, ...])`` of one run (its ``extra["early_exit"]``)."""
+    """``(exit steps [B], answers [B, ...], how the work was counted)`` of one run (its
+    ``extra["early_exit"]``): ``"dropped"`` (exited images left the batch), ``"to exit"`` (all T
+    simulated, the work counted to each exit) or ``"all T"``."""
     e = r.extra["early_exit"]
-    return e["steps"].cpu(), e["output"].float().cpu(), bool(e.get("dropped"))
+    how = "dropped" if e.get("dropped") else e.get("counted", "all T")
+    return e["steps"].cpu(), e["output"].float().cpu(), how
+
+
+def _held(outputs, steps, answers):
+    """Per-step readouts ``[T, B, ...]`` with each image's readout after its exit step set to its
+    answer, so that the running mean stays at the answer (the engine's own convention)."""
+    import torch
+
+    out = outputs.float().cpu().clone()
+    after = torch.arange(out.shape[0]).view(-1, 1) >= steps.view(1, -1)  # [T, B]
+    out[after] = answers.unsqueeze(0).expand_as(out)[after]
+    return out
 
 
 def _exit_record(rule, exits: list, labels, T: int, backend: str) -> dict:
@@ -338,14 +356,19 @@ def _exit_record(rule, exits: list, labels, T: int, backend: str) -> dict:
     steps = torch.cat([s for s, _, _ in exits])
     answers = torch.cat([a for _, a, _ in exits])
     acc = 100.0 * float((answers.reshape(len(steps), -1).argmax(1) == labels).double().mean())
-    dropped = bool(exits) and all(d for _, _, d in exits)
-    how = ("exited images left the batch" if dropped else
-           f"{backend} ran all T={T} steps; the rule was applied to its readout (steps, spikes and "
-           "energy above are those of all T steps)")
+    counted = {c for _, _, c in exits}
+    counted_as = counted.pop() if len(counted) == 1 else "all T"
+    dropped = counted_as == "dropped"
+    how = {"dropped": "exited images left the batch: the spikes, operations and energy above count the "
+                      "steps each image ran",
+           "to exit": f"{backend} simulated all T={T} steps; the spikes, operations and energy above count "
+                      "each image's steps up to its exit",
+           }.get(counted_as, f"{backend} ran all T={T} steps; the rule was applied to its readout (the spikes, "
+                             "operations and energy above are those of all T steps)")
     print(f"early exit ({rule.kind} >= {rule.threshold:g}, from step {rule.min_steps}): {acc:.2f}% at a mean of "
           f"{float(steps.double().mean()):.2f} of {T} steps; {how}")
     return {"rule": rule.to_dict(), "accuracy": acc, "mean_steps": float(steps.double().mean()),
-            "histogram": exit_histogram(steps, T), "dropped": dropped}
+            "histogram": exit_histogram(steps, T), "dropped": dropped, "counted": counted_as}
 
 
 def rate_text(image_steps: int, seconds: float) -> str:

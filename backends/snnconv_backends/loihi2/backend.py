@@ -17,7 +17,15 @@ from snnconv_backends.loihi2.network import QuantizedNetwork
 from snnconv_backends.loihi2.quantisation import quantize
 from snnconv_backends.loihi2.report import build_result
 from snnconv_backends.loihi2.simulate import RuntimeCounters, run_quantized
-from snnconv_backends.registry import Backend, Program, RunResult, check_finite, parse_graph, readout_exit
+from snnconv_backends.registry import (
+    Backend,
+    Program,
+    RunResult,
+    check_finite,
+    check_rule,
+    parse_graph,
+    readout_exit,
+)
 
 __all__ = ["Loihi2SimBackend", "Loihi2Program", "OPTIONS", "check_input"]
 
@@ -66,10 +74,12 @@ class Loihi2Program(Program):
         self.device = torch.device(self.options["device"])
 
     def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:
-        """``exit_rule``: runs all T steps and applies the rule to the readout (:func:`readout_exit`)."""
-        if exit_rule is not None:
-            return readout_exit(self.run(x, T), exit_rule, "loihi2-sim")
+        """``exit_rule``: an :class:`snnconv.exit_rule.ExitRule`; the simulation runs all T steps,
+        and each image's spikes, synaptic operations, neuron updates and energy count only its
+        steps up to the one where the rule met its readout (``extra["early_exit"]``,
+        :func:`readout_exit`)."""
         x, T = check_input(self.q, x, T, "loihi2-sim")
+        check_rule(exit_rule, "loihi2-sim")
         t0 = time.perf_counter()
         x = x.to(self.device)
         bs = self.options["batch_size"]
@@ -83,10 +93,12 @@ class Loihi2Program(Program):
         vlt: dict = {}
         stats = RuntimeCounters()
         synops: dict[str, float] = {}
+        ran: list = []
         with torch.no_grad():
             for part in x.split(bs):
-                o, c, s, v, st, sy = run_quantized(self.q, part, T, record=record)
+                o, c, s, v, st, sy, steps = run_quantized(self.q, part, T, record=record, exit_rule=exit_rule)
                 outs.append(o)
+                ran.append(steps.cpu())
                 for k, val in c.items():
                     cnt[k] = cnt[k] + val if k in cnt else val
                 for k, val in s.items():
@@ -97,15 +109,23 @@ class Loihi2Program(Program):
                     vlt.setdefault(k, []).append(val.cpu())
                 for a in ("saturated", "wrapped", "bias_clipped"):
                     setattr(stats, a, getattr(stats, a) + getattr(st, a))
+                for k, val in st.spikes_all_steps.items():
+                    every = stats.spikes_all_steps
+                    every[k] = every[k] + val if k in every else val
                 for k, val in sy.items():
                     synops[k] = synops.get(k, 0.0) + val
         extra: dict[str, Any] = {"seconds": time.perf_counter() - t0}
         if record:
             extra["trace"] = {"v": {k: torch.cat(v, dim=1) for k, v in vlt.items()},
                               "s": {k: torch.cat(v, dim=1) for k, v in spk.items()}}
+        steps = torch.cat(ran)
         res = build_result(self.q, torch.cat(outs, dim=1), cnt, stats, synops, T, x.shape[0],
-                           float(self.options["step_seconds"]), extra)
-        return attach_fidelity(self.q, res, x, T, "loihi2-sim", bool(self.options["reference"]))
+                           float(self.options["step_seconds"]), extra,
+                           steps=None if exit_rule is None else steps)
+        if exit_rule is not None:
+            res = readout_exit(res, exit_rule, "loihi2-sim", steps=steps)
+        every = {k: v.reshape(T).float().cpu() for k, v in stats.spikes_all_steps.items()}
+        return attach_fidelity(self.q, res, x, T, "loihi2-sim", bool(self.options["reference"]), every)
 
 
 def _decisions(outputs: torch.Tensor) -> torch.Tensor:
@@ -114,10 +134,12 @@ def _decisions(outputs: torch.Tensor) -> torch.Tensor:
 
 
 def attach_fidelity(q: QuantizedNetwork, res: RunResult, x: torch.Tensor, T: int, name: str,
-                    reference: bool) -> RunResult:
+                    reference: bool, counts: Mapping[str, torch.Tensor] | None = None) -> RunResult:
     """Add ``extra["fidelity"]`` (per-layer firing rates against the float network run on the
     same batch by the cpu backend, weights flushed; :mod:`.fidelity`) and warn
-    (:class:`QuantisationWarning`) where they depart beyond the tolerances."""
+    (:class:`QuantisationWarning`) where they depart beyond the tolerances. ``counts``: the
+    run's spikes at every step (default ``res.spikes``; an early exit cuts those), kept as
+    ``extra["fidelity"]["counts"]``."""
     ref, decisions = None, None
     if reference:
         from snnconv_backends.cpu import compile_parsed
@@ -127,8 +149,9 @@ def attach_fidelity(q: QuantizedNetwork, res: RunResult, x: torch.Tensor, T: int
         ref = float_run.spikes
         same = _decisions(res.outputs) == _decisions(float_run.outputs)
         decisions = (int(same.sum()), int(same.numel()))
-    fid = check(q, res.spikes, ref, int(x.shape[0]), T, decisions)
+    fid = check(q, res.spikes if counts is None else counts, ref, int(x.shape[0]), T, decisions)
     fid["float_counts"] = None if ref is None else {k: v.reshape(-1).tolist() for k, v in ref.items()}
+    fid["counts"] = {k: v.reshape(-1).tolist() for k, v in (res.spikes if counts is None else counts).items()}
     res.extra["fidelity"] = fid
     if fid["warnings"]:
         warnings.warn(summary(fid, name), QuantisationWarning, stacklevel=3)

@@ -67,10 +67,13 @@ def resources(q: QuantizedNetwork) -> dict[str, Any]:
 
 
 def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
-           spike_total: float, macs: Mapping[str, float]) -> dict[str, Any]:
+           spike_total: float, macs: Mapping[str, float], mean_steps: float | None = None) -> dict[str, Any]:
     """Energy per image from synaptic ops, neuron updates and spikes, against the ANN's MACs;
-    ``snn_over_ann`` is their ratio, SNN / ANN (:mod:`snnconv.analysis.energy`'s convention)."""
-    steps = T + q.depth
+    ``snn_over_ann`` is their ratio, SNN / ANN (:mod:`snnconv.analysis.energy`'s convention).
+    ``mean_steps``: the mean of the steps each image ran (early exit; default T), the steps its
+    neurons are updated besides the pipeline's depth."""
+    run = float(T if mean_steps is None else mean_steps)
+    steps = run + q.depth
     neurons = sum(p.size for p in q.populations) + 1
     syn = float(sum(synops.values())) / B
     updates = float(neurons * steps)
@@ -87,7 +90,9 @@ def energy(q: QuantizedNetwork, T: int, B: int, synops: Mapping[str, float],
             "sources": "SNN: Davies et al. 2018, IEEE Micro 38(1), Table 2 (Loihi 1; no per-op "
                        "figures are published for Loihi 2). ANN: Horowitz, ISSCC 2014, fp32 MAC "
                        "(45 nm), as used across the SNN literature.",
-            "note": "every neuron is updated at every one of the T + depth steps"}
+            "steps_per_image": run,
+            "note": ("every neuron is updated at every one of the T + depth steps" if mean_steps is None else
+                     "each image's neurons are updated at each of its steps up to its exit, plus the depth")}
 
 
 def ann_macs(g: ParsedGraph, B: int) -> dict[str, float]:

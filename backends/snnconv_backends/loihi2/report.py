@@ -38,11 +38,26 @@ def _merge_runs(results: Sequence[RunResult]) -> dict[str, Any]:
         n = [int(r.outputs.shape[1]) for r in results]
         e = dict(ex["energy"])
         for k in ("per_image_J", "synops_per_image", "neuron_updates_per_image", "spikes_per_image",
-                  "ann_macs_per_image", "ann_per_image_J"):
-            e[k] = sum(r.extra["energy"][k] * b for r, b in zip(results, n)) / sum(n)
+                  "ann_macs_per_image", "ann_per_image_J", "steps_per_image"):
+            if k in e:
+                e[k] = sum(r.extra["energy"][k] * b for r, b in zip(results, n)) / sum(n)
         e["snn_over_ann"] = e["per_image_J"] / e["ann_per_image_J"] if e["ann_per_image_J"] else float("inf")
         ex["energy"] = e
+    if "latency" in ex:  # an early exit's mean steps differ between runs
+        lat = dict(ex["latency"])
+        n = [int(r.outputs.shape[1]) for r in results]
+        lat["steps"] = sum(r.extra["latency"]["steps"] * b for r, b in zip(results, n)) / sum(n)
+        lat["seconds"] = lat["steps"] * lat["step_seconds"]
+        ex["latency"] = lat
     return ex
+
+
+def _steps_text(ex: dict[str, Any], T: int) -> str:
+    """``T 8``, or with an early exit the mean steps the images ran of T."""
+    e = ex.get("early_exit")
+    if e and e.get("counted") == "to exit":
+        return f"a mean of {ex['energy']['steps_per_image']:.2f} of T {T} steps, early exit"
+    return f"T {T}"
 
 
 def format_report(result: RunResult | Sequence[RunResult]) -> str:
@@ -79,7 +94,7 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
                          f"cores {layer['cores']}")
     lat = ex.get("latency")
     if lat:
-        lines.append(f"latency: {lat['steps']} steps (T {lat['T']} + pipeline depth {lat['depth']}), "
+        lines.append(f"latency: {lat['steps']:g} steps ({_steps_text(ex, lat['T'])} + pipeline depth {lat['depth']}), "
                      f"about {lat['seconds'] * 1e3:.3f} ms at {lat['step_seconds'] * 1e6:.0f} us/step "
                      f"({lat['note']})")
     e = ex.get("energy")
@@ -95,20 +110,23 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
 
 def build_result(q: QuantizedNetwork, out: torch.Tensor, counts: Mapping[str, torch.Tensor],
                  stats: Any, synops: Mapping[str, float], T: int, B: int, step_seconds: float,
-                 extra: Mapping[str, Any] | None = None) -> RunResult:
-    """Assemble a RunResult with the quantisation, resource, latency and energy reports."""
+                 extra: Mapping[str, Any] | None = None, steps: torch.Tensor | None = None) -> RunResult:
+    """Assemble a RunResult with the quantisation, resource, latency and energy reports.
+    ``steps``: each image's steps where it left at an early exit (``counts`` and ``synops``
+    then count those steps only); latency and neuron updates follow their mean."""
     counts = {k: v.reshape(T).float().cpu() for k, v in counts.items()}
     macs = ann_macs(q.graph, B)
     total = float(sum(float(c.sum()) for c in counts.values()))
-    steps = T + q.depth
+    mean_steps = None if steps is None else float(steps.double().mean())
+    steps_run = (T if mean_steps is None else mean_steps) + q.depth
     ex: dict[str, Any] = {"quantisation": {"layers": quantisation_report(q),
                            "runtime": {"saturated": int(stats.saturated), "wrapped": int(stats.wrapped),
                                        "bias_clipped": int(stats.bias_clipped)}},
           "resources": resources(q),
-          "latency": {"T": T, "depth": q.depth, "steps": steps, "step_seconds": step_seconds,
-                      "seconds": steps * step_seconds,
+          "latency": {"T": T, "depth": q.depth, "steps": steps_run, "step_seconds": step_seconds,
+                      "seconds": steps_run * step_seconds,
                       "note": "per-step time is an assumed order of magnitude, not a measurement"},
-          "energy": energy(q, T, B, synops, total, macs)}
+          "energy": energy(q, T, B, synops, total, macs, mean_steps)}
     ex["static_ops"] = [op.name for op in q.static_ops]
     if extra:
         ex.update(extra)

@@ -96,12 +96,14 @@ def _exact(y: torch.Tensor, recompute) -> torch.Tensor:
 
 
 class RuntimeCounters:
-    """Saturations, wraps and clipped first-layer biases counted during a run."""
+    """Saturations, wraps and clipped first-layer biases counted during a run, and the spikes of
+    every step (an early exit's counts stop at each image's exit; the fidelity check reads these)."""
 
     def __init__(self):
         self.saturated = 0
         self.wrapped = 0
         self.bias_clipped = 0
+        self.spikes_all_steps: dict[str, torch.Tensor] = {}  # per population [T], past any exit too
 
 
 def _apply_conn(c: Connection, s: torch.Tensor, src_shape, tgt_shape, cache: dict) -> torch.Tensor:
@@ -241,22 +243,27 @@ def _leaky_loop(pop: Population, a_in: torch.Tensor | None, bias: torch.Tensor |
     return spikes, volts
 
 
-def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool = False):
+def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool = False,
+                  exit_rule: Any = None):
     """Run ``q`` on a static batch ``x`` ``[B, *input_shape]`` for ``T`` steps of every layer.
 
     Returns ``(outputs [T, B, *out_shape], counts {pop: [T]}, spikes {pop: [T, B, N]} and
-    voltages {pop: [T, B, N]} (both only with ``record``), stats, synops {connection: float})``.
-    Times are each population's own steps: the population at depth d runs them at chip steps
-    d+1 .. d+T; before, it holds its initial state (no input has arrived).
+    voltages {pop: [T, B, N]} (both only with ``record``), stats, synops {connection: float},
+    steps [B])``. Times are each population's own steps: the population at depth d runs them at
+    chip steps d+1 .. d+T; before, it holds its initial state (no input has arrived).
+
+    ``steps`` is each image's last step: T, or with ``exit_rule`` (an
+    :class:`snnconv.exit_rule.ExitRule`) the step at which the rule met its readout. Spike
+    counts and synaptic operations then count each image's steps up to that one only (what a
+    chip that stops the image there spends); the outputs still hold all T steps.
     """
     B = x.shape[0]
     vals = static_eval(q, x.float())
     spikes: dict[str, torch.Tensor] = {}
-    counts: dict[str, torch.Tensor] = {}
     volts: dict[str, torch.Tensor] = {}
     stats = RuntimeCounters()
-    synops: dict[str, float] = {}
-    per_neuron: dict[str, torch.Tensor] = {}   # spikes per source neuron, summed over T and B
+    per_step: dict[str, torch.Tensor] = {}    # per connection: synaptic operations [T, B]
+    by_image: dict[str, torch.Tensor] = {}    # per population: spikes [T, B]
     cache: dict = {}
     left: dict[str, int] = {}
     for p in q.populations:
@@ -273,12 +280,13 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
             if c.kind == "bias":
                 a = _shift(torch.as_tensor(c.mant, dtype=torch.float32, device=x.device), c.exp)
                 a = (a * float(2 ** LOIHI["act_shift"])).reshape(1, -1).expand(T * B, -1)
-                synops[c.name] = synops.get(c.name, 0.0) + float(T * B) * float(c.fanout.sum())
+                per_step[c.name] = torch.full((T, B), float(c.fanout.sum()), dtype=torch.float64,
+                                              device=x.device)
             else:
                 src = spikes[c.source]
                 a = _apply_conn(c, src.reshape(T * B, *shapes[c.source]), shapes[c.source],
                                 p.shape, cache)
-                synops[c.name] = synops.get(c.name, 0.0) + connection_synops(c, per_neuron[c.source])
+                per_step[c.name] = _synops_by_step(c, src.reshape(T, B, -1))
                 left[c.source] -= 1
                 if left[c.source] == 0 and not record:
                     del spikes[c.source]
@@ -286,18 +294,30 @@ def run_quantized(q: QuantizedNetwork, x: torch.Tensor, T: int, *, record: bool 
         s, v = _neuron_loop(p, a_in, bias, T, B, stats, record)
         if s is not None:
             spikes[p.name] = s
-            by_step = s.reshape(T, B, -1).sum(1)           # [T, N]
-            counts[p.name] = by_step.sum(1)
-            per_neuron[p.name] = by_step.sum(0)
+            by_image[p.name] = s.reshape(T, B, -1).sum(-1, dtype=torch.float64)
         if v is not None:
             volts[p.name] = v
     r = q.readout
     out = volts[r.name].double() / torch.as_tensor(r.membrane_scale(), dtype=torch.float64,
                                                    device=x.device)
     out = out.float().reshape(T, B, *q.graph.output_shape)
+    steps = torch.full((B,), T, dtype=torch.long, device=x.device)
+    if exit_rule is not None:
+        steps = exit_rule.exit_steps(out.reshape(T, B, -1)).to(x.device)
+    ran = (torch.arange(T, device=x.device).view(T, 1) < steps.view(1, B)).double()  # [T, B]
+    counts = {k: (v * ran).sum(1) for k, v in by_image.items()}
+    stats.spikes_all_steps = {k: v.sum(1) for k, v in by_image.items()}
+    synops = {k: float((v * ran).sum()) for k, v in per_step.items()}
     if not record:
         spikes, volts = {}, {}
-    return out, counts, spikes, volts, stats, synops
+    return out, counts, spikes, volts, stats, synops, steps
+
+
+def _synops_by_step(c: Connection, spikes: torch.Tensor) -> torch.Tensor:
+    """Synaptic operations of ``c`` at each step and image (``[T, B]``) from its source's spikes
+    ``[T, B, N_source]`` (graded counts for a burst source)."""
+    f = torch.as_tensor(c.fanout, dtype=torch.float64, device=spikes.device).reshape(-1)
+    return spikes.double() @ f
 
 
 def connection_synops(c: Connection, per_neuron: torch.Tensor) -> float:
