@@ -181,6 +181,11 @@ class ExitRule:
             running &= ~now
         return out
 
+    def describe(self) -> str:
+        """``"margin >= 0.734 from step 2"``: the rule in a few words."""
+        threshold = "never before T" if self.threshold == math.inf else f">= {self.threshold:.4g}"
+        return f"{self.kind} {threshold}" + (f" from step {self.min_steps}" if self.min_steps > 1 else "")
+
     def to_dict(self) -> dict[str, Any]:
         """The rule as plain data (JSON-ready: an infinite threshold is written ``"inf"``)."""
         return {"kind": self.kind, "threshold": "inf" if self.threshold == math.inf else self.threshold,

@@ -106,3 +106,24 @@ def test_run_early_exit_without_a_stored_rule_is_exit_2(run, capsys):
     capsys.readouterr()
     assert main(["run", str(run), "--data", "digits", "--limit", "10", "--early-exit"]) == 2
     assert "stores no early-exit rule" in capsys.readouterr().err
+
+
+def test_the_report_shows_the_early_exit_curve_histogram_and_mean_steps(run):
+    """evaluate with a rule records the rule's curve and the fixed-T run cut at each step (its
+    end is the fixed-T accuracy, and the rule's point lies on the curve); the report's headline
+    gives the mean steps and an early-exit section plots and tabulates them."""
+    assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "1", "--quiet"]) == 0
+    e = _evaluate(run)["early_exit"]
+    assert len(e["accuracy_by_step"]) == 4 and e["accuracy_by_step"][-1] == pytest.approx(e["accuracy_fixed_T"])
+    curve = e["curve"]
+    assert curve["kind"] == e["rule"]["kind"] and curve["mean_steps"][-1] == 4
+    assert curve["accuracy"][-1] == pytest.approx(e["accuracy_fixed_T"])
+    assert any(a == pytest.approx(e["accuracy"]) and s == pytest.approx(e["mean_steps"])
+               for a, s in zip(curve["accuracy"], curve["mean_steps"]))
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    headline = page.split("id='headline'")[1].split("</div>")[0]
+    assert f"at a mean of {e['mean_steps']:.2f} of 4 steps" in headline
+    section = page.split("<h2>Early exit</h2>")[1].split("<h2>")[0]
+    assert 'alt="early exit: accuracy against mean steps, exit steps"' in section
+    assert f"<td>{e['mean_steps']:.2f}</td>" in section and f"<td>{e['histogram']}</td>" in section

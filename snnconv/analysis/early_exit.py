@@ -99,12 +99,16 @@ class ExitCurve:
             chosen -= 1
         return chosen
 
-    def to_dict(self) -> dict[str, Any]:
-        """The curve as plain data (an infinite threshold written ``"inf"``)."""
+    def to_dict(self, points: int | None = None) -> dict[str, Any]:
+        """The curve as plain data (an infinite threshold written ``"inf"``); ``points``: at most
+        that many of its points (evenly by index, both ends kept)."""
+        n = len(self.accuracy)
+        keep = (sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
+                if points is not None and points >= 2 and n > points else range(n))
         return {"kind": self.kind, "min_steps": self.min_steps, "T": self.T, "images": self.images,
                 "accuracy_fixed": self.accuracy_fixed,
-                "thresholds": ["inf" if t == math.inf else t for t in self.thresholds],
-                "accuracy": list(self.accuracy), "mean_steps": list(self.mean_steps)}
+                "thresholds": ["inf" if self.thresholds[i] == math.inf else self.thresholds[i] for i in keep],
+                "accuracy": [self.accuracy[i] for i in keep], "mean_steps": [self.mean_steps[i] for i in keep]}
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,11 @@ class ExitObservation:
     def images(self) -> int:
         """The images observed."""
         return int(self.right.shape[0])
+
+    def accuracy_by_step(self) -> list[float]:
+        """The accuracy (percent) of every image's answer after each step 1..T (the fixed-T
+        runs truncated at each step)."""
+        return [100.0 * float(v) for v in self.right.double().mean(0)]
 
     def curve(self, kind: str, min_steps: int = 1) -> ExitCurve:
         """Accuracy against mean steps for every threshold of ``kind`` (:class:`ExitCurve`)."""

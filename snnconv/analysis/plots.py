@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from snnconv.io.atomic import atomic_write_bytes  # noqa: E402
 
-__all__ = ["plot_accuracy_vs_T", "plot_history", "draw_diagnosis", "plot_diagnosis"]
+__all__ = ["plot_accuracy_vs_T", "plot_history", "draw_diagnosis", "plot_diagnosis", "draw_exit"]
 
 
 def _save(fig, path: str | os.PathLike) -> None:
@@ -108,3 +108,35 @@ def plot_diagnosis(diag: Any, path: str | os.PathLike) -> None:
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     draw_diagnosis(diag, axes)
     _save(fig, path)
+
+
+def draw_exit(record: Mapping[str, Any], axes: Sequence[Any]) -> None:
+    """On two axes, an early-exit evaluation (``evaluation.json``'s ``early_exit``): accuracy
+    against mean steps (the rule's kind at every threshold, the fixed-T runs cut at each step,
+    the rule's own point) and the histogram of exit steps."""
+    a1, a2 = axes
+    T = int(record["T"])
+    curve, by_step = record.get("curve"), record.get("accuracy_by_step")
+    tops = [float(record["accuracy"])]
+    if curve:
+        a1.plot(curve["mean_steps"], curve["accuracy"], color="C0",
+                label=f"early exit, {curve['kind']} at every threshold")
+        tops.append(max(curve["accuracy"]))
+    if by_step:
+        a1.plot(range(1, len(by_step) + 1), by_step, "o--", color="grey", label="fixed T = 1 .. T")
+        tops.append(max(by_step))
+    a1.scatter([record["mean_steps"]], [record["accuracy"]], marker="*", s=160, color="C3", zorder=5,
+               label=f"the rule: {record['accuracy']:.2f}% at {record['mean_steps']:.2f} steps")
+    a1.set_ylim(max(tops) - 15, max(tops) + 1)
+    a1.set_xlabel("mean time steps per image")
+    a1.set_ylabel("top-1 accuracy (%)")
+    a1.set_title("accuracy against mean steps")
+    a1.grid(True, alpha=0.3)
+    a1.legend(fontsize=7, loc="lower right")
+    hist = list(record["histogram"])
+    a2.bar(range(1, len(hist) + 1), hist, color="C0")
+    a2.set_xticks(range(1, T + 1))
+    a2.set_xlabel("exit step")
+    a2.set_ylabel("images")
+    a2.set_title(f"exit steps ({sum(hist):,} images)")
+    a2.grid(True, axis="y", alpha=0.3)

@@ -8,14 +8,17 @@ A run folder is what the CLI commands and the tutorial notebooks write (every fi
 ``finetune.json``       ``snnconv finetune``: ``history`` (one record per epoch) and
                         ``accuracy`` (``{"snn": {T: acc}}`` after fine-tuning)
 ``evaluation.json``     ``snnconv evaluate``: ``accuracy`` by T and ``analysis`` (a
-                        :class:`snnconv.analysis.activity.SpikeAnalysis` as data)
+                        :class:`snnconv.analysis.activity.SpikeAnalysis` as data);
+                        with a rule, ``early_exit`` (accuracy, mean steps, exit histogram,
+                        the curve of the rule's kind and the fixed-T run cut at each step)
 ``backends/*.json``     ``snnconv run``: one file per backend, T, data, image count and
                         settings: accuracy, agreement with the torch SNN, synaptic
                         operations, MACs, energy and wall time
 ======================  ==============================================================
 
 The page opens with a headline (the network, its T, ANN -> SNN accuracy with the number of
-test images, and what the conversion cost); every accuracy is given with its image count, and
+test images, and what the conversion cost; the mean steps where early exit was evaluated);
+every accuracy is given with its image count, and
 every section states the T it shows. Fine-tuning is shown from wherever the run recorded it
 (convert's BPTT stage in ``meta.json``, ``finetune.json``). A measured point that rests on few
 images (:func:`few_images`) is kept out of the accuracy plot, whose axis it would stretch, and
@@ -43,8 +46,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from snnconv.analysis.energy import ARITHMETIC, ARITHMETIC_NOTE, CHIP_NOTE  # noqa: E402
+from snnconv.analysis.plots import draw_exit  # noqa: E402
 from snnconv.analysis.summary import beyond_ann  # noqa: E402
 from snnconv.errors import DataError  # noqa: E402
+from snnconv.exit_rule import ExitRule  # noqa: E402
 from snnconv.io.atomic import atomic_write_text  # noqa: E402
 from snnconv.progress import duration  # noqa: E402
 
@@ -105,8 +110,9 @@ def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 # --- plots ----------------------------------------------------------------------------------
 
-def _png(draw: Callable[[Any], None], size=(6.4, 3.8)) -> str:
-    fig, ax = plt.subplots(figsize=size)
+def _png(draw: Callable[[Any], None], size=(6.4, 3.8), ncols: int = 1) -> str:
+    """``draw(ax)`` (``ncols`` > 1: ``draw(axes)``) as a base64 PNG."""
+    fig, ax = plt.subplots(1, ncols, figsize=size)
     try:
         draw(ax)
         buf = io.BytesIO()
@@ -403,6 +409,12 @@ def headline(run: Mapping[str, Any]) -> list[str]:
         if above:
             lines.append(f"Fine-tuning trained the SNN beyond its ANN: {above['snn']:.2f}% against "
                          f"{above['ann']:.2f}% on {above['data']}; the SNN is a further-trained network.")
+    exit_ = (run.get("evaluation") or {}).get("early_exit")
+    if exit_:
+        lines.append(f"With early exit ({ExitRule.from_dict(exit_['rule']).describe()}): {exit_['accuracy']:.2f}% "
+                     f"at a mean of {exit_['mean_steps']:.2f} of {exit_['T']} steps per image, against "
+                     f"{exit_['accuracy_fixed_T']:.2f}% at all {exit_['T']}, on {_images(exit_.get('images'))} "
+                     "test images.")
     if ft and (ft.get("accuracy") or {}).get("snn"):
         tuned = ft["accuracy"]["snn"]
         t = str(ft.get("T")) if str(ft.get("T")) in tuned else max(tuned, key=int)
@@ -504,6 +516,31 @@ def _diagnosis_parts(diag: Mapping[str, Any], parts: list[str]) -> None:
     parts.append(_img(_png(draw, size=(9, 6)), "departure by cause, per IF layer"))
     parts.append(_table(["IF layer", "ANN site", "departure", "carried", "clip", "quantisation", "temporal",
                          "KL removed as ANN", "its own cause"], rows))
+
+
+def _early_exit_section(run: Mapping[str, Any], parts: list[str]) -> None:
+    """Accuracy against mean steps and the exit steps' histogram (``snnconv evaluate`` with a
+    rule), and every early-exit run of a backend."""
+    record = (run.get("evaluation") or {}).get("early_exit")
+    ran = [(label, r) for label, r in _backend_rows(run["backends"]) if r.get("early_exit")]
+    if not (record or ran):
+        return
+    parts.append("<h2>Early exit</h2>")
+    rows = []
+    if record:
+        parts.append(_img(_png(lambda axes: draw_exit(record, axes), size=(10, 3.6), ncols=2),
+                          "early exit: accuracy against mean steps, exit steps"))
+        rows.append(["torch network (snnconv evaluate)", ExitRule.from_dict(record["rule"]).describe(),
+                     record["T"], _images(record.get("images")), record["accuracy"], record["mean_steps"],
+                     record["histogram"], "steps run"])
+    for label, r in ran:
+        e = r["early_exit"]
+        rows.append([f"backend {label}", ExitRule.from_dict(e["rule"]).describe(), r.get("T", ""),
+                     _images(r.get("images")), e.get("accuracy", math.nan), e.get("mean_steps", math.nan),
+                     e.get("histogram", ""), {"dropped": "steps run", "to exit": "steps up to each exit"}.get(
+                         e.get("counted") or ("dropped" if e.get("dropped") else ""), "all T steps")])
+    parts.append(_table(["where", "rule", "T", "test images", "accuracy (%)", "mean steps",
+                         "images exiting at step 1 .. T", "spikes and energy count"], rows))
 
 
 def _evaluation_sections(ev: Mapping[str, Any] | None, parts: list[str]) -> Mapping[str, Any] | None:
@@ -612,6 +649,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
         parts.append(_table(["setting (snnconv convert)", "value"], [[k, settings[k]] for k in keys]))
 
     _accuracy_section(run, parts)
+    _early_exit_section(run, parts)
     _diagnosis_section(run.get("diagnosis"), parts)
     T = settings.get("T")
     parts.append(f"<h2>Threshold distribution (the converted network{f', T={T}' if T else ''})</h2>")

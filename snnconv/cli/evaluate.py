@@ -46,17 +46,11 @@ def _held_out(args, train):
     return split_loader(train, FinetuneConfig().val_fraction, seed=args.seed)[1]
 
 
-def _describe(rule) -> str:
-    """``"margin >= 0.734 from step 1"``: a rule in a few words."""
-    threshold = "never before T" if rule.threshold == float("inf") else f">= {rule.threshold:.4g}"
-    return f"{rule.kind} {threshold}" + (f" from step {rule.min_steps}" if rule.min_steps > 1 else "")
-
-
 def _early_exit(args, snn, train, test, T: int, fixed: float) -> dict:
     """``evaluation.json``'s ``early_exit``: the network with early exit at most ``T`` steps on
     the test images, with the rule stored in the network, or one calibrated here (not stored)
     where none is stored or ``--exit-tolerance`` asks for it."""
-    from snnconv.analysis.early_exit import calibrate_exit, evaluate_exit
+    from snnconv.analysis.early_exit import calibrate_exit, evaluate_exit, observe_exits
     from snnconv.exit_rule import DEFAULT_TOLERANCE, META_KEY, stored_rule
 
     rule = stored_rule(snn.meta)
@@ -71,11 +65,15 @@ def _early_exit(args, snn, train, test, T: int, fixed: float) -> dict:
         calibration = dict(rec.to_dict(), data=args.data, stored=False)
         rule = rec.rule
         say(args, f"early exit: {why}; calibrated on {rec.images:,} held-out training images (tolerance "
-                  f"{tolerance:g} points): {_describe(rule)}. Not stored: snnconv calibrate-exit stores it")
+                  f"{tolerance:g} points): {rule.describe()}. Not stored: snnconv calibrate-exit stores it")
     else:
         calibration = dict(snn.meta[META_KEY], stored=True)
     res = evaluate_exit(snn, test, rule, T=T, device=args.device, progress=not args.quiet)
-    return dict(res.to_dict(), accuracy_fixed_T=fixed, calibration=calibration)
+    # the rule's curve on the test images (every threshold of its kind) and the truncated runs
+    seen = observe_exits(snn, test, T=T, device=args.device, progress=not args.quiet)
+    return dict(res.to_dict(), accuracy_fixed_T=fixed, calibration=calibration,
+                curve=seen.curve(rule.kind, rule.min_steps).to_dict(points=200),
+                accuracy_by_step=seen.accuracy_by_step())
 
 
 def _cmd_evaluate(args) -> int:
@@ -102,7 +100,7 @@ def _cmd_evaluate(args) -> int:
     if "early_exit" in ev:
         e = ev["early_exit"]
         say(args, f"{'SNN early exit':28}{e['accuracy']:6.2f}   at a mean of {e['mean_steps']:.2f} of {e['T']} steps "
-                  f"({_describe(ExitRule.from_dict(e['rule']))}); images stopping at step 1..{e['T']}: "
+                  f"({ExitRule.from_dict(e['rule']).describe()}); images stopping at step 1..{e['T']}: "
                   f"{e['histogram']}")
         if e["calibration"].get("T") not in (None, e["T"]):
             say(args, f"(the rule was calibrated at T={e['calibration']['T']}; here no image runs more than "
@@ -139,7 +137,7 @@ def _cmd_calibrate_exit(args) -> int:
     path = os.path.join(out, os.path.basename(src))
     snn.to("cpu").save(path)
     say(args, f"on {rec.images:,} held-out images: {rec.accuracy_fixed:.2f}% at T={T}, {rec.accuracy:.2f}% with "
-              f"early exit at a mean of {rec.mean_steps:.2f} steps ({_describe(rec.rule)}); images stopping at "
+              f"early exit at a mean of {rec.mean_steps:.2f} steps ({rec.rule.describe()}); images stopping at "
               f"step 1..{T}: {rec.histogram}")
     print(f"wrote {path}: its early-exit rule, which snnconv evaluate uses from now on")
     return 0
