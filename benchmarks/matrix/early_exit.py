@@ -100,6 +100,8 @@ def job(arch: str, seed: int, args) -> dict:
     ann, _ = cached_ann(spec, train, torch.device("cpu"))
     loader = DataLoader(train, batch_size=128, shuffle=True, generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
+    saved = os.path.join(args.cache, f"early_exit_{arch}_s{seed}_T{args.T}_ft{args.finetune_epochs}"
+                                     f"_h{'-'.join(map(str, args.horizons or []))}.pt")
     extra = {"maxpool": "avg"} if arch == "vgg_max" else {}
     if args.horizons:  # convert()'s own fine-tuning, its readouts trained at these steps
         from snnconv.defaults import default_finetune_epochs, finetune_recipe
@@ -109,8 +111,14 @@ def job(arch: str, seed: int, args) -> dict:
                                                    horizons=tuple(args.horizons))
     else:
         extra["finetune_epochs"] = args.finetune_epochs
-    snn, _ = snnconv.convert(ann, loader, T=args.T, seed=seed, progress=False, **extra)
-    convert_s = time.perf_counter() - start
+    if os.path.exists(saved):  # converted by an earlier run of the same settings
+        snn = snnconv.SpikingNetwork.load(saved)
+        convert_s = float(snn.meta.get("benchmark_convert_seconds", math.nan))
+    else:
+        snn, _ = snnconv.convert(ann, loader, T=args.T, seed=seed, progress=False, **extra)
+        convert_s = time.perf_counter() - start
+        snn.meta["benchmark_convert_seconds"] = convert_s
+        snn.save(saved)
     held_loader, test_loader = DataLoader(held, batch_size=250), DataLoader(test, batch_size=250)
     on_held = observe_exits(snn, held_loader, T=args.T)
     on_test = observe_exits(snn, test_loader, T=args.T)
@@ -144,7 +152,9 @@ def job(arch: str, seed: int, args) -> dict:
             for part in x.split(250):
                 snn.run_with_exit(part, rule, T=args.T)
             exit_s = min(exit_s, time.perf_counter() - start)
+    backends = on_backends(snn, test, rule, args)
     return {"arch": arch, "seed": seed, "T": args.T, "finetune_epochs": args.finetune_epochs,
+            "backends": backends,
             "horizons": args.horizons,
             "convert_seconds": round(convert_s, 1), "held_images": len(held), "test_images": len(test),
             "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
@@ -155,6 +165,49 @@ def job(arch: str, seed: int, args) -> dict:
                                    "from_step_1": _thin(test_curves[kind, 1].mean_steps,
                                                         test_curves[kind, 1].accuracy)}
                             for kind in EXIT_RULES}}
+
+
+def on_backends(snn, test, rule, args) -> dict:
+    """Through NIR (the analog prefix run first, as ``snnconv run`` does): the cpu backend's wall
+    time per image at the fixed T against early exit with ``rule`` on ``--wall-images`` test
+    images (the best of ``--repeats`` runs each, in turns), and loihi2-sim's accuracy and energy
+    per image both ways on ``--chip-images``."""
+    from snnconv.constructs.prefix import analog_prefix
+
+    graph = snnconv.export_nir(snn)
+    x, y = test.tensors[0][:args.wall_images], test.tensors[1][:args.wall_images]
+    stem = analog_prefix(snn)
+    if stem is not None:
+        with torch.no_grad():
+            x = stem(x)
+    out: dict = {}
+    cpu = snnconv.backends.get("cpu").compile(graph)
+    best = {"fixed": math.inf, "exit": math.inf}
+    right = {}
+    for _ in range(args.repeats):
+        for how, r in (("fixed", None), ("exit", rule)):
+            start = time.perf_counter()
+            runs = [cpu.run(part, args.T, exit_rule=r) for part in x.split(250)]
+            best[how] = min(best[how], time.perf_counter() - start)
+            answers = torch.cat([(run.outputs.mean(0) if r is None else run.extra["early_exit"]["output"]).argmax(1)
+                                 for run in runs])
+            right[how] = 100.0 * float((answers == y).double().mean())
+    out["cpu"] = {"images": len(y), "wall_per_image_ms": {k: 1e3 * v / len(y) for k, v in best.items()},
+                  "accuracy": right, "wall_ratio": best["exit"] / best["fixed"]}
+    if args.chip_images:
+        chip = snnconv.backends.get("loihi2-sim").compile(graph, reference=False)
+        xc, yc = x[:args.chip_images], y[:args.chip_images]
+        rec = {"images": len(yc)}
+        for how, r in (("fixed", None), ("exit", rule)):
+            run = chip.run(xc, args.T, exit_rule=r)
+            answers = (run.outputs.mean(0) if r is None else run.extra["early_exit"]["output"]).argmax(1)
+            rec[how] = {"accuracy": 100.0 * float((answers == yc).double().mean()),
+                        "energy_per_image_uJ": 1e6 * run.extra["energy"]["per_image_J"],
+                        "synops_per_image": run.extra["energy"]["synops_per_image"],
+                        "mean_steps": float(run.extra["early_exit"]["mean_steps"]) if r is not None else args.T}
+        rec["energy_ratio"] = rec["exit"]["energy_per_image_uJ"] / rec["fixed"]["energy_per_image_uJ"]
+        out["loihi2-sim"] = rec
+    return out
 
 
 def table(jobs: list[dict]) -> str:
@@ -169,12 +222,24 @@ def table(jobs: list[dict]) -> str:
             lines.append(f"| {r['arch']} | {r['seed']} | {r['kind']} | {r['tolerance']:g} | {chosen} | "
                          f"{r['test_fixed']:.2f} | {r['test_accuracy']:.2f} ({change:+.2f}) "
                          f"| {r['test_steps']:.2f} | {r['oracle_steps']:.2f} |")
-    lines += ["", "| network | seed | fixed T = 1 .. T | wall per image, fixed T / early exit (ms) |",
-              "|---|---|---|---|"]
+    lines += ["", "| network | seed | fixed T = 1 .. T | torch wall per image, fixed T / early exit (ms) | "
+              "cpu backend: accuracy fixed / exit, wall per image fixed / exit (ms), ratio | "
+              "loihi2-sim: accuracy fixed / exit, mean steps, energy per image fixed / exit (uJ), ratio |",
+              "|---|---|---|---|---|---|"]
     for j in jobs:
         byT = " / ".join(f"{v:.1f}" for v in j["fixed_accuracy_by_T"].values())
         w = j["wall_per_image_ms"]
-        lines.append(f"| {j['arch']} | {j['seed']} | {byT} | {w['fixed_T']:.2f} / {w['early_exit']:.2f} |")
+        b = j.get("backends") or {}
+        cpu, chip = b.get("cpu"), b.get("loihi2-sim")
+        cpu_text = "" if not cpu else (
+            f"{cpu['accuracy']['fixed']:.2f} / {cpu['accuracy']['exit']:.2f}, {cpu['wall_per_image_ms']['fixed']:.2f}"
+            f" / {cpu['wall_per_image_ms']['exit']:.2f}, {cpu['wall_ratio']:.2f}x")
+        chip_text = "" if not chip else (
+            f"{chip['fixed']['accuracy']:.2f} / {chip['exit']['accuracy']:.2f}, {chip['exit']['mean_steps']:.2f}, "
+            f"{chip['fixed']['energy_per_image_uJ']:.3g} / {chip['exit']['energy_per_image_uJ']:.3g}, "
+            f"{chip['energy_ratio']:.2f}x")
+        lines.append(f"| {j['arch']} | {j['seed']} | {byT} | {w['fixed_T']:.2f} / {w['early_exit']:.2f} | "
+                     f"{cpu_text} | {chip_text} |")
     return "\n".join(lines)
 
 
@@ -228,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wall-images", type=int, default=2000, help="test images the wall time is measured on")
     ap.add_argument("--repeats", type=int, default=3, help="wall time: the best of this many runs of each")
+    ap.add_argument("--chip-images", type=int, default=256,
+                    help="test images loihi2-sim runs with and without early exit (0: none)")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/matrix"))
     ap.add_argument("--smoke", action="store_true", help="digits, one narrow small CNN, 4 ANN epochs: seconds")
     ap.add_argument("--out", default="early_exit", help="path of the results without extension")
