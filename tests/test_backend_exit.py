@@ -129,3 +129,23 @@ def test_loihi2_sim_counts_each_images_work_up_to_its_exit(compiled):
     assert e["neuron_updates_per_image"] < e_fixed["neuron_updates_per_image"]
     assert e["per_image_J"] < e_fixed["per_image_J"]
     assert run.extra["latency"]["steps"] == pytest.approx(float(k.double().mean()) + program.q.depth)
+
+
+@pytest.mark.parametrize("entry", [{"rule": {"kind": "margin", "threshold": "__import__('os')"}},
+                                   {"rule": [1, 2]}, "margin", {"kind": "margin"}])
+def test_the_rule_travels_in_the_nir_metadata_and_a_crafted_one_is_a_nir_error(compiled, entry):
+    from snnconv.errors import NIRError
+    from snnconv.exit_rule import META_KEY, stored_rule
+    from snnconv.snn.nir_io import from_nir
+
+    snn = compiled[0]
+    rule = ExitRule("softmax", 0.75, min_steps=2)
+    snn.meta[META_KEY] = {"rule": rule.to_dict(), "tolerance": 0.3}
+    try:
+        graph = export_nir(snn, input_shape=SHAPE)
+    finally:
+        del snn.meta[META_KEY]
+    assert stored_rule(from_nir(graph).meta) == rule
+    graph.metadata[META_KEY] = entry
+    with pytest.raises(NIRError, match="metadata.*early-exit rule.*malformed"):
+        from_nir(graph)

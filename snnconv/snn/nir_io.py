@@ -53,7 +53,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from snnconv.constructs.prefix import AnalogPrefix
-from snnconv.errors import NIRError
+from snnconv.errors import ConfigError, NIRError
 from snnconv.exit_rule import META_KEY as EXIT_META_KEY
 from snnconv.exit_rule import stored_rule
 from snnconv.graph import describe_node, module_of
@@ -667,7 +667,10 @@ def from_nir(graph: nir.NIRGraph, *, T: int | None = None, dt: float = 1.0,
     snn = SpikingNetwork(gm, T).eval()
     snn.meta = {"input_shape": list(parsed.input_shape), "reset": parsed.reset,
                 "time_expanded": expanded, "nir": dict(parsed.metadata)}
-    rule = stored_rule(parsed.metadata)  # checked: a malformed rule is refused, naming it
+    try:  # checked: a malformed rule is refused, naming it, as any malformed part of a graph
+        rule = stored_rule(parsed.metadata)
+    except ConfigError as exc:
+        raise NIRError(f"the graph's metadata: {exc}") from None
     if rule is not None:
         snn.meta[EXIT_META_KEY] = {"rule": rule.to_dict()}
     return snn
