@@ -87,8 +87,8 @@ def test_evaluate_run_cpu_the_api_and_the_report_give_one_figure_for_one_run(sma
     assert printed == [round(api["ratio"], 3)] * 2
     assert main(["report", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text()
-    rows = re.findall(r"<tr><td>([^<]*)</td><td>\d+</td><td>" + ARITHMETIC + r"</td>.*?<td>([\d.]+)</td></tr>",
-                      page)
+    rows = re.findall(r"<tr><td>([^<]*)</td><td>\d+</td><td>4</td><td>" + ARITHMETIC
+                      + r"</td>.*?<td>([\d.]+)</td></tr>", page)
     assert [t for t, _ in rows] == ["evaluate (torch SNN)", "run --backend cpu"]
     assert [float(r) for _, r in rows] == [round(api["ratio"], 3)] * 2
     assert "Why two targets differ" in page
@@ -161,3 +161,22 @@ def test_a_concatenation_marker_on_other_weights_is_refused():
     graph.nodes[parts[0]].weight = w
     with pytest.raises(NIRError, match="concatenation's part"):
         parse(graph)
+
+
+def test_the_chip_row_counts_the_analog_prefix_on_both_sides(tmp_path, capsys):
+    """A network with an analog prefix (run off the chip): loihi2-sim's ANN figure is the
+    arithmetic rows' (the whole network's MACs), and its record covers every batch."""
+    from _loihi_stem import stem_snn
+
+    snn, _ = stem_snn(size=32)
+    snn.save(tmp_path / "snn.pt")
+    assert main(["export", str(tmp_path)]) == 0
+    assert main(["run", str(tmp_path), "--backend", "loihi2-sim", "--data", "synthetic", "--T", "2",
+                 "--limit", "24", "--batch", "8", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    rec = json.loads(next((tmp_path / "backends").glob("loihi2-sim_*.json")).read_text())
+    chip = rec["extra"]["energy"]
+    assert chip["analog_prefix_macs_per_image"] > 0
+    assert chip["ann_per_image_J"] * 1e12 == pytest.approx(rec["energy"]["ann_pj"], rel=1e-9)
+    assert chip["ann_macs_per_image"] == pytest.approx(rec["macs_total"] / 24 + chip["analog_prefix_macs_per_image"])
+    assert "both sides include the analog prefix" in out

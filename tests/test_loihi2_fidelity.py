@@ -148,15 +148,16 @@ def test_run_warns_and_strict_exits_1(tmp_path, capsys):
     save_nir(_dead_channel("zero"), path)
     args = ["run", str(path), "--backend", "loihi2-sim", "--data", "digits", "--limit", "64",
             "--T", "6", "--quiet", "--out", str(tmp_path)]
-    with pytest.warns(QuantisationWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, as one printed line: not a Python warning too
         assert main(args + ["--option", "per_neuron_vth=false"]) == 0
-    out = capsys.readouterr().out
-    assert "WARNING: loihi2-sim: quantisation departs" in out
+    captured = capsys.readouterr()
+    assert captured.out.count("quantisation departs") == 1 and "quantisation departs" not in captured.err
+    assert "WARNING: loihi2-sim: quantisation departs" in captured.out and "benchmarks" not in captured.out
     # one record per setting: the option's run is kept beside the default's
     rec = json.loads(next((tmp_path / "backends").glob("loihi2-sim_T6_digits_64img_*.json")).read_text())
     assert rec["quantisation_check"]["warnings"]
-    with pytest.warns(QuantisationWarning):
-        assert main(args + ["--option", "per_neuron_vth=false", "--strict"]) == 1
+    assert main(args + ["--option", "per_neuron_vth=false", "--strict"]) == 1
     assert main(args + ["--strict"]) == 0
     rec = json.loads((tmp_path / "backends" / "loihi2-sim_T6_digits_64img.json").read_text())
     assert rec["quantisation_check"]["warnings"] == []
@@ -506,3 +507,14 @@ def test_per_channel_scales_before_a_pooling_then_a_convolution_fold_into_the_on
     want = F.conv2d(F.avg_pool2d(x * s.reshape(1, 3, 1, 1), 3, 2), w)
     got = F.conv2d(x, torch.from_numpy(big), stride=params["stride"], padding=params["padding"])
     assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_decision_advice_works_from_an_installed_package():
+    """The advice of a decision departure names commands of the installed CLI, not the
+    benchmarks of a source checkout."""
+    from snnconv_backends.loihi2.fidelity import check
+
+    q = quantize(small_graph("subtract"))
+    fid = check(q, {}, None, 100, 4, decisions=(50, 100))
+    (line,) = [w for w in fid["warnings"] if "decisions" in w]
+    assert "snnconv finetune" in line and "benchmarks" not in line

@@ -14,7 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from snnconv.io.atomic import atomic_write_bytes  # noqa: E402
 
-__all__ = ["plot_accuracy_vs_T", "plot_history", "draw_diagnosis", "plot_diagnosis", "draw_exit"]
+__all__ = ["plot_accuracy_vs_T", "plot_history", "draw_diagnosis", "plot_diagnosis", "draw_exit", "curve_points",
+           "draw_accuracy", "draw_firing", "draw_thresholds", "draw_raster", "draw_history", "draw_ops", "draw_energy"]
 
 
 def _save(fig, path: str | os.PathLike) -> None:
@@ -140,3 +141,125 @@ def draw_exit(record: Mapping[str, Any], axes: Sequence[Any]) -> None:
     a2.set_ylabel("images")
     a2.set_title(f"exit steps ({sum(hist):,} images)")
     a2.grid(True, axis="y", alpha=0.3)
+
+
+def curve_points(points: Mapping[Any, float]) -> tuple[list[int], list[float]]:
+    Ts = sorted(int(t) for t in points)
+    return Ts, [float(points[str(t)] if str(t) in points else points[t]) for t in Ts]
+
+
+def draw_accuracy(ax, acc: Mapping[str, Any], tuned: Mapping[str, float] | None,
+                   points: list[tuple[str, int, float]], evaluated: tuple[str, Mapping[str, float]] | None = None
+                   ) -> None:
+    """The SNN's accuracy by T (converted, evaluated, fine-tuned), the ANNs as lines, and
+    ``points`` (``(label, T, accuracy)``: backends, already cleared of few-image results); the
+    legend beside the axes, where it covers no point."""
+    all_T: set[int] = set()
+    if acc.get("snn"):
+        Ts, ys = curve_points(acc["snn"])
+        ax.plot(Ts, ys, marker="o", label="SNN (converted)")
+        all_T |= set(Ts)
+    if evaluated:
+        Ts, ys = curve_points(evaluated[1])
+        ax.plot(Ts, ys, marker="D", linestyle=":", label=evaluated[0])
+        all_T |= set(Ts)
+    if tuned:
+        Ts, ys = curve_points(tuned)
+        ax.plot(Ts, ys, marker="s", label="SNN (snnconv finetune)")
+        all_T |= set(Ts)
+    for i, (label, T, value) in enumerate(points):
+        ax.scatter([T], [value], marker="x", s=60, zorder=5, color=f"C{(i + 4) % 10}", label=label)
+        all_T.add(T)
+    for j, (key, label) in enumerate((("ann", "ANN"), ("qcfs", "QCFS-ANN"))):
+        if isinstance(acc.get(key), (int, float)):
+            ax.axhline(acc[key], linestyle="--", color=f"C{j + 2}", label=f"{label} ({acc[key]:.1f}%)")
+    ax.set_xscale("log", base=2)
+    if all_T:
+        ticks = sorted(all_T)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(t) for t in ticks])
+        ax.minorticks_off()
+    ax.set_xlabel("time steps T")
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_title("Accuracy against time steps")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def draw_firing(ax, rates: Mapping[str, float]) -> None:
+    names = list(rates)
+    ax.bar(range(len(names)), [100 * rates[n] for n in names], color="C0")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("firing rate (% of neurons per step)")
+    ax.set_title("Firing rate per layer")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def draw_thresholds(ax, thetas: Mapping[str, list[float]]) -> None:
+    names = list(thetas)
+    ax.boxplot([thetas[n] for n in names], whis=(0, 100))
+    ax.set_xticks(range(1, len(names) + 1))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("threshold theta")
+    ax.set_title("Thresholds per layer (per-channel values as a box)")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def draw_raster(ax, raster: Mapping[str, list[list[int]]], T: int, per_layer: int) -> None:
+    names = list(raster)
+    for i, name in enumerate(names):
+        pts = raster[name]
+        if pts:
+            ax.scatter([p[0] + 1 for p in pts], [i * per_layer + p[1] for p in pts], s=4,
+                       marker="|", color=f"C{i % 10}")
+    ax.set_yticks([i * per_layer + per_layer / 2 for i in range(len(names))])
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_xlim(0.5, T + 0.5)
+    ax.set_xticks(range(1, T + 1, max(1, T // 16)))
+    ax.set_ylim(0, max(1, len(names)) * per_layer)
+    ax.set_xlabel("time step")
+    ax.set_title(f"Spike raster: first {per_layer} neurons of each layer, image 0")
+
+
+def draw_history(ax, history: list[Mapping[str, float]], title: str) -> None:
+    records = [h for h in history if "epoch" in h]
+    epochs = [h["epoch"] for h in records]
+    ax.plot(epochs, [h["loss"] for h in records], marker="o", color="C0", label="training loss")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax2 = ax.twinx()
+    for i, key in enumerate(("train_acc", "val_acc")):
+        pts = [(h["epoch"], h[key]) for h in records if key in h]
+        if pts:
+            ax2.plot(*zip(*pts), marker="s", color=f"C{i + 1}", label=key.replace("_", " "))
+    ax2.set_ylabel("accuracy (%)")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+
+
+def draw_ops(ax, synops: Mapping[str, float], macs: Mapping[str, float],
+              static: Mapping[str, float]) -> None:
+    names = list(macs)
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [macs[n] for n in names], width=0.4, label="ANN MACs")
+    ax.bar([x + 0.2 for x in xs], [synops.get(n, 0.0) for n in names], width=0.4,
+           label="SNN accumulates (whole run)", color="C1")
+    ax.bar([x + 0.2 for x in xs], [static.get(n, 0.0) for n in names], width=0.4,
+           label="SNN MACs (static input, once)", color="C1", hatch="//", alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("operations (batch)")
+    ax.set_title("Synaptic operations against MACs per layer")
+    ax.legend(fontsize=8)
+
+
+def draw_energy(ax, rows: list[tuple[str, float]]) -> None:
+    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=[f"C{i}" for i in range(len(rows))])
+    ax.set_xlabel("energy per image (nJ)")
+    ax.set_title("Energy estimates per inference")
+    ax.grid(True, axis="x", alpha=0.3)

@@ -46,7 +46,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from snnconv.analysis.energy import ARITHMETIC, ARITHMETIC_NOTE, CHIP_NOTE  # noqa: E402
-from snnconv.analysis.plots import draw_exit  # noqa: E402
+from snnconv.analysis.plots import (  # noqa: E402
+    curve_points,
+    draw_accuracy,
+    draw_energy,
+    draw_exit,
+    draw_firing,
+    draw_history,
+    draw_ops,
+    draw_raster,
+    draw_thresholds,
+)
 from snnconv.analysis.summary import beyond_ann  # noqa: E402
 from snnconv.errors import DataError  # noqa: E402
 from snnconv.exit_rule import ExitRule  # noqa: E402
@@ -122,122 +132,6 @@ def _png(draw: Callable[[Any], None], size=(6.4, 3.8), ncols: int = 1) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _curve(points: Mapping[Any, float]) -> tuple[list[int], list[float]]:
-    Ts = sorted(int(t) for t in points)
-    return Ts, [float(points[str(t)] if str(t) in points else points[t]) for t in Ts]
-
-
-def _plot_accuracy(ax, acc: Mapping[str, Any], tuned: Mapping[str, float] | None,
-                   points: list[tuple[str, int, float]]) -> None:
-    """The SNN's accuracy by T (converted, fine-tuned), the ANNs as lines, and ``points``
-    (``(label, T, accuracy)``: backends, already cleared of few-image results)."""
-    all_T: set[int] = set()
-    if acc.get("snn"):
-        Ts, ys = _curve(acc["snn"])
-        ax.plot(Ts, ys, marker="o", label="SNN (converted)")
-        all_T |= set(Ts)
-    if tuned:
-        Ts, ys = _curve(tuned)
-        ax.plot(Ts, ys, marker="s", label="SNN (snnconv finetune)")
-        all_T |= set(Ts)
-    for i, (label, T, value) in enumerate(points):
-        ax.scatter([T], [value], marker="x", s=60, zorder=5, color=f"C{(i + 4) % 10}", label=label)
-        all_T.add(T)
-    for j, (key, label) in enumerate((("ann", "ANN"), ("qcfs", "QCFS-ANN"))):
-        if isinstance(acc.get(key), (int, float)):
-            ax.axhline(acc[key], linestyle="--", color=f"C{j + 2}", label=f"{label} ({acc[key]:.1f}%)")
-    ax.set_xscale("log", base=2)
-    if all_T:
-        ticks = sorted(all_T)
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([str(t) for t in ticks])
-        ax.minorticks_off()
-    ax.set_xlabel("time steps T")
-    ax.set_ylabel("top-1 accuracy (%)")
-    ax.set_title("Accuracy against time steps")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def _plot_firing(ax, rates: Mapping[str, float]) -> None:
-    names = list(rates)
-    ax.bar(range(len(names)), [100 * rates[n] for n in names], color="C0")
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("firing rate (% of neurons per step)")
-    ax.set_title("Firing rate per layer")
-    ax.grid(True, axis="y", alpha=0.3)
-
-
-def _plot_thresholds(ax, thetas: Mapping[str, list[float]]) -> None:
-    names = list(thetas)
-    ax.boxplot([thetas[n] for n in names], whis=(0, 100))
-    ax.set_xticks(range(1, len(names) + 1))
-    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("threshold theta")
-    ax.set_title("Thresholds per layer (per-channel values as a box)")
-    ax.grid(True, axis="y", alpha=0.3)
-
-
-def _plot_raster(ax, raster: Mapping[str, list[list[int]]], T: int, per_layer: int) -> None:
-    names = list(raster)
-    for i, name in enumerate(names):
-        pts = raster[name]
-        if pts:
-            ax.scatter([p[0] + 1 for p in pts], [i * per_layer + p[1] for p in pts], s=4,
-                       marker="|", color=f"C{i % 10}")
-    ax.set_yticks([i * per_layer + per_layer / 2 for i in range(len(names))])
-    ax.set_yticklabels(names, fontsize=7)
-    ax.set_xlim(0.5, T + 0.5)
-    ax.set_xticks(range(1, T + 1, max(1, T // 16)))
-    ax.set_ylim(0, max(1, len(names)) * per_layer)
-    ax.set_xlabel("time step")
-    ax.set_title(f"Spike raster: first {per_layer} neurons of each layer, image 0")
-
-
-def _plot_history(ax, history: list[Mapping[str, float]], title: str) -> None:
-    records = [h for h in history if "epoch" in h]
-    epochs = [h["epoch"] for h in records]
-    ax.plot(epochs, [h["loss"] for h in records], marker="o", color="C0", label="training loss")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("loss")
-    ax2 = ax.twinx()
-    for i, key in enumerate(("train_acc", "val_acc")):
-        pts = [(h["epoch"], h[key]) for h in records if key in h]
-        if pts:
-            ax2.plot(*zip(*pts), marker="s", color=f"C{i + 1}", label=key.replace("_", " "))
-    ax2.set_ylabel("accuracy (%)")
-    lines = ax.get_legend_handles_labels()
-    lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-
-
-def _plot_ops(ax, synops: Mapping[str, float], macs: Mapping[str, float],
-              static: Mapping[str, float]) -> None:
-    names = list(macs)
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], [macs[n] for n in names], width=0.4, label="ANN MACs")
-    ax.bar([x + 0.2 for x in xs], [synops.get(n, 0.0) for n in names], width=0.4,
-           label="SNN accumulates (whole run)", color="C1")
-    ax.bar([x + 0.2 for x in xs], [static.get(n, 0.0) for n in names], width=0.4,
-           label="SNN MACs (static input, once)", color="C1", hatch="//", alpha=0.6)
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("operations (batch)")
-    ax.set_title("Synaptic operations against MACs per layer")
-    ax.legend(fontsize=8)
-
-
-def _plot_energy(ax, rows: list[tuple[str, float]]) -> None:
-    ax.barh([r[0] for r in rows], [r[1] for r in rows], color=[f"C{i}" for i in range(len(rows))])
-    ax.set_xlabel("energy per image (nJ)")
-    ax.set_title("Energy estimates per inference")
-    ax.grid(True, axis="x", alpha=0.3)
-
-
 def energy_comparisons(analysis: Mapping[str, Any] | None, backends: Mapping[str, Any]) -> list[dict]:
     """One SNN-against-ANN row per target and energy model: evaluate's (the torch SNN), each
     backend's arithmetic one and a chip backend's own (nJ per image), each with its model named."""
@@ -245,18 +139,23 @@ def energy_comparisons(analysis: Mapping[str, Any] | None, backends: Mapping[str
     e = (analysis or {}).get("energy") or {}
     if e.get("ann_pj"):
         rows.append({"target": "evaluate (torch SNN)", "images": (analysis or {}).get("batch", ""),
+                     "T": (analysis or {}).get("T", ""),
                      "model": ARITHMETIC, "short": "45 nm", "snn_nj": e["snn_pj"] / 1e3,
                      "ann_nj": e["ann_pj"] / 1e3, "ratio": e["ratio"]})
     for name, res in backends.items():
         name = res.get("backend", name)
+        exit_ = res.get("early_exit") or {}
+        if exit_ and exit_.get("counted", "dropped" if exit_.get("dropped") else "all T") != "all T":
+            name += f" (early exit: a mean of {exit_['mean_steps']:.2f} steps)"
         a = res.get("energy") or {}
+        T = res.get("T", "")
         if a.get("ann_pj"):
-            rows.append({"target": f"run --backend {name}", "images": res.get("images", ""),
+            rows.append({"target": f"run --backend {name}", "images": res.get("images", ""), "T": T,
                          "model": ARITHMETIC, "short": "45 nm", "snn_nj": a["snn_pj"] / 1e3,
                          "ann_nj": a["ann_pj"] / 1e3, "ratio": a["ratio"]})
         chip = (res.get("extra") or {}).get("energy") or {}
         if chip.get("ann_per_image_J"):
-            rows.append({"target": f"run --backend {name}", "images": res.get("images", ""),
+            rows.append({"target": f"run --backend {name}", "images": res.get("images", ""), "T": T,
                          "model": chip.get("model", CHIP_NOTE), "short": "chip figures",
                          "snn_nj": chip["per_image_J"] * 1e9, "ann_nj": chip["ann_per_image_J"] * 1e9,
                          "ratio": chip["snn_over_ann"]})
@@ -322,8 +221,8 @@ def _energy_section(analysis: Mapping[str, Any] | None, backends: Mapping[str, A
     comparisons = energy_comparisons(analysis, backends)
     if comparisons:
         parts.append("<h2>Energy: the SNN against the ANN, per target</h2>")
-        parts.append(_table(["target", "images", "energy model", "SNN (nJ / image)", "ANN (nJ / image)",
-                             "SNN/ANN"], [[c["target"], c["images"], c["model"], f"{c['snn_nj']:.1f}",
+        parts.append(_table(["target", "images", "T", "energy model", "SNN (nJ / image)", "ANN (nJ / image)",
+                             "SNN/ANN"], [[c["target"], c["images"], c["T"], c["model"], f"{c['snn_nj']:.1f}",
                                            f"{c['ann_nj']:.1f}", f"{c['ratio']:.3f}"] for c in comparisons]))
         parts.append(f"<p>Why two targets differ. Rows of the energy model <i>{html.escape(ARITHMETIC)}"
                      f"</i> share one definition ({html.escape(ARITHMETIC_NOTE)}), counted on the spiking "
@@ -337,9 +236,9 @@ def _energy_section(analysis: Mapping[str, Any] | None, backends: Mapping[str, A
                      "A chip row uses "
                      f"{html.escape(CHIP_NOTE)}. The two models answer different questions; compare a "
                      "ratio only with rows of the same model.</p>")
-        energy_rows = [(f"{c['target']}: SNN ({c['short']})", c["snn_nj"]) for c in comparisons]
+        energy_rows = [(f"{c['target']}, T={c['T']}: SNN ({c['short']})", c["snn_nj"]) for c in comparisons]
         energy_rows += [(f"ANN ({c['short']})", c["ann_nj"]) for c in comparisons[:1]]
-        parts.append(_img(_png(lambda ax: _plot_energy(ax, energy_rows),
+        parts.append(_img(_png(lambda ax: draw_energy(ax, energy_rows),
                                size=(6.4, 0.5 * len(energy_rows) + 1.4)), "energy"))
 
 
@@ -351,6 +250,11 @@ def few_images(n: Any, largest: int) -> bool:
 
 def _images(n: Any) -> str:
     return f"{n:,}" if isinstance(n, int) else "not recorded"
+
+
+def _subset(n: Any, largest: int) -> str:
+    """``" (a subset: 128 of 1,000)"`` where ``n`` images are fewer than the run's ``largest``."""
+    return f" (a subset: {n:,} of {largest:,})" if isinstance(n, int) and 0 < n < largest else ""
 
 
 def _model_name(meta: Mapping[str, Any]) -> str:
@@ -443,8 +347,12 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
     settings = (meta or {}).get("settings") or {}
     acc = (meta or {}).get("accuracy") or {}
     n = settings.get("eval_images")
+    evaluated = None  # snnconv evaluate's sweep of the converted network, where it adds a T
     if ev and ev.get("accuracy") and not acc.get("snn"):
         acc, n = {**acc, "snn": ev["accuracy"]}, ev.get("images")
+    elif ev and ev.get("accuracy") and ev.get("network", "snn.pt") == "snn.pt" and \
+            set(map(str, ev["accuracy"])) - set(map(str, acc["snn"])):
+        evaluated = (f"SNN (snnconv evaluate, {_images(ev.get('images'))} images)", ev["accuracy"])
     tuned = (ft or {}).get("accuracy", {}).get("snn") if ft else None
     measured = [(label, res) for label, res in _backend_rows(run["backends"])
                 if isinstance(res.get("accuracy"), (int, float)) and res.get("T")]
@@ -455,21 +363,26 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
     counts = [c for c in [n, (ft or {}).get("images")] + [r.get("images") for _, r in measured]
               if isinstance(c, int)]
     largest = max(counts, default=0)
-    shown = [(f"{label}, {_images(r.get('images'))} images", int(r["T"]), float(r["accuracy"]))
-             for label, r in measured if not few_images(r.get("images"), largest)]
+    shown = [(f"{label}, {_images(r.get('images'))} images" + _subset(r.get("images"), largest), int(r["T"]),
+              float(r["accuracy"])) for label, r in measured if not few_images(r.get("images"), largest)]
     left = [f"{label} at T={r['T']}: {r['accuracy']:.2f}% on {_images(r.get('images'))} images"
             for label, r in measured if few_images(r.get("images"), largest)]
-    parts.append(_img(_png(lambda ax: _plot_accuracy(ax, acc, tuned, shown)), "accuracy vs T"))
+    parts.append(_img(_png(lambda ax: draw_accuracy(ax, acc, tuned, shown, evaluated), size=(8.4, 3.8)),
+                      "accuracy vs T"))
     if left:
         parts.append(_note(f"Left off the plot (fewer than {FEW_IMAGES} images, against {largest:,} "
                            f"for the others): {'; '.join(left)}. They are in the table."))
     rows = [[label, "analog", _images(n), acc[key]] for key, label in (
         ("ann", "ANN"), ("folded", "ANN, BatchNorm folded"), ("qcfs", f"QCFS-ANN (L={settings.get('L', '?')})"))
         if isinstance(acc.get(key), (int, float))]
-    rows += [["SNN (converted)", t, _images(n), v] for t, v in zip(*_curve(acc.get("snn") or {}))]
+    rows += [["SNN (converted)", t, _images(n), v] for t, v in zip(*curve_points(acc.get("snn") or {}))]
+    if evaluated:
+        rows += [["SNN (snnconv evaluate)", t, _images(ev.get("images")), v]
+                 for t, v in zip(*curve_points(evaluated[1]))]
     rows += [["SNN (snnconv finetune)", t, _images((ft or {}).get("images")), v]
-             for t, v in zip(*_curve(tuned or {}))]
-    rows += [[f"backend {label}" + (" (few images)" if few_images(r.get("images"), largest) else ""),
+             for t, v in zip(*curve_points(tuned or {}))]
+    rows += [[f"backend {label}" + (" (few images)" if few_images(r.get("images"), largest) else
+                                    _subset(r.get("images"), largest)),
               r["T"], _images(r.get("images")), r["accuracy"]] for label, r in measured]
     parts.append(_table(["network", "T", "test images", "accuracy (%)"], rows))
     T = settings.get("T")
@@ -550,7 +463,7 @@ def _evaluation_sections(ev: Mapping[str, Any] | None, parts: list[str]) -> Mapp
           if analysis else "")
     parts.append(f"<h2>Firing rate per layer{html.escape(at)}</h2>")
     if analysis and analysis.get("firing_rate"):
-        parts.append(_img(_png(lambda ax: _plot_firing(ax, analysis["firing_rate"]), size=(7.5, 3.8)),
+        parts.append(_img(_png(lambda ax: draw_firing(ax, analysis["firing_rate"]), size=(7.5, 3.8)),
                           "firing rate per layer"))
         mean = sum(analysis["firing_rate"].values()) / len(analysis["firing_rate"])
         parts.append(f"<p>Mean over layers: {100 * mean:.2f}% of neurons fire per step "
@@ -560,13 +473,13 @@ def _evaluation_sections(ev: Mapping[str, Any] | None, parts: list[str]) -> Mapp
     parts.append(f"<h2>Spike raster{html.escape(at)}</h2>")
     if analysis and analysis.get("raster"):
         per_layer = 64
-        parts.append(_img(_png(lambda ax: _plot_raster(ax, analysis["raster"], int(analysis["T"]), per_layer),
+        parts.append(_img(_png(lambda ax: draw_raster(ax, analysis["raster"], int(analysis["T"]), per_layer),
                                size=(7.5, 0.35 * len(analysis["raster"]) + 1.5)), "spike raster"))
     else:
         parts.append(_note("No spike raster: evaluation.json (snnconv evaluate) is absent."))
     parts.append(f"<h2>Synaptic operations and energy{html.escape(at)}</h2>")
     if analysis and analysis.get("macs"):
-        parts.append(_img(_png(lambda ax: _plot_ops(ax, analysis["synops"], analysis["macs"],
+        parts.append(_img(_png(lambda ax: draw_ops(ax, analysis["synops"], analysis["macs"],
                                                  analysis.get("static_macs") or {}), size=(7.5, 3.8)),
                           "synaptic operations vs MACs"))
     else:
@@ -576,7 +489,7 @@ def _evaluation_sections(ev: Mapping[str, Any] | None, parts: list[str]) -> Mapp
 
 def _history(parts: list[str], history: list[Mapping[str, Any]], title: str) -> None:
     parts.append(f"<h3>{html.escape(title)}</h3>")
-    parts.append(_img(_png(lambda ax: _plot_history(ax, history, title.split(":")[0])), "fine-tuning curves"))
+    parts.append(_img(_png(lambda ax: draw_history(ax, history, title.split(":")[0])), "fine-tuning curves"))
     parts.append(_table(["epoch", "steps", "loss", "train acc (%)", "val acc (%)", "seconds"],
                         [[h["epoch"], h.get("steps", ""), h.get("loss", math.nan), h.get("train_acc", math.nan),
                           h.get("val_acc", math.nan), h.get("seconds", math.nan)] for h in history]))
@@ -655,7 +568,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     parts.append(f"<h2>Threshold distribution (the converted network{f', T={T}' if T else ''})</h2>")
     thetas = _thresholds(meta)
     if thetas:
-        parts.append(_img(_png(lambda ax: _plot_thresholds(ax, thetas), size=(7.5, 3.8)), "thresholds"))
+        parts.append(_img(_png(lambda ax: draw_thresholds(ax, thetas), size=(7.5, 3.8)), "thresholds"))
     else:
         parts.append(_note("No thresholds: meta.json from snnconv convert is absent."))
     analysis = _evaluation_sections(ev, parts)

@@ -246,30 +246,36 @@ def _cmd_run(args) -> int:
     by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
     print(f"accuracy by t{held}: {by_t}")
     early = None if rule is None else _exit_record(rule, exits, torch.cat(labels), T, args.backend)
-    print("\nspikes per neuron layer (rate = spikes per neuron per step)")
+    table = _print_table if not args.quiet else (lambda rows: None)  # --quiet: no tables
+    if not args.quiet:
+        print("\nspikes per neuron layer (rate = spikes per neuron per step)")
     rows = [["layer", "neurons", "spikes", "rate", "by step"]]
     for name, counts in spikes.items():
         units = int(torch.Size(sizes[name]).numel())
         rate = float(counts.sum()) / (units * n * T)
         rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
                      " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
-    _print_table(rows)
-    energy = _print_synops(synops, macs, static, prefix_macs, n, T)
+    table(rows)
+    energy = _print_synops(synops, macs, static, prefix_macs, n, T, quiet=args.quiet)
     print("\n" + format_arithmetic(energy))
     fidelity = None
     if chip_runs:
         from snnconv_backends.loihi2 import format_report
+        from snnconv_backends.loihi2.cost import with_analog_prefix
         from snnconv_backends.loihi2.fidelity import check, summary
+        from snnconv_backends.loihi2.report import merge_runs
 
-        print("\nLoihi 2 (" + args.backend + ")\n" + format_report(chip_runs))
+        extra = merge_runs(chip_runs)  # every batch's, not the last one's
+        if prefix_macs and extra.get("energy"):
+            extra["energy"] = with_analog_prefix(extra["energy"], sum(prefix_macs.values()) / n)
+        if not args.quiet:
+            print("\nLoihi 2 (" + args.backend + ")\n" + format_report(extra))
         q = getattr(program, "q", None)  # the quantised network (loihi2-sim, lava)
         fidelity = None if q is None else check(q, chip_counts or spikes, float_counts or None, n, T,
                                                 (decisions[0], decisions[1]) if decisions[1] else None)
-        if fidelity is not None:
+        if fidelity is not None:  # said once, on stdout beside the results (--strict: exit 1)
             line = summary(fidelity, args.backend)
             print(("WARNING: " if fidelity["warnings"] else "") + line)
-            if fidelity["warnings"]:
-                warnings.warn(line, _quantisation_warning(), stacklevel=2)
     from snnconv.analysis.activity import backend_record
 
     # the batches as one RunResult-like record
@@ -392,10 +398,12 @@ def _quantisation_warning() -> type[Warning]:
     return QuantisationWarning
 
 
-def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: int, T: int) -> dict:
-    """The synaptic operations table (per image); returns the arithmetic comparison
-    (:func:`snnconv.analysis.energy.arithmetic_energy`) of the run."""
-    print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
+def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: int, T: int,
+                  quiet: bool = False) -> dict:
+    """The synaptic operations table (per image; none with ``quiet``); returns the arithmetic
+    comparison (:func:`snnconv.analysis.energy.arithmetic_energy`) of the run."""
+    if not quiet:
+        print("\nsynaptic operations (accumulates, per image over T steps) vs the ANN's MACs (per image)")
     rows = [["layer", "SNN AC", "ANN MAC", "AC / MAC"]]
     analog = 0.0
     for name, m in prefix_macs.items():
@@ -415,7 +423,8 @@ def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: i
     ann = sum(macs.values()) + sum(prefix_macs.values())
     tot_ac = sum(synops.values()) / n
     rows.append(["total", f"{tot_ac:.4g}", f"{ann / n:.4g}", f"{tot_ac * n / max(ann, 1e-9):.3f}"])
-    _print_table(rows)
+    if not quiet:
+        _print_table(rows)
     return arithmetic_energy(synops=sum(synops.values()), analog_macs=analog, ann_macs=ann, images=n)
 
 

@@ -22,7 +22,7 @@ from snnconv_backends.loihi2.chip import (
 )
 from snnconv_backends.loihi2.network import Connection, QuantizedNetwork
 
-__all__ = ["resources", "energy", "ann_macs", "CHIP_MODEL"]
+__all__ = ["resources", "energy", "ann_macs", "with_analog_prefix", "CHIP_MODEL"]
 
 #: The chip comparison's name, as every path prints it (the arithmetic one: snnconv.analysis.energy).
 CHIP_MODEL = "a published chip's figures (Loihi 1, Davies et al. 2018) against a 45 nm MAC"
@@ -99,3 +99,16 @@ def ann_macs(g: ParsedGraph, B: int) -> dict[str, float]:
     """Multiply-accumulates of the ANN per weighted op, for a batch of ``B`` images (the count of
     :func:`snnconv_backends.engine.stats.macs_per_image`, as every backend reports it)."""
     return {k: v * B for k, v in macs_per_image(list(g.ops)).items()}
+
+
+def with_analog_prefix(e: Mapping[str, Any], macs_per_image: float) -> dict[str, Any]:
+    """The energy record ``e`` of the graph run on the chip, with an analog prefix of
+    ``macs_per_image`` MACs (run off the chip, once per image) on both sides: the ANN then counts
+    the whole network, as the arithmetic model's rows do, and the SNN its prefix too."""
+    out = dict(e)
+    m = float(macs_per_image)
+    mac_j = E_MAC_FP32 * m
+    out.update(ann_macs_per_image=e["ann_macs_per_image"] + m, ann_per_image_J=e["ann_per_image_J"] + mac_j,
+               per_image_J=e["per_image_J"] + mac_j, analog_prefix_macs_per_image=m)
+    out["snn_over_ann"] = out["per_image_J"] / out["ann_per_image_J"] if out["ann_per_image_J"] > 0 else float("inf")
+    return out

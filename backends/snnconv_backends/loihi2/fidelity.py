@@ -112,8 +112,8 @@ def check(q: QuantizedNetwork, chip: Mapping[str, torch.Tensor], ref: Mapping[st
         if decisions[1] >= MIN_IMAGES and agreement < DECISION_TOLERANCE:
             warn.append(f"its decisions are the float network's on {100 * agreement:.1f}% of {decisions[1]} "
                         f"images (tolerance {100 * DECISION_TOLERANCE:.0f}%): the float network's outputs "
-                        "are near ties that fixed-point rounding flips; fine-tune the conversion, or "
-                        "measure the float network's own stability (python -m benchmarks coverage loihi2)")
+                        "are near ties that fixed-point rounding flips; fine-tune the network (snnconv "
+                        "finetune RUN) to widen its margins, or run it for more steps (--T)")
     ratios = [r["ratio"] for r in layers.values() if "ratio" in r and np.isfinite(r["ratio"])]
     return {"layers": layers, "connections": fl, "warnings": warn,
             "lowest_rate_ratio": min(ratios) if ratios else None,

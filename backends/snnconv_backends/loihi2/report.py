@@ -11,7 +11,7 @@ from snnconv_backends.loihi2.cost import ann_macs, energy, resources
 from snnconv_backends.loihi2.network import QuantizedNetwork
 from snnconv_backends.registry import RunResult
 
-__all__ = ["quantisation_report", "build_result", "format_report"]
+__all__ = ["quantisation_report", "build_result", "format_report", "merge_runs"]
 
 
 def quantisation_report(q: QuantizedNetwork) -> dict[str, Any]:
@@ -24,7 +24,7 @@ def quantisation_report(q: QuantizedNetwork) -> dict[str, Any]:
     return rep
 
 
-def _merge_runs(results: Sequence[RunResult]) -> dict[str, Any]:
+def merge_runs(results: Sequence[RunResult]) -> dict[str, Any]:
     """One ``extra`` for several runs of one program: runtime counters summed, per-image energy
     figures averaged over the images."""
     ex = dict(results[-1].extra)
@@ -60,10 +60,12 @@ def _steps_text(ex: dict[str, Any], T: int) -> str:
     return f"T {T}"
 
 
-def format_report(result: RunResult | Sequence[RunResult]) -> str:
+def format_report(result: RunResult | Sequence[RunResult] | Mapping[str, Any]) -> str:
     """Human-readable text of a loihi2-sim / lava run's ``extra``: quantisation, resources,
-    latency and energy (several runs of one program: counters summed, energy averaged)."""
-    ex = _merge_runs([result] if isinstance(result, RunResult) else list(result))
+    latency and energy (several runs of one program: counters summed, energy averaged; a mapping:
+    an ``extra`` already merged, :func:`merge_runs`)."""
+    ex = (dict(result) if isinstance(result, Mapping) else
+          merge_runs([result] if isinstance(result, RunResult) else list(result)))
     lines = []
     q = ex.get("quantisation", {})
     if q:
@@ -104,6 +106,9 @@ def format_report(result: RunResult | Sequence[RunResult]) -> str:
                      f"{e['neuron_updates_per_image']:.3g} neuron updates) vs ANN "
                      f"{e['ann_per_image_J'] * 1e6:.3f} uJ ({e['ann_macs_per_image']:.3g} MACs): "
                      f"SNN/ANN {e['snn_over_ann']:.2f}")
+        if e.get("analog_prefix_macs_per_image"):
+            lines.append(f"  (both sides include the analog prefix's {e['analog_prefix_macs_per_image']:.3g} MACs, "
+                         "run off the chip)")
         lines.append(f"  ({e['sources']})")
     return "\n".join(lines)
 
