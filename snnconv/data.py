@@ -32,6 +32,10 @@ __all__ = ["SameShape",
     "first_batch",
     "calibration_batches",
     "DEBIAN_FASHION_MNIST",
+    "FASHION_MEAN",
+    "FASHION_STD",
+    "CIFAR_MEAN",
+    "CIFAR_STD",
     "synthetic",
     "load",
     "image_folder",
@@ -40,7 +44,9 @@ __all__ = ["SameShape",
 ]
 
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+#: Fashion-MNIST's normalisation: the training split's pixel mean and std (pixels in [0, 1]).
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+#: CIFAR-10's normalisation: per channel (R, G, B) means and stds (pixels in [0, 1]).
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
@@ -103,6 +109,10 @@ def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool
                   "download=True) where a network is available") -> TensorDataset:
     """Fashion-MNIST as a TensorDataset of ``[1, 28, 28]`` float images and labels.
 
+    ``normalize`` (default): pixels in [0, 1] become ``(x - 0.2860) / 0.3530``
+    (:data:`FASHION_MEAN`, :data:`FASHION_STD`: the training split's mean and std), from -0.81
+    to 2.02; ``normalize=False`` keeps them in [0, 1].
+
     Looks in ``root`` (default: Debian's ``/usr/share/datasets/fashion-mnist``) for the four IDX
     files; with ``download=True`` and no files there, uses torchvision's downloader into ``root``.
     ``download_hint``: how the message for missing files says to download them.
@@ -138,7 +148,9 @@ def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool
 
 def cifar10(root: str, *, train: bool = True, download: bool = False, augment: bool = False,
             download_hint: str = "Pass download=True where a network exists") -> Dataset:
-    """CIFAR-10 through torchvision, normalised with the usual channel statistics.
+    """CIFAR-10 through torchvision, normalised per channel with the usual statistics: means
+    ``(0.4914, 0.4822, 0.4465)``, stds ``(0.2470, 0.2435, 0.2616)`` (:data:`CIFAR_MEAN`,
+    :data:`CIFAR_STD`).
     ``download_hint``: how the message for missing files says to download them.
 
     Raises:
@@ -483,6 +495,13 @@ def image_folder(root: str | os.PathLike, *, image_size: int | None = None) -> t
 def load(name: str, *, root: str | None = None, download: bool = False, augment: bool = False,
          seed: int = 0, download_hint: str | None = None) -> tuple[Dataset, Dataset]:
     """``(train, test)`` datasets by name: one of :data:`DATASETS`.
+
+    The images come normalised, not in [0, 1]: ``"digits"`` standardised with its training
+    split's mean and std; ``"fashion_mnist"`` as ``(x - 0.2860) / 0.3530`` (:data:`FASHION_MEAN`,
+    :data:`FASHION_STD`; from -0.81 to 2.02); ``"cifar10"`` per channel with the means
+    ``(0.4914, 0.4822, 0.4465)`` and stds ``(0.2470, 0.2435, 0.2616)`` (:data:`CIFAR_MEAN`,
+    :data:`CIFAR_STD`); ``"synthetic"`` is made standardised. Give a model images normalised the
+    same way; :func:`fashion_mnist` with ``normalize=False`` gives them in [0, 1].
 
     ``root`` is where Fashion-MNIST's IDX files or CIFAR-10's folder live (defaults: Debian's
     Fashion-MNIST folder, ``data/cifar10``); ``augment`` applies CIFAR-10's crop-and-flip to
