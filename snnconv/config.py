@@ -280,11 +280,11 @@ class ConvertConfig:
         """The same settings with the defaults that follow from the others filled in, each where
         it is ``None``: ``L = T`` (``T * burst``); per-channel thresholds for subtractive reset,
         per layer for hard reset; the threshold fit for hard reset only; the membrane calibration
-        where the reset is subtractive and no two horizons are given; its horizon ``2 * T``, the
-        bias alone's ``T``; the weight refit with the membrane calibration."""
+        with bias calibration where the reset is subtractive and no horizon is given; its horizon
+        ``2 * T``, the bias alone's ``T``; the weight refit with the membrane calibration."""
         if self.is_resolved:
             return self
-        membrane = (self.bias_calibration_T is None and self.reset == "subtract"
+        membrane = (self.bias_calibration and self.bias_calibration_T is None and self.reset == "subtract"
                     if self.membrane_calibration is None else self.membrane_calibration)
         return dataclasses.replace(
             self, L=self.T * self.burst if self.L is None else self.L,

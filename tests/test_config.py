@@ -111,6 +111,7 @@ def test_every_combination_of_the_settings_resolves_completely_or_is_refused_by_
         cfg = _config_or_refusal(settings)
         if isinstance(cfg, ConvertConfig):
             assert cfg.is_resolved and cfg.resolved() is cfg, settings
+            assert cfg.replace() == cfg, settings  # valid as resolved: the plan's changes validate it again
             for name, value in settings.items():
                 if value is not None:  # a setting given is kept as given
                     assert getattr(cfg, name) == value, (settings, name)
