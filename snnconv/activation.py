@@ -271,11 +271,19 @@ _NORMALISATION_FUNCTIONS = {F.layer_norm, F.group_norm, F.instance_norm, F.local
 
 
 def _spike_carriers(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value depends on the output of an activation site (a neuron after conversion)."""
+    """Nodes whose value depends on the output of an activation site (a neuron after conversion).
+
+    An activation other than ReLU is a site too: replaced by ReLU, as the refusal advises, it
+    becomes a neuron, so what it feeds is checked in the same pass and every construct is
+    listed at once."""
     seeds = set(relu_sites(gm))
     for node in gm.graph.nodes:
         mod = module_of(gm, node)
-        if mod is not None and (isinstance(mod, QCFS) or type(mod).__name__ == "IFNeuron"):
+        if mod is not None and (isinstance(mod, (QCFS, *_UNSUPPORTED_MODULES))
+                                or type(mod).__name__ == "IFNeuron"):
+            seeds.add(node)
+        elif (node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS) or (
+                node.op == "call_method" and node.target in _UNSUPPORTED_METHODS):
             seeds.add(node)
     carriers: set[fx.Node] = set()
     for node in gm.graph.nodes:  # topological order

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,6 +113,11 @@ class ConvertConfig:
         weight_calibration: with bias calibration, refit the weights of every layer that reads
             spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
             calibration.
+        membrane_calibration: with bias calibration, correct each channel through its initial
+            membrane (the bias gets what the membrane's range cannot) at ``bias_calibration_T``
+            steps (default ``2 * T``); ``False``: the bias alone, at ``bias_calibration_T``
+            (default ``T``). Default: on for ``reset="subtract"`` without two horizons; hard-reset
+            neurons have no initial membrane to move.
         reconstruction_steps: optimiser steps of the layer-wise reconstruction after the
             calibration (:func:`snnconv.calibration.reconstruct`: every IF layer's spike rate
             over T steps fitted by SGD to the QCFS-ANN's site, on the calibration batches; no
@@ -170,8 +175,7 @@ class ConvertConfig:
     progress: bool = True
     on_collapse: str = "raise"
     burst: int = 1
-    #: whether the calibration moves the initial membranes (resolved; ``None`` before)
-    membrane_calibration: bool | None = field(default=None, repr=False)
+    membrane_calibration: bool | None = None
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -191,7 +195,7 @@ class ConvertConfig:
                               "would drop the charge beyond one threshold. Use burst=1 with reset='zero'")
         _choice("on_collapse", self.on_collapse, ("raise", "warn"))
         _choice("calibration_reference", self.calibration_reference, ("qcfs", "ann"))
-        for name in ("per_channel", "threshold_calibration", "weight_calibration"):
+        for name in ("per_channel", "threshold_calibration", "weight_calibration", "membrane_calibration"):
             _flag(name, getattr(self, name), optional=True)
         _flag("bias_calibration", self.bias_calibration)
         _flag("progress", self.progress)
@@ -219,6 +223,18 @@ class ConvertConfig:
             raise ConfigError("weight_calibration=True refits the weights inside bias calibration, which "
                               "bias_calibration=False turns off; pass bias_calibration=True or "
                               "weight_calibration=False")
+        if self.membrane_calibration and not self.bias_calibration:
+            raise ConfigError("membrane_calibration=True moves the initial membranes inside bias calibration, "
+                              "which bias_calibration=False turns off; pass bias_calibration=True or "
+                              "membrane_calibration=False")
+        if self.membrane_calibration and self.reset != "subtract":
+            raise ConfigError(f"membrane_calibration=True with reset={self.reset!r}: hard-reset neurons start "
+                              "at 0 and have no initial membrane to move; pass membrane_calibration=False "
+                              "(or leave it out) with reset='zero'")
+        if self.membrane_calibration and isinstance(self.bias_calibration_T, tuple):
+            raise ConfigError(f"membrane_calibration=True with two horizons bias_calibration_T="
+                              f"{self.bias_calibration_T}: two horizons fit the bias and the membrane "
+                              "together; give one horizon, or leave membrane_calibration out")
         for epochs, cfg, kind in ((self.qcfs_epochs, self.qcfs_train, "qcfs_train"),
                                   (self.finetune_epochs, self.finetune_config, "finetune_config")):
             if cfg is not None and not isinstance(getattr(cfg, "epochs", None), numbers.Integral):
@@ -236,8 +252,8 @@ class ConvertConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> "ConvertConfig":
         """A config from keyword arguments, naming any that is not a setting."""
-        names = {f.name for f in dataclasses.fields(cls) if f.name != "membrane_calibration"}
-        unknown = sorted(set(options) - names - {"membrane_calibration"})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
         if unknown:
             raise ConfigError(f"convert() has no setting {', '.join(map(repr, unknown))}; the settings "
                               f"are {', '.join(sorted(names))}")
@@ -251,15 +267,25 @@ class ConvertConfig:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    #: The fields :meth:`resolved` fills in where they are ``None``.
+    DEPENDENT = ("L", "per_channel", "threshold_calibration", "weight_calibration", "bias_calibration_T",
+                 "membrane_calibration")
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every default that follows from the others (:data:`DEPENDENT`) is filled in."""
+        return all(getattr(self, name) is not None for name in self.DEPENDENT)
+
     def resolved(self) -> "ConvertConfig":
-        """The same settings with the defaults that follow from the others filled in:
-        ``L = T`` (``T * burst``); per-channel thresholds for subtractive reset, per layer for hard reset; the
-        threshold fit for hard reset only; the membrane calibration (at ``2 * T``) where no
-        horizon is given and the reset is subtractive, else the bias alone at ``T``; the weight
-        refit with the membrane calibration."""
-        if self.membrane_calibration is not None:
+        """The same settings with the defaults that follow from the others filled in, each where
+        it is ``None``: ``L = T`` (``T * burst``); per-channel thresholds for subtractive reset,
+        per layer for hard reset; the threshold fit for hard reset only; the membrane calibration
+        with bias calibration where the reset is subtractive and no horizon is given; its horizon
+        ``2 * T``, the bias alone's ``T``; the weight refit with the membrane calibration."""
+        if self.is_resolved:
             return self
-        membrane = self.bias_calibration_T is None and self.reset == "subtract"
+        membrane = (self.bias_calibration and self.bias_calibration_T is None and self.reset == "subtract"
+                    if self.membrane_calibration is None else self.membrane_calibration)
         return dataclasses.replace(
             self, L=self.T * self.burst if self.L is None else self.L,
             per_channel=self.reset == "subtract" if self.per_channel is None else self.per_channel,
@@ -267,7 +293,7 @@ class ConvertConfig:
                                    else self.threshold_calibration),
             weight_calibration=(membrane and self.bias_calibration if self.weight_calibration is None
                                 else self.weight_calibration),
-            bias_calibration_T=((2 * self.T if self.reset == "subtract" else self.T)
+            bias_calibration_T=((2 * self.T if membrane else self.T)
                                 if self.bias_calibration_T is None else self.bias_calibration_T),
             membrane_calibration=membrane)
 

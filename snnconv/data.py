@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import math
 import os
+import warnings
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -32,15 +33,23 @@ __all__ = ["SameShape",
     "first_batch",
     "calibration_batches",
     "DEBIAN_FASHION_MNIST",
+    "FASHION_MEAN",
+    "FASHION_STD",
+    "CIFAR_MEAN",
+    "CIFAR_STD",
     "synthetic",
     "load",
     "image_folder",
+    "labels_of",
+    "stratified_subset",
     "DATASETS",
     "TEST_EVERY",
 ]
 
 DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+#: Fashion-MNIST's normalisation: the training split's pixel mean and std (pixels in [0, 1]).
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+#: CIFAR-10's normalisation: per channel (R, G, B) means and stds (pixels in [0, 1]).
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
@@ -103,6 +112,10 @@ def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool
                   "download=True) where a network is available") -> TensorDataset:
     """Fashion-MNIST as a TensorDataset of ``[1, 28, 28]`` float images and labels.
 
+    ``normalize`` (default): pixels in [0, 1] become ``(x - 0.2860) / 0.3530``
+    (:data:`FASHION_MEAN`, :data:`FASHION_STD`: the training split's mean and std), from -0.81
+    to 2.02; ``normalize=False`` keeps them in [0, 1].
+
     Looks in ``root`` (default: Debian's ``/usr/share/datasets/fashion-mnist``) for the four IDX
     files; with ``download=True`` and no files there, uses torchvision's downloader into ``root``.
     ``download_hint``: how the message for missing files says to download them.
@@ -138,7 +151,9 @@ def fashion_mnist(root: str | None = None, *, train: bool = True, download: bool
 
 def cifar10(root: str, *, train: bool = True, download: bool = False, augment: bool = False,
             download_hint: str = "Pass download=True where a network exists") -> Dataset:
-    """CIFAR-10 through torchvision, normalised with the usual channel statistics.
+    """CIFAR-10 through torchvision, normalised per channel with the usual statistics: means
+    ``(0.4914, 0.4822, 0.4465)``, stds ``(0.2470, 0.2435, 0.2616)`` (:data:`CIFAR_MEAN`,
+    :data:`CIFAR_STD`).
     ``download_hint``: how the message for missing files says to download them.
 
     Raises:
@@ -447,13 +462,80 @@ def _image_folder(root: str) -> Any:
                         f"(ROOT/CLASS/image.png, one subfolder per class): {exc}") from None
 
 
+#: PIL modes of one channel (gray) and of colour; an image folder mixing the two is read as RGB.
+_GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"})
+
+
+def _say_mixed_channels(root: str, folders: list[Any]) -> None:
+    """Warn once where ``folders`` mix grayscale and colour images (read from each file's
+    header only): every image is read as RGB, the grayscale ones converted."""
+    from PIL import Image
+
+    gray = total = 0
+    for folder in folders:
+        for path, _ in folder.samples:
+            try:
+                with Image.open(path) as image:
+                    gray += image.mode in _GRAY_MODES
+            except OSError:
+                continue  # said when the image is read
+            total += 1
+    if 0 < gray < total:
+        warnings.warn(f"{root} mixes grayscale and colour images: {gray} of {total} are grayscale; every "
+                      f"image is read as RGB (3 channels), those {gray} converted (their gray value in R, "
+                      "G and B). Convert the files to one mode to choose otherwise", UserWarning, stacklevel=3)
+
+
+def labels_of(dataset: Any) -> list[int] | None:
+    """The label of each item of ``dataset``, where known without reading the items (an image
+    folder's file list, a TensorDataset's labels, a torchvision dataset's ``targets``, a Subset
+    of one); None otherwise."""
+    if isinstance(dataset, Subset):
+        inner = labels_of(dataset.dataset)
+        return None if inner is None else [inner[i] for i in dataset.indices]
+    if isinstance(dataset, _Images):
+        return [int(dataset.folder.samples[i][1]) for i in dataset.indices]
+    if isinstance(dataset, TensorDataset) and len(dataset.tensors) > 1 and dataset.tensors[1].dim() == 1:
+        return [int(v) for v in dataset.tensors[1].tolist()]
+    targets = getattr(dataset, "targets", None)
+    if targets is not None and len(targets) == len(dataset):
+        return [int(v) for v in (targets.tolist() if isinstance(targets, torch.Tensor) else targets)]
+    return None
+
+
+def stratified_subset(dataset: Any, n: int, *, seed: int = 0) -> Subset:
+    """``n`` items of ``dataset`` that keep its classes' proportions (each class gets its share,
+    rounded by largest remainder), drawn with ``seed``, in the dataset's order; the first ``n``
+    where the labels are not known without reading the items (:func:`labels_of`)."""
+    total = len(dataset)
+    if n >= total:
+        return Subset(dataset, list(range(total)))
+    labels = labels_of(dataset)
+    if labels is None:
+        return Subset(dataset, list(range(n)))
+    by_class: dict[int, list[int]] = {}
+    for i, label in enumerate(labels):
+        by_class.setdefault(label, []).append(i)
+    shares = {c: n * len(idx) / total for c, idx in by_class.items()}
+    counts = {c: int(math.floor(v)) for c, v in shares.items()}
+    for c in sorted(shares, key=lambda c: (counts[c] - shares[c], c))[:n - sum(counts.values())]:
+        counts[c] += 1  # the largest remainders
+    g = torch.Generator().manual_seed(seed)
+    chosen: list[int] = []
+    for c, idx in sorted(by_class.items()):
+        order = torch.randperm(len(idx), generator=g)[:counts[c]].tolist()
+        chosen.extend(idx[k] for k in order)
+    return Subset(dataset, sorted(chosen))
+
+
 def image_folder(root: str | os.PathLike, *, image_size: int | None = None) -> tuple[Dataset, Dataset]:
     """``(train, test)`` from a folder of images in torchvision's ``ImageFolder`` layout.
 
     ``ROOT/train/CLASS/*`` and ``ROOT/test/CLASS/*`` (or ``ROOT/val/CLASS/*``) are the two
     splits; otherwise ``ROOT/CLASS/*`` holds every image and one in :data:`TEST_EVERY`, in file
     order, is the test split. Class indices follow the sorted class folder names. Images are
-    read as RGB, resized to ``image_size`` x ``image_size`` where given, and scaled to [0, 1]
+    read as RGB (a folder that mixes grayscale and colour images warns once, with the count of
+    grayscale files converted), resized to ``image_size`` x ``image_size`` where given, and scaled to [0, 1]
     (no normalisation). Images are read as they are drawn.
 
     Raises:
@@ -470,9 +552,11 @@ def image_folder(root: str | os.PathLike, *, image_size: int | None = None) -> t
             if train.classes != test.classes:
                 raise DataError(f"{root}/{train_name} and {root}/{test_name} hold different classes "
                                 f"({train.classes} and {test.classes}); give both the same class folders")
+            _say_mixed_channels(root, [train, test])
             return (_Images(train, list(range(len(train))), image_size),
                     _Images(test, list(range(len(test))), image_size))
     folder = _image_folder(root)
+    _say_mixed_channels(root, [folder])
     n = len(folder)
     if n < 2:
         raise DataError(f"{root} holds {n} image(s); a training and a test split need at least 2")
@@ -483,6 +567,13 @@ def image_folder(root: str | os.PathLike, *, image_size: int | None = None) -> t
 def load(name: str, *, root: str | None = None, download: bool = False, augment: bool = False,
          seed: int = 0, download_hint: str | None = None) -> tuple[Dataset, Dataset]:
     """``(train, test)`` datasets by name: one of :data:`DATASETS`.
+
+    The images come normalised, not in [0, 1]: ``"digits"`` standardised with its training
+    split's mean and std; ``"fashion_mnist"`` as ``(x - 0.2860) / 0.3530`` (:data:`FASHION_MEAN`,
+    :data:`FASHION_STD`; from -0.81 to 2.02); ``"cifar10"`` per channel with the means
+    ``(0.4914, 0.4822, 0.4465)`` and stds ``(0.2470, 0.2435, 0.2616)`` (:data:`CIFAR_MEAN`,
+    :data:`CIFAR_STD`); ``"synthetic"`` is made standardised. Give a model images normalised the
+    same way; :func:`fashion_mnist` with ``normalize=False`` gives them in [0, 1].
 
     ``root`` is where Fashion-MNIST's IDX files or CIFAR-10's folder live (defaults: Debian's
     Fashion-MNIST folder, ``data/cifar10``); ``augment`` applies CIFAR-10's crop-and-flip to

@@ -16,6 +16,7 @@ from snnconv.errors import UnsupportedModelError
 
 __all__ = [
     "prepare",
+    "drop_eval_identities",
     "trace",
     "parent_name",
     "set_module",
@@ -126,7 +127,50 @@ def prepare(model: nn.Module, leaf_types: tuple[type, ...] = ()) -> fx.GraphModu
     clone.eval()
     gm = trace(clone, leaf_types)
     gm.eval()
+    drop_eval_identities(gm)
     return gm
+
+
+#: Calls that are the identity in eval mode, as data: ``(module, name)`` of the function (or of
+#: a leaf module's class) -> the position and keyword of its ``training`` argument (None for a
+#: module: its own ``training`` flag) and of its drop probability.
+EVAL_IDENTITIES: dict[tuple[str, str], tuple[tuple[int, str] | None, tuple[int, str] | None]] = {
+    ("torchvision.ops.stochastic_depth", "stochastic_depth"): ((3, "training"), (1, "p")),
+    ("torchvision.ops.stochastic_depth", "StochasticDepth"): (None, None),
+}
+
+
+def _argument(node: fx.Node, where: tuple[int, str], default: Any) -> Any:
+    pos, key = where
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(key, default)
+
+
+def _eval_identity(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is a call of :data:`EVAL_IDENTITIES` that returns its input as it is."""
+    mod = module_of(gm, node)
+    target: Any = type(mod) if mod is not None else node.target if node.op == "call_function" else None
+    entry = EVAL_IDENTITIES.get((getattr(target, "__module__", ""), getattr(target, "__name__", "")))
+    if entry is None or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    training, p = entry
+    if mod is not None or training is None or p is None:
+        return mod is not None and not mod.training
+    return _argument(node, training, True) is False or _argument(node, p, None) == 0.0
+
+
+def drop_eval_identities(gm: fx.GraphModule) -> list[str]:
+    """Remove from ``gm``, in place, every call that is the identity in eval mode (torchvision's
+    ``stochastic_depth(x, p, mode, training=False)`` and ``StochasticDepth`` in eval mode:
+    :data:`EVAL_IDENTITIES`), its users reading its input instead; the names of the nodes removed."""
+    removed = []
+    for node in list(gm.graph.nodes):
+        if node.op in ("call_function", "call_module") and _eval_identity(gm, node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed.append(node.name)
+    if removed:
+        gm.recompile()
+    return removed
 
 
 def parent_name(target: str) -> tuple[str, str]:

@@ -143,6 +143,8 @@ class _Health:
         self.reference: dict = {}
         self.on_collapse = on_collapse
         self.finetune_follows = False
+        self.settings: ConvertConfig | None = None  # the plan's, once decided
+        self.qcfs_trained = False
 
     def check(self, rec: StageRecord, model: nn.Module, stage: str,
               what: str = "the network", source: dict[str, str] | None = None, hint: str = "") -> None:
@@ -180,13 +182,30 @@ class _Health:
         if stage == "spiking" and self.finetune_follows:
             fatal = False  # fine-tuning comes next; its result is checked
         n = sum(len(x) for x in self.x)
+        anyway = " pass on_collapse='warn' to get the network anyway." if fatal and self.on_collapse == "raise" else ""
         message = (f"after stage '{stage}', {what} collapsed on {n} calibration samples: "
-                   + "; ".join(findings) + f". What to do: {hint}try per_channel=True, a larger T, "
-                   "bias_calibration=True, or fewer QCFS training epochs / a lower learning rate; "
-                   "pass on_collapse='warn' to get the network anyway.")
+                   + "; ".join(findings) + f". What to do: {hint}try "
+                   + collapse_advice(self.settings, self.qcfs_trained) + "." + anyway)
         if fatal and self.on_collapse == "raise":
             raise ConversionError(message, layers=list(findings))
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def collapse_advice(cfg: ConvertConfig | None, qcfs_trained: bool) -> str:
+    """What to change after a collapse, naming only settings that differ from ``cfg`` (the
+    settings in use): per-channel thresholds, bias calibration, a larger T, and where QCFS
+    training ran, fewer epochs of it or a lower learning rate."""
+    tips = []
+    if cfg is None or not cfg.per_channel:
+        tips.append("per_channel=True")
+    tips.append("a larger T" + (f" than {cfg.T}" if cfg is not None else ""))
+    if cfg is None or not cfg.bias_calibration:
+        tips.append("bias_calibration=True")
+    if cfg is not None and cfg.reset == "zero":
+        tips.append("reset='subtract' (no charge is lost at a spike)")
+    if qcfs_trained:
+        tips.append("fewer QCFS training epochs or a lower learning rate (qcfs_epochs, qcfs_train)")
+    return ", ".join(tips[:-1]) + (", or " if len(tips) > 1 else "") + tips[-1]
 
 
 #: At most this many images of the validation split choose between a step's network and the
@@ -370,6 +389,7 @@ def _plan_defaults(s: _Run) -> None:
     s.plan = plan_conversion(s.config, GraphFacts.of(s.gm), LoaderFacts.of(s.loader, s.calib[0][1] is not None))
     _record_plan(s.meta.settings, s.plan, s.loader)
     s.health.finetune_follows = s.plan.finetunes
+    s.health.settings, s.health.qcfs_trained = s.plan.config, s.plan.qcfs_trains
 
 
 def _fold(s: _Run) -> dict:
@@ -554,9 +574,9 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
     Settings (keyword arguments, or fields of :class:`ConvertConfig`, where each is
     documented): ``T``, ``L``, ``percentile``, ``calib_batches``, ``maxpool``, ``qcfs_epochs``,
     ``qcfs_train``, ``per_channel``, ``reset``, ``bias_calibration``, ``bias_calibration_T``,
-    ``threshold_calibration``, ``weight_calibration``, ``reconstruction_steps``,
-    ``finetune_epochs``, ``finetune_config``, ``eval_T``, ``seed``, ``device``, ``progress``,
-    ``on_collapse``.
+    ``threshold_calibration``, ``weight_calibration``, ``membrane_calibration``,
+    ``reconstruction_steps``, ``finetune_epochs``, ``finetune_config``, ``eval_T``, ``seed``,
+    ``device``, ``progress``, ``on_collapse``, ``burst``.
 
     Before QCFS training, the reconstruction or fine-tuning, one step of each is timed and the
     plan (stages, steps, the estimated time on this device, what would make it cheaper) is
@@ -576,7 +596,7 @@ def convert(model: nn.Module, loader: Iterable, config: ConvertConfig | None = N
     """
     if config is not None and not isinstance(config, ConvertConfig):
         raise ConfigError(f"config must be a ConvertConfig, got {type(config).__name__}")
-    if config is not None and config.membrane_calibration is not None and settings:
+    if config is not None and config.is_resolved and settings:
         raise ConfigError("a resolved ConvertConfig has its dependent defaults filled in for its own "
                           f"settings; change the config you resolved it from instead of passing "
                           f"{', '.join(sorted(settings))} beside it")

@@ -137,7 +137,8 @@ def _maxpool_advice(found: list[Construct]) -> str:
 def _operation_advice(found: list[Construct]) -> str:
     return ("Between spiking layers only operations that commute with averaging over time steps are "
             "exact: conv, linear, average pooling, flatten/reshape/view, add/sub, concatenation, "
-            "slicing, zero padding, dropout, identity, scaling by a constant. Remove or replace the "
+            "slicing, zero padding, dropout and stochastic depth (identities at inference), identity, "
+            "scaling by a constant. Remove or replace the "
             "operation (e.g. a clamp by a ReLU, max-pooling by average pooling) and retrain the ANN.")
 
 

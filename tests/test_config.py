@@ -72,3 +72,98 @@ def test_an_unknown_setting_is_named_with_the_list():
         snnconv.convert(_model(), _data(), {"T": 4})
     with pytest.raises(ConfigError, match="resolved"):
         snnconv.convert(_model(), _data(), ConvertConfig(T=4).resolved(), T=8)
+
+
+#: Every boolean and enum setting of ConvertConfig with the values it takes (None: the default).
+_CHOICES = {
+    "per_channel": (None, True, False),
+    "reset": ("subtract", "zero"),
+    "bias_calibration": (True, False),
+    "bias_calibration_T": (None, 3, (2, 4)),
+    "calibration_reference": ("qcfs", "ann"),
+    "threshold_calibration": (None, True, False),
+    "weight_calibration": (None, True, False),
+    "membrane_calibration": (None, True, False),
+    "maxpool": ("auto", "avg", "error"),
+    "burst": (1, 2),
+}
+_NAMES = tuple(_CHOICES)
+
+
+def _combinations():
+    import itertools
+
+    return [dict(zip(_NAMES, values)) for values in itertools.product(*_CHOICES.values())]
+
+
+def _config_or_refusal(settings):
+    """The resolved config, or the ConfigError's message (which must name a setting given)."""
+    try:
+        return ConvertConfig(T=2, **settings).resolved()
+    except ConfigError as exc:
+        named = [k for k in settings if k in str(exc)]
+        assert named, (settings, str(exc))
+        return str(exc)
+
+
+def test_every_combination_of_the_settings_resolves_completely_or_is_refused_by_name():
+    for settings in _combinations():
+        cfg = _config_or_refusal(settings)
+        if isinstance(cfg, ConvertConfig):
+            assert cfg.is_resolved and cfg.resolved() is cfg, settings
+            assert cfg.replace() == cfg, settings  # valid as resolved: the plan's changes validate it again
+            for name, value in settings.items():
+                if value is not None:  # a setting given is kept as given
+                    assert getattr(cfg, name) == value, (settings, name)
+
+
+def test_the_membrane_calibration_is_a_setting_of_its_own():
+    off = ConvertConfig(T=4, membrane_calibration=False).resolved()
+    assert (off.membrane_calibration, off.bias_calibration_T, off.weight_calibration, off.per_channel) == \
+        (False, 4, False, True)
+    with pytest.raises(ConfigError, match="membrane_calibration=True with reset='zero'"):
+        ConvertConfig(membrane_calibration=True, reset="zero")
+    with pytest.raises(ConfigError, match="bias_calibration=False"):
+        ConvertConfig(membrane_calibration=True, bias_calibration=False)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)).eval()
+
+
+def _tiny_data():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.rand(8, 1, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+
+
+@pytest.mark.parametrize("settings", [
+    {"membrane_calibration": False},
+    {"membrane_calibration": False, "bias_calibration": False},
+])
+def test_convert_runs_without_the_membrane_calibration(settings):
+    snn, meta = snnconv.convert(_tiny(), _tiny_data(), T=2, finetune_epochs=0, reconstruction_steps=0,
+                                calib_batches=1, progress=False, on_collapse="warn", **settings)
+    assert meta.settings["membrane_calibration"] is False and meta.settings["per_channel"] is True
+
+
+def test_convert_runs_or_refuses_by_name_a_sample_of_the_combinations():
+    import random
+    import warnings
+
+    combos = _combinations()
+    sample = random.Random(0).sample(combos, 6)
+    model, data = _tiny(), _tiny_data()
+    for settings in sample:
+        if isinstance(_config_or_refusal(settings), str):
+            with pytest.raises(ConfigError):
+                snnconv.convert(model, data, T=2, **settings)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                snnconv.convert(model, data, T=2, finetune_epochs=0, reconstruction_steps=0, calib_batches=1,
+                                progress=False, on_collapse="warn", **settings)
+            except snnconv.UnsupportedLayerError:  # maxpool="error" refuses the max-pooling, by name
+                assert settings["maxpool"] == "error", settings

@@ -126,6 +126,19 @@ def test_fashion_mnist_reads_idx_files_from_another_root(tmp_path):
     torch.testing.assert_close(x, (raw - data.FASHION_MEAN) / data.FASHION_STD)
 
 
+def test_the_help_of_load_and_fashion_mnist_states_the_normalisation(tmp_path):
+    """What ``help(snnconv.data.load)`` says is what the tensors hold."""
+    _write_fashion(tmp_path)
+    x = data.fashion_mnist(str(tmp_path), train=False).tensors[0]
+    low = (0.0 - data.FASHION_MEAN) / data.FASHION_STD
+    assert float(x.min()) >= low - 1e-6 and f"{low:.2f}" == "-0.81"
+    for doc in (data.load.__doc__, data.fashion_mnist.__doc__):
+        assert "(x - 0.2860) / 0.3530" in doc and "-0.81" in doc and "normalize=False" in doc
+    assert "(0.4914, 0.4822, 0.4465)" in data.load.__doc__ and "(0.2470, 0.2435, 0.2616)" in data.cifar10.__doc__
+    assert (data.FASHION_MEAN, data.FASHION_STD) == (0.2860, 0.3530)
+    assert (data.CIFAR_MEAN, data.CIFAR_STD) == ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+
+
 def test_fashion_mnist_missing_folder_says_how_to_install_it(tmp_path):
     with pytest.raises(DataError) as info:
         data.fashion_mnist(str(tmp_path / "nowhere"))

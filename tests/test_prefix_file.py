@@ -72,6 +72,30 @@ def test_the_prefix_file_and_the_graph_together_are_the_network(prefixed, tmp_pa
     assert all(torch.equal(result.spikes[k], c.double()) for k, c in counts.items())
 
 
+def test_save_nir_and_load_nir_write_and_read_a_network_with_its_prefix_in_one_call(prefixed, small_digits_snn,
+                                                                                     tmp_path):
+    snn, _ = prefixed
+    written = snnconv.save_nir(snn, tmp_path / "net.nir")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["net.nir", "net.prefix.pt"]
+    graph, prefix = snnconv.load_nir(tmp_path / "net.nir", with_prefix=True)
+    assert graph.metadata[PREFIX_FILE_KEY] == written.metadata[PREFIX_FILE_KEY] == "net.prefix.pt"
+    x = torch.rand(16, 1, 8, 8) * 16
+    with torch.no_grad():
+        ref = snn.run(x, 4)
+        assert torch.equal(get("cpu").compile(graph).run(prefix(x), 4).outputs, ref)
+    # a network without a prefix: one file, and the images go in as they are
+    snnconv.save_nir(small_digits_snn, tmp_path / "plain.nir")
+    assert not (tmp_path / "plain.prefix.pt").exists()
+    graph, prefix = snnconv.load_nir(tmp_path / "plain.nir", with_prefix=True)
+    assert isinstance(prefix, nn.Identity)
+    x = torch.randn(4, 1, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(get("cpu").compile(graph).run(prefix(x), 4).outputs, small_digits_snn.run(x, 4))
+    assert isinstance(snnconv.load_nir(tmp_path / "plain.nir"), type(graph))  # the graph alone, as before
+    with pytest.raises(NIRError, match="SpikingNetwork or a nir.NIRGraph"):
+        snnconv.save_nir(nn.Linear(2, 2), tmp_path / "bad.nir")
+
+
 def test_a_network_without_a_prefix_writes_no_prefix_file(small_digits_snn, tmp_path):
     graph = snnconv.export_nir(small_digits_snn)
     assert save_prefix(small_digits_snn, graph, tmp_path / "net.nir") is None

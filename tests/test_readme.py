@@ -67,3 +67,19 @@ def test_the_command_line_block_runs_line_by_line(tmp_path):
     for argv in commands:
         proc = _run([sys.executable, "-m", "snnconv.cli", *argv[1:]], tmp_path, timeout=1800)  # a hang guard only
         assert proc.returncode == 0, (shlex.join(argv), proc.stdout[-2000:], proc.stderr[-4000:])
+
+
+def test_the_nir_block_writes_and_reads_a_network_with_its_prefix_in_one_call(small_digits_snn, tmp_path,
+                                                                              monkeypatch):
+    """The README's NIR block, run as written on a converted network, with no private import."""
+    import torch
+
+    block = next(b for b in _blocks("python") if "save_nir" in b)
+    assert "import" not in block and "prefixfile" not in block
+    monkeypatch.chdir(tmp_path)
+    images = torch.randn(4, 1, 8, 8)
+    scope = {"snnconv": __import__("snnconv"), "snn": small_digits_snn, "images": images}
+    exec(block, scope)
+    with torch.no_grad():
+        assert scope["result"].outputs.shape == small_digits_snn.run(images, 4).shape
+    assert (tmp_path / "snn.nir").is_file()

@@ -74,6 +74,58 @@ def test_the_advice_given_for_mobilenet_v3_small_converts_it():
     assert unsupported_constructs(prepare(model), "avg") == []
 
 
+def test_efficientnet_b0_is_refused_once_with_every_construct_and_its_stochastic_depth_accepted():
+    """With no ReLU at all, the products behind its SiLUs are listed in the same refusal; its
+    eval-mode stochastic depth is the identity and not listed."""
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.efficientnet_b0(weights=None, num_classes=10).eval()
+    err = _refusal(model)
+    kinds = [c.kind for c in err.found]
+    silu = sum(isinstance(m, nn.SiLU) for m in model.modules())
+    gates = [n for n, m in model.named_modules() if type(m).__name__ == "SqueezeExcitation"]
+    assert kinds.count("activation") == silu + len(gates) == 65
+    assert kinds.count("product") == len(gates) == 16 and len(kinds) == 81
+    assert "stochastic" not in str(err).lower()
+    text = str(err)
+    act, prod = text.index("[activation other than ReLU: 65]"), text.index("[product (or quotient) of two "
+                                                                           "activations: 16]")
+    assert act < prod and all(f"'{path}'" in text[prod:] for path in gates)
+
+
+class _Residual(nn.Module):
+    """A residual block with stochastic depth as torchvision writes it, module and function."""
+
+    def __init__(self):
+        super().__init__()
+        from torchvision.ops import StochasticDepth
+
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.drop = StochasticDepth(0.2, "row")
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        from torchvision.ops import stochastic_depth
+
+        a = F.relu(self.conv1(x))
+        b = a + self.drop(F.relu(self.conv2(a)))
+        b = b + stochastic_depth(F.relu(self.conv2(b)), 0.1, "batch", self.training)
+        return self.head(b.mean((2, 3)))
+
+
+def test_stochastic_depth_in_eval_mode_is_the_identity():
+    pytest.importorskip("torchvision")
+    from snnconv.graph import prepare
+
+    model = _Residual().eval()
+    gm = prepare(model)
+    assert not any("stochastic" in str(n.target) or "drop" in str(n.target) for n in gm.graph.nodes)
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(gm(x), model(x))
+    snn, _ = snnconv.convert(model, _batches((2, 3, 8, 8)), T=2, finetune_epochs=0, reconstruction_steps=0,
+                             progress=False, on_collapse="warn")
+    assert snnconv.export_nir(snn) is not None
+
+
 class _Mixed(nn.Module):
     """A product and a normalisation in the model's own forward, and a GELU module."""
 

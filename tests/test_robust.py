@@ -377,6 +377,24 @@ def test_a_layer_silenced_by_conversion_raises_a_conversion_error_naming_it(smal
     assert "on_collapse='warn'" in str(info.value) and "after stage 'qcfs'" in str(info.value)
 
 
+def test_the_collapse_advice_names_only_settings_that_change_something(small_digits_ann, digits_loaders):
+    train, _ = digits_loaders
+    with pytest.raises(snnconv.ConversionError) as info:  # the defaults: per channel, bias calibration on
+        snnconv.convert(_silenced(small_digits_ann), train, T=4, L=4, progress=False)
+    text = str(info.value)
+    assert "What to do:" in text and "a larger T than 4" in text
+    assert "per_channel=True" not in text and "bias_calibration=True" not in text
+    from snnconv.config import ConvertConfig
+    from snnconv.pipeline import collapse_advice
+
+    off = ConvertConfig(T=4, per_channel=False, bias_calibration=False, reset="zero").resolved()
+    assert collapse_advice(off, qcfs_trained=False) == ("per_channel=True, a larger T than 4, "
+                                                        "bias_calibration=True, or reset='subtract' (no "
+                                                        "charge is lost at a spike)")
+    assert "QCFS training" in collapse_advice(ConvertConfig(T=4).resolved(), qcfs_trained=True)
+    assert "QCFS training" not in collapse_advice(ConvertConfig(T=4).resolved(), qcfs_trained=False)
+
+
 def test_on_collapse_warn_returns_the_network_and_records_the_finding(small_digits_ann, digits_loaders):
     train, _ = digits_loaders
     with pytest.warns(RuntimeWarning, match="silent"):

@@ -20,7 +20,8 @@ __all__ = ["UsageError", "check_device", "Parser", "FLAGS", "PARENTS", "parents"
            "write_json", "datasets", "loaders", "num_classes", "model_builder", "data_source", "DOWNLOAD_HINT",
            "time_steps", "snn_path", "nir_path", "load_model",
            "RUN_FILES", "new_run_dir", "load_snn",
-           "evaluation", "print_accuracy", "one_line", "positive_int", "positive_float", "count", "duration",
+           "evaluation", "print_accuracy", "warn", "subset_record", "MIN_TEST_IMAGES", "one_line",
+           "positive_int", "positive_float", "count", "duration",
            "Heartbeat"]
 
 
@@ -128,8 +129,10 @@ FLAGS: dict[str, dict[str, Any]] = {
     "--data-root": dict(help="folder of the dataset's files (Fashion-MNIST IDX, CIFAR-10)"),
     "--download": dict(action="store_true", help="download the dataset if missing"),
     "--batch-size": dict(type=positive_int, default=64, help="batch size (default 64)"),
-    "--limit": dict(type=positive_int, help="use only the first N test images"),
-    "--train-limit": dict(type=positive_int, help="use only the first N training images"),
+    "--limit": dict(type=positive_int, help="use only N test images, a sample that keeps each class's "
+                                           "share (the same for every command and --seed)"),
+    "--train-limit": dict(type=positive_int, help="use only N training images, a sample that keeps each "
+                                                  "class's share"),
     "--model": dict(metavar="NAME|MODULE:FACTORY",
                     help="a zoo model (snnconv check --zoo lists them: small_cnn, resnet18, ...), or "
                          "your own as package.module:factory, a function that returns the nn.Module "
@@ -191,22 +194,21 @@ def out_dir(args, default: str) -> str:
     return out
 
 
-#: What a run folder's commands write: ``convert --overwrite`` removes these (and only these).
+#: What a run folder's commands write: ``convert --overwrite`` replaces these (and only these).
 RUN_FILES = ("ann.pt", "snn.pt", "snn_finetuned.pt", "meta.json", "evaluation.json", "finetune.json",
              "accuracy_vs_T.png", "snn.nir", "snn.prefix.pt", "report.html", "diagnosis.json", "diagnosis.png")
 RUN_FOLDERS = ("finetune", "backends")
 
 
-def new_run_dir(args, default: str) -> tuple[str, str]:
-    """``--out`` (else ``default``) as the folder of a new run, and the run's id.
+def new_run_dir(args, default: str) -> tuple[str, str, list[str]]:
+    """``--out`` (else ``default``) as the folder of a new run, the run's id, and the entries of
+    an old run there that the new one replaces.
 
     A folder that holds a run (``meta.json`` or a network file) is refused unless
-    ``--overwrite``, which first removes the old run's files (:data:`RUN_FILES`,
-    :data:`RUN_FOLDERS`); other files are left alone. The id goes into every file of the run.
-    The folder itself is not created here: the command's first file does it, so that a command
-    that fails before writing leaves no empty folder behind.
+    ``--overwrite``; the old run's files (:data:`RUN_FILES`, :data:`RUN_FOLDERS`) are replaced
+    only once the new run is complete (:class:`snnconv.io.atomic.StagedFolder`), and other files
+    are left alone. The id goes into every file of the run. Nothing is created here.
     """
-    import shutil
     import uuid
 
     out = args.out or default
@@ -214,11 +216,8 @@ def new_run_dir(args, default: str) -> tuple[str, str]:
         + [f + "/" for f in RUN_FOLDERS if os.path.isdir(os.path.join(out, f))]
     if held and not getattr(args, "overwrite", False):
         raise UsageError(f"{out} holds a run ({', '.join(held)}); give another --out, or --overwrite "
-                         "to remove that run's files first")
-    for f in held:
-        path = os.path.join(out, f.rstrip("/"))
-        shutil.rmtree(path) if f.endswith("/") else os.remove(path)
-    return out, uuid.uuid4().hex
+                         "to replace that run's files once the new run is complete")
+    return out, uuid.uuid4().hex, [f.rstrip("/") for f in held]
 
 
 def recorded(folder: str, key: str) -> str | None:
@@ -279,16 +278,61 @@ def _full_datasets(args):
                 download_hint=DOWNLOAD_HINT)
 
 
+#: A test split of fewer images than this warns: one image moves its accuracy by more than a point.
+MIN_TEST_IMAGES = 100
+#: The seed of the stratified samples ``--limit`` and ``--train-limit`` draw: the same images
+#: for every command and every ``--seed``, so that their results compare.
+SUBSET_SEED = 0
+
+
+def warn(text: str) -> None:
+    """One line on stderr, ``warning: ...``, even with ``--quiet``."""
+    print(f"warning: {one_line(text)}", file=sys.stderr, flush=True)
+
+
 def datasets(args):
-    """``(train, test)`` for ``--data``, cut to ``--train-limit`` / ``--limit`` images."""
+    """``(train, test)`` for ``--data``, cut to ``--train-limit`` / ``--limit`` images: stratified
+    samples (each class keeps its share, :func:`snnconv.data.stratified_subset`, seed
+    :data:`SUBSET_SEED`). Says what a reader of the numbers must know: a folder that mixes gray and
+    colour images, a sample that could not be stratified."""
+    import warnings
+
+    from snnconv.data import labels_of, stratified_subset
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        train, test = _full_datasets(args)
+    for w in caught:
+        warn(str(w.message))
+    for flag, attr, split in (("--train-limit", "train_limit", "training"), ("--limit", "limit", "test")):
+        n = getattr(args, attr, None)
+        data = train if split == "training" else test
+        if not n or n >= len(data):
+            continue
+        if labels_of(data) is None:
+            warn(f"{flag} {n}: the labels of the {split} split are not known without reading every image, "
+                 f"so the first {n} of its {len(data)} images are used, not a sample that keeps the "
+                 "classes' shares")
+        cut = stratified_subset(data, n, seed=SUBSET_SEED)
+        if split == "training":
+            train = cut
+        else:
+            test = cut
+    return train, test
+
+
+def subset_record(dataset) -> dict | None:
+    """What a run records of a test split that ``--limit`` cut: the images used, of how many, and
+    how they were drawn; None for a whole split."""
     from torch.utils.data import Subset
 
-    train, test = _full_datasets(args)
-    if getattr(args, "train_limit", None):
-        train = Subset(train, range(min(args.train_limit, len(train))))
-    if args.limit:
-        test = Subset(test, range(min(args.limit, len(test))))
-    return train, test
+    from snnconv.data import labels_of
+
+    if not isinstance(dataset, Subset):
+        return None
+    stratified = labels_of(dataset.dataset) is not None
+    return {"images": len(dataset), "of": len(dataset.dataset),  # type: ignore[arg-type]  # sized
+            "drawn": f"stratified by class, seed {SUBSET_SEED}" if stratified else "the first ones"}
 
 
 def num_classes(args, dataset) -> int:
@@ -520,11 +564,19 @@ def evaluation(args, snn, test_loader, Ts: list[int], label: str) -> dict:
                             progress=not args.quiet)
     rec.update(data=args.data, images=images_in(test_loader),
                run_id=snn.meta.get("run_id") if isinstance(snn.meta, dict) else None)
+    subset = subset_record(getattr(test_loader, "dataset", None))
+    if subset is not None:
+        rec["test_subset"] = subset
     return rec
 
 
 def print_accuracy(args, rows: list[tuple[str, float]], images: int | None = None) -> None:
-    """A two-column table: what was measured, its accuracy in percent (on ``images`` test images)."""
+    """A two-column table: what was measured, its accuracy in percent (on ``images`` test images);
+    fewer than :data:`MIN_TEST_IMAGES` images warn (even with ``--quiet``)."""
+    if images is not None and images < MIN_TEST_IMAGES:
+        warn(f"the accuracies of this run were measured on {images} test image(s) of --data {args.data}: on fewer "
+             f"than {MIN_TEST_IMAGES}, one image moves an accuracy by {100 / max(1, images):.0f} point(s), "
+             "so they say little; give more test images (a folder DIR/test/CLASS, or more images per class)")
     say(args, f"\n{'':28}accuracy (%)" + (f" on {images:,} test images" if images else ""))
     for name, value in rows:
         say(args, f"{name:28}{value:6.2f}")

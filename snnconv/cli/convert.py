@@ -20,11 +20,14 @@ from snnconv.cli.common import (
     positive_int,
     print_accuracy,
     say,
+    subset_record,
     time_steps,
+    warn,
     write_json,
 )
+from snnconv.data import DATASETS
 
-__all__ = ["add_demo", "add_convert", "add_finetune"]
+__all__ = ["add_demo", "add_convert", "add_finetune", "recorded_size"]
 
 _WEIGHTS_OR_TRAIN = ("give --weights FILE (a trained state dict of --model) or --train-epochs N "
                      "(train --model on --data here first)")
@@ -38,12 +41,7 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    import torch
-
-    from snnconv.analysis.plots import plot_accuracy_vs_T
-    from snnconv.demo import train_ann
-    from snnconv.io.atomic import atomic_write_bytes
-    from snnconv.pipeline import convert
+    from snnconv.io.atomic import StagedFolder
 
     build = model_builder(args.model)  # an unknown model is said first, before any other advice
     fixed = [f for f, v in (("--num-classes", args.num_classes), ("--in-channels", args.in_channels)) if v]
@@ -53,7 +51,23 @@ def _cmd_convert(args) -> int:
     if not args.weights and not args.train_epochs:
         raise UsageError(_WEIGHTS_OR_TRAIN)
     Ts = time_steps(args)
-    out, run_id = new_run_dir(args, "runs/convert")  # checked; created when the first file is written
+    out, run_id, replaces = new_run_dir(args, "runs/convert")  # checked; nothing created yet
+    # written beside --out, moved in once complete: an interrupted run leaves the old one as it was
+    with StagedFolder(out, replaces=replaces) as staged:
+        _convert_into(args, build, Ts, staged, run_id)
+        staged.commit()
+    say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
+    return 0
+
+
+def _convert_into(args, build, Ts: list[int], staged, run_id: str) -> None:
+    import torch
+
+    from snnconv.analysis.plots import plot_accuracy_vs_T
+    from snnconv.demo import train_ann
+    from snnconv.io.atomic import atomic_write_bytes
+    from snnconv.pipeline import convert
+
     train, test = loaders(args)
     x0 = train.dataset[0][0]
     in_channels = args.in_channels or x0.shape[0]
@@ -64,6 +78,7 @@ def _cmd_convert(args) -> int:
         torch.manual_seed(args.seed)  # the initialisation too: the same --seed, the same network
         model = build(classes, in_channels)
     _takes(model, x0, args)
+    _say_images(args, model, x0, train, test)
     if not args.weights:
         say(args, f"[1/3] training {args.model} on {args.data} for {args.train_epochs} epoch(s) ...")
         torch.manual_seed(args.seed)
@@ -71,7 +86,7 @@ def _cmd_convert(args) -> int:
                           device=args.device)
         buf = io.BytesIO()
         torch.save(model.state_dict(), buf)
-        atomic_write_bytes(os.path.join(out, "ann.pt"), buf.getvalue())
+        atomic_write_bytes(os.path.join(staged.path, "ann.pt"), buf.getvalue())
     epochs = "default" if args.qcfs_epochs is None else args.qcfs_epochs
     say(args, f"[2/3] converting (T={max(Ts)}, QCFS epochs {epochs}, fine-tuning "
               f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
@@ -80,8 +95,12 @@ def _cmd_convert(args) -> int:
                         reconstruction_steps=args.reconstruction_steps, burst=args.burst, eval_loader=test, eval_T=Ts,
                         seed=args.seed, device=args.device, progress=not args.quiet)
     snn.meta["run_id"] = meta.settings["run_id"] = run_id
-    meta.settings.update(model=args.model, data=args.data, eval_images=len(test.dataset))
-    os.makedirs(out, exist_ok=True)
+    meta.settings.update(model=args.model, data=args.data, eval_images=len(test.dataset),
+                         image_size=list(x0.shape[1:]))
+    subset = subset_record(test.dataset)
+    if subset is not None:
+        meta.settings["test_subset"] = subset
+    out = staged.path
     snn.to("cpu").save(os.path.join(out, "snn.pt"))
     meta.to_json(os.path.join(out, "meta.json"))
     acc = meta.accuracy
@@ -96,9 +115,50 @@ def _cmd_convert(args) -> int:
     write_json(os.path.join(out, "evaluation.json"), ev)
     print_accuracy(args, [("ANN", acc["ann"]), ("ANN, BatchNorm folded", acc["folded"]),
                           (f"QCFS-ANN (L={meta.settings['L']})", acc["qcfs"])]
-                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts], images=len(test.dataset))
-    say(args, f"\nwrote {out}/snn.pt, meta.json, evaluation.json, accuracy_vs_T.png")
-    return 0
+                   + [(f"SNN T={t}", acc["snn"][str(t)]) for t in Ts],
+                   images=len(test.dataset))
+
+
+#: Where a model may record the input size it was built or trained for: (attribute, key), the
+#: key None for the attribute itself (an int, or a (C,) H, W sequence).
+_SIZE_ATTRIBUTES = (("pretrained_cfg", "input_size"), ("default_cfg", "input_size"), ("input_size", None),
+                    ("image_size", None), ("img_size", None))
+
+
+def recorded_size(model) -> tuple[tuple[int, int], str] | None:
+    """``((H, W), where)``: the input size ``model`` records (timm's ``pretrained_cfg`` /
+    ``default_cfg["input_size"]``, or an ``input_size``, ``image_size`` or ``img_size``
+    attribute), or None where it records none."""
+    for attr, key in _SIZE_ATTRIBUTES:
+        value = getattr(model, attr, None)
+        if key is not None:
+            value = value.get(key) if isinstance(value, dict) else None
+            attr = f"{attr}[{key!r}]"
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return (value, value), f"model.{attr}"
+        if isinstance(value, (tuple, list)) and len(value) in (2, 3) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+            return (int(value[-2]), int(value[-1])), f"model.{attr}"
+    return None
+
+
+def _say_images(args, model, x0, train, test) -> None:
+    """The images the run uses (their size, and whether --image-size resized them), in the plan;
+    a warning where the model records another input size."""
+    shape = "x".join(map(str, x0.shape))
+    how = (f"resized to {args.image_size}x{args.image_size} by --image-size" if args.image_size
+           else "as they are in the folder (--image-size N resizes them)" if args.data not in DATASETS
+           else f"the size of {args.data}")
+    say(args, f"data: {args.data}, {len(train.dataset):,} training and {len(test.dataset):,} test images of "
+              f"{shape} (C x H x W), {how}")
+    found = recorded_size(model)
+    if found is not None and x0.dim() == 3 and found[0] != tuple(x0.shape[1:]):
+        (h, w), where = found
+        fix = (f"give --image-size {h} to resize them" if h == w and args.data not in DATASETS
+               else "give images of that size")
+        warn(f"--model {args.model} records an input size of {h}x{w} ({where}), but the images of --data "
+             f"{args.data} are {x0.shape[1]}x{x0.shape[2]}: it runs, on images it was not built for, and its "
+             f"accuracy may drop far; {fix}")
 
 
 def _takes(model, x0, args) -> None:
@@ -202,7 +262,8 @@ def add_convert(sub, pa: dict) -> None:
                         "NIR export writes B Threshold nodes per neuron and their sum (graded spikes on "
                         "loihi2-sim and lava)")
     p.add_argument("--overwrite", action="store_true",
-                   help="--out holds a run: remove its files first (without it, such a folder is refused)")
+                   help="--out holds a run: replace its files once the new run is complete (without it, "
+                        "such a folder is refused)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--per-channel", dest="per_channel", action="store_const", const=True, default=None,
                    help="one threshold per channel (the default)")

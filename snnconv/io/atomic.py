@@ -1,12 +1,16 @@
-"""The atomic file writer every snnconv file goes through: a temporary file, fsync, a rename."""
+"""The atomic file writer every snnconv file goes through: a temporary file, fsync, a rename;
+and a folder of files written beside its destination and moved in once complete
+(:class:`StagedFolder`)."""
 
 from __future__ import annotations
 
 import os
 import re
 import secrets
+import shutil
+from typing import Iterable
 
-__all__ = ["atomic_write_text", "atomic_write_bytes", "stale_temporaries"]
+__all__ = ["atomic_write_text", "atomic_write_bytes", "stale_temporaries", "StagedFolder"]
 
 
 _TMP_PREFIX = ".tmp-"
@@ -94,3 +98,63 @@ def _fsync_folder(folder: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class StagedFolder:
+    """The files of a folder ``dest`` written first into a hidden sibling
+    (``.<name>.partial-<pid>-<random>``, made on first use of :attr:`path`), and moved into
+    ``dest`` only by :meth:`commit`, once all of them are written.
+
+    Until then ``dest`` is untouched: an interruption (Ctrl-C, an error) leaves it as it was and
+    removes the sibling (``with StagedFolder(...)`` discards on any exception). :meth:`commit`
+    renames the sibling to ``dest`` where ``dest`` does not exist (one atomic rename); else it
+    moves ``replaces`` (names in ``dest``: an old run's files and folders) aside, moves each
+    new entry in with a rename, and removes the old ones. Other entries of ``dest`` are left
+    where they are.
+    """
+
+    def __init__(self, dest: str | os.PathLike, replaces: Iterable[str] = ()):
+        self.dest = os.fspath(dest)
+        self.replaces = list(replaces)
+        self._path: str | None = None
+
+    @property
+    def path(self) -> str:
+        """The folder to write into (made here on first use, beside ``dest``)."""
+        if self._path is None:
+            parent = os.path.dirname(os.path.abspath(self.dest))
+            os.makedirs(parent, exist_ok=True)
+            name = f".{os.path.basename(os.path.abspath(self.dest))}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+            self._path = os.path.join(parent, name)
+            os.mkdir(self._path)
+        return self._path
+
+    def commit(self) -> None:
+        """Move the written files into ``dest`` (see the class docstring)."""
+        new = self.path
+        if not os.path.lexists(self.dest):
+            os.rename(new, self.dest)
+        else:
+            old = new + ".old"
+            os.mkdir(old)
+            for name in self.replaces:
+                if os.path.lexists(os.path.join(self.dest, name)):
+                    os.rename(os.path.join(self.dest, name), os.path.join(old, name))
+            for name in os.listdir(new):
+                os.replace(os.path.join(new, name), os.path.join(self.dest, name))
+            os.rmdir(new)
+            shutil.rmtree(old, ignore_errors=True)
+        self._path = None
+        _fsync_folder(os.path.dirname(os.path.abspath(self.dest)))
+
+    def discard(self) -> None:
+        """Remove what was written (``dest`` stays as it was)."""
+        if self._path is not None:
+            shutil.rmtree(self._path, ignore_errors=True)
+            self._path = None
+
+    def __enter__(self) -> "StagedFolder":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        self.discard()  # committed: nothing left to discard

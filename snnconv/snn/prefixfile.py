@@ -5,7 +5,9 @@ NIR 1.0.8 has no max-pooling or ReLU node, so a network whose static analog pref
 exported as two files: the NIR graph, whose input is the prefix's output
 (``metadata["input"] == "analog_prefix"``), and the prefix as a :class:`SpikingNetwork` file
 beside it (T=1, no neurons), named in the graph's metadata with the SHA-256 of its bytes.
-``snnconv export`` writes both and ``snnconv run`` reads both.
+``snnconv export`` writes both and ``snnconv run`` reads both; :func:`save_nir` and
+:func:`load_nir` (``snnconv.save_nir``, ``snnconv.load_nir``) write and read a network with its
+prefix in one call.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+from typing import Any, Literal, overload
 
 import nir
 import torch.fx as fx
@@ -21,10 +24,12 @@ import torch.nn as nn
 from snnconv.constructs.prefix import PREFIX_NAME, analog_prefix
 from snnconv.errors import CheckpointError, NIRError
 from snnconv.io.files import open_regular
+from snnconv.nir.file import load_nir as _load_graph
+from snnconv.nir.file import save_nir as _save_graph
 from snnconv.nir.format import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY, PREFIX_SHA256_KEY
 from snnconv.snn.network import SpikingNetwork
 
-__all__ = ["MAX_PREFIX_BYTES", "save_prefix", "load_prefix"]
+__all__ = ["MAX_PREFIX_BYTES", "save_prefix", "load_prefix", "save_nir", "load_nir"]
 
 
 #: The largest prefix file :func:`load_prefix` reads (a stem: a ResNet-50's is 38 KB).
@@ -109,3 +114,54 @@ def load_prefix(graph: nir.NIRGraph, nir_path: str | os.PathLike,
     if net.meta.get("role") != ANALOG_PREFIX:
         raise NIRError(f"{path} is a saved network, not an analog prefix")
     return net
+
+
+def save_nir(network: SpikingNetwork | nir.NIRGraph, path: str | os.PathLike, *,
+             compression: str | None = "gzip") -> nir.NIRGraph:
+    """Write ``network`` to the NIR file ``path``: a :class:`SpikingNetwork` is exported
+    (:func:`snnconv.export_nir`, at the input shape ``convert()`` recorded) and its analog prefix,
+    if it has one, written beside (:func:`save_prefix`); a ``nir.NIRGraph`` is written as it is.
+    The file is HDF5 with a content digest, written atomically
+    (:func:`snnconv.nir.file.save_nir`, whose ``compression`` this takes). Returns the graph
+    written; :func:`load_nir` with ``with_prefix=True`` reads both back.
+
+    Raises:
+        NIRError: the network has no NIR form, or nir cannot serialise the graph.
+    """
+    if isinstance(network, SpikingNetwork):
+        from snnconv.snn.nir_io import export_nir
+
+        graph = export_nir(network)
+        save_prefix(network, graph, path)
+    elif isinstance(network, nir.NIRGraph):
+        graph = network
+    else:
+        raise NIRError(f"save_nir writes a SpikingNetwork or a nir.NIRGraph, got {type(network).__name__}")
+    _save_graph(graph, path, compression=compression)
+    return graph
+
+
+@overload
+def load_nir(path: str | os.PathLike, *, with_prefix: Literal[False] = False, **caps: Any) -> nir.NIRGraph: ...
+@overload
+def load_nir(path: str | os.PathLike, *, with_prefix: Literal[True], **caps: Any
+             ) -> tuple[nir.NIRGraph, nn.Module]: ...
+def load_nir(path: str | os.PathLike, *, with_prefix: bool = False,
+             **caps: Any) -> nir.NIRGraph | tuple[nir.NIRGraph, nn.Module]:
+    """Read the NIR file ``path`` strictly (:func:`snnconv.nir.file.load_nir`, whose size caps
+    and ``dt`` ``caps`` passes on). With ``with_prefix=True``: ``(graph, prefix)``, where
+    ``prefix`` maps a batch of images to the graph's input: the analog prefix saved beside the
+    file (:func:`load_prefix`, its digest checked) or, where the graph reads the images
+    themselves, ``nn.Identity()``::
+
+        graph, prefix = snnconv.load_nir("snn.nir", with_prefix=True)
+        result = snnconv.backends.get("cpu").compile(graph).run(prefix(images), T=4)
+
+    Raises:
+        NIRError: what :func:`snnconv.nir.file.load_nir` and :func:`load_prefix` refuse.
+    """
+    graph = _load_graph(path, **caps)
+    if not with_prefix:
+        return graph
+    prefix = load_prefix(graph, path)
+    return graph, (prefix if prefix is not None else nn.Identity())
