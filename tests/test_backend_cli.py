@@ -35,11 +35,13 @@ def test_run_prints_accuracy_spikes_synops_and_energy(digits_nir, capsys):
 
 
 def test_run_accuracy_is_the_cpu_backend_accuracy(digits_nir, digits_data, capsys):
+    from snnconv.data import stratified_subset
+
     _, test = digits_data
-    x, y = test.tensors
+    x, y = (t[stratified_subset(test, 50).indices] for t in test.tensors)  # the images --limit 50 draws
     graph = snnconv.snn.nir_io.load_nir(digits_nir)
-    r = snnconv.backends.get("cpu").compile(graph).run(x[:50], 3)
-    acc = 100 * float((r.outputs.mean(0).argmax(1) == y[:50]).float().mean())
+    r = snnconv.backends.get("cpu").compile(graph).run(x, 3)
+    acc = 100 * float((r.outputs.mean(0).argmax(1) == y).float().mean())
     assert main(["run", str(digits_nir), "--data", "digits", "--T", "3", "--limit", "50",
                  "--option", "dtype=float64"]) == 0
     assert f"accuracy (mean readout over T=3): {acc:.2f}%" in capsys.readouterr().out

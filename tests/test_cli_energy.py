@@ -45,7 +45,7 @@ def test_run_evaluate_and_the_backend_report_show_one_ann_energy(small_digits_sn
     save_nir(export_nir(small_digits_snn), tmp_path / "snn.nir")
     assert main(["evaluate", str(tmp_path), "--T", "2", "--limit", "32", "--out", str(tmp_path)]) == 0
     assert main(["run", str(tmp_path / "snn.nir"), "--backend", "loihi2-sim", "--T", "2",
-                 "--limit", "32", "--quiet"]) == 0
+                 "--limit", "32"]) == 0
     out = capsys.readouterr().out
     ev = json.loads((tmp_path / "evaluation.json").read_text())["analysis"]["energy"]
     rec = json.loads((tmp_path / "backends" / "loihi2-sim_T2_digits_32img.json").read_text())
@@ -77,7 +77,9 @@ def test_evaluate_run_cpu_the_api_and_the_report_give_one_figure_for_one_run(sma
     assert main(["run", str(tmp_path / "snn.nir"), "--backend", "cpu", "--data", "digits", "--T", "4",
                  "--limit", "24", "--quiet"]) == 0
     printed = _printed_ratio(capsys.readouterr().out)
-    x = digits_data[1].tensors[0][:24]
+    from snnconv.data import stratified_subset
+
+    x = digits_data[1].tensors[0][stratified_subset(digits_data[1], 24).indices]  # the images --limit 24 draws
     api = analyse(small_digits_snn, x, T=4).energy()
     ev = json.loads((tmp_path / "evaluation.json").read_text())["analysis"]["energy"]
     cpu = json.loads((tmp_path / "backends" / "cpu_T4_digits_24img.json").read_text())["energy"]
@@ -172,7 +174,7 @@ def test_the_chip_row_counts_the_analog_prefix_on_both_sides(tmp_path, capsys):
     snn.save(tmp_path / "snn.pt")
     assert main(["export", str(tmp_path)]) == 0
     assert main(["run", str(tmp_path), "--backend", "loihi2-sim", "--data", "synthetic", "--T", "2",
-                 "--limit", "24", "--batch", "8", "--quiet"]) == 0
+                 "--limit", "24", "--batch", "8"]) == 0
     out = capsys.readouterr().out
     rec = json.loads(next((tmp_path / "backends").glob("loihi2-sim_*.json")).read_text())
     chip = rec["extra"]["energy"]

@@ -166,9 +166,11 @@ def test_run_command_takes_dt(tmp_path, digits_data, capsys):
     argv = ["run", str(path), "--data", "digits", "--T", "4", "--limit", "40"]
     assert main(argv) == 2 and "r * dt" in capsys.readouterr().err
     assert main(argv + ["--dt", "1e-4"]) == 0
-    x, y = digits_data[1].tensors
-    r = backends.get("cpu").compile(load_nir(path, dt=1e-4), dt=1e-4).run(x[:40], 4)
-    acc = 100 * float((r.outputs.mean(0).argmax(1) == y[:40]).float().mean())
+    from snnconv.data import stratified_subset
+
+    x, y = (t[stratified_subset(digits_data[1], 40).indices] for t in digits_data[1].tensors)  # --limit's
+    r = backends.get("cpu").compile(load_nir(path, dt=1e-4), dt=1e-4).run(x, 4)
+    acc = 100 * float((r.outputs.mean(0).argmax(1) == y).float().mean())
     assert f"accuracy (mean readout over T=4): {acc:.2f}%" in capsys.readouterr().out
 
 
