@@ -117,3 +117,23 @@ def test_an_interrupted_overwrite_leaves_the_old_run_as_it_was(folder, capsys, m
     assert main(CONVERT + ["--out", "r", "--overwrite", "--quiet"]) == 130
     assert {f: (folder / "r" / f).read_bytes() for f in os.listdir(folder / "r")} == before
     assert [p for p in os.listdir(folder) if p.startswith(".")] == []  # nothing staged is left
+
+
+def test_run_uses_the_data_and_image_size_the_run_recorded_and_names_a_mismatch(folder, capsys):
+    """``run RUN`` without ``--data`` reads the folder and the image size the conversion used
+    (from anywhere); other images are exit 2 naming their size and channels and the flag to give."""
+    assert main(CONVERT + ["--image-size", "16", "--out", "r", "--quiet"]) == 0
+    assert main(["export", "r", "--quiet"]) == 0
+    capsys.readouterr()
+    os.chdir(folder / "r")  # the run's folder is found whatever the current directory
+    assert main(["run", ".", "--backend", "cpu", "--T", "2", "--quiet"]) == 0
+    rec = json.loads(next((folder / "r" / "backends").glob("cpu_*.json")).read_text())
+    assert rec["data"] == str(folder / "images") and rec["settings"]["image_size"] == 16
+    assert main(["run", ".", "--backend", "cpu", "--T", "2", "--data", str(folder / "images")]) == 2
+    err = capsys.readouterr().err
+    assert "the images of --data" in err and "are 12x12 px with 3 channel(s)" in err
+    assert "converted for 16x16 px with 3 channel(s)" in err and "give --image-size 16" in err
+    assert "Traceback" not in err and sum(line.startswith("snnconv run: error") for line in err.splitlines()) == 1
+    assert main(["run", ".", "--backend", "cpu", "--T", "2", "--data", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert "8x8 px with 1 channel(s)" in err and "images with 3 channel(s), not 1" in err

@@ -27,7 +27,7 @@ import sys
 import threading
 
 from snnconv.cli import check, convert, evaluate, nir
-from snnconv.cli.common import Parser, UsageError, check_device, one_line, parents
+from snnconv.cli.common import Parser, UsageError, check_device, one_line, parents, recorded_data
 
 __all__ = ["main", "build_parser"]
 
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         check_device(getattr(args, "device", None))
+        recorded_data(args)
         return args.func(args)
     except (UsageError, SnnconvError, OSError, ValueError) as exc:
         print(f"{where}: error: {one_line(exc)}", file=sys.stderr)

@@ -118,8 +118,9 @@ FLAGS: dict[str, dict[str, Any]] = {
     "--device": dict(default="cpu", help="torch device: cpu, cuda, cuda:1 (default cpu)"),
     "--seed": dict(type=int, default=0, help="random seed (default 0)"),
     "--quiet": dict(action="store_true", help="no progress bars or tables"),
-    "--data": dict(default="digits", type=data_source, metavar="NAME|DIR",
-                   help="a dataset: digits (default, embedded), fashion_mnist, cifar10, synthetic "
+    "--data": dict(type=data_source, metavar="NAME|DIR",
+                   help="a dataset (default: the data the run was converted on, as its meta.json records "
+                        "it, else digits): digits (embedded), fashion_mnist, cifar10, synthetic "
                         "(CIFAR-shaped, made here); or a folder of your images in torchvision's "
                         "ImageFolder layout, DIR/CLASS/*.png (DIR/train/CLASS and DIR/test/CLASS, "
                         f"else one image in {TEST_EVERY} is the test split), scaled to [0, 1]"),
@@ -288,6 +289,44 @@ SUBSET_SEED = 0
 def warn(text: str) -> None:
     """One line on stderr, ``warning: ...``, even with ``--quiet``."""
     print(f"warning: {one_line(text)}", file=sys.stderr, flush=True)
+
+
+def recorded_data(args) -> None:
+    """Fill ``--data`` (and, for a folder, ``--image-size``) where the command line left it out:
+    the data the run that the command reads was converted on (``meta.json`` beside its network),
+    else digits. Says which, once.
+
+    Raises:
+        UsageError: the run recorded a folder that is not there from here.
+    """
+    if getattr(args, "data", "") is not None:
+        return
+    path = getattr(args, "snn", None) or getattr(args, "file", None)
+    settings: dict = {}
+    meta = None
+    if path:
+        run_dir = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        meta = os.path.join(run_dir, "meta.json")
+        try:
+            if os.path.getsize(meta) < 64 * 2**20:  # a run's own record: small
+                with open(meta, encoding="utf-8") as fh:
+                    settings = (json.load(fh) or {}).get("settings") or {}
+        except (OSError, ValueError, AttributeError):
+            settings = {}
+    data = settings.get("data_path") or settings.get("data") if isinstance(settings, dict) else None
+    if not isinstance(data, str) or not data:
+        args.data = "digits"
+        return
+    if data not in DATASETS and not os.path.isdir(data):
+        raise UsageError(f"the run was converted on --data {data} ({meta}), which is not a folder from here; "
+                         "give --data")
+    args.data = data
+    size = settings.get("image_size")
+    if (data not in DATASETS and args.image_size is None and isinstance(size, list) and len(size) == 2
+            and size[0] == size[1] and isinstance(size[0], int) and size[0] > 0):
+        args.image_size = size[0]
+    resized = f" --image-size {args.image_size}" if data not in DATASETS and args.image_size else ""
+    say(args, f"data: --data {data}{resized}, as the run recorded it ({meta})")
 
 
 def datasets(args):
@@ -570,13 +609,18 @@ def evaluation(args, snn, test_loader, Ts: list[int], label: str) -> dict:
     return rec
 
 
-def print_accuracy(args, rows: list[tuple[str, float]], images: int | None = None) -> None:
-    """A two-column table: what was measured, its accuracy in percent (on ``images`` test images);
-    fewer than :data:`MIN_TEST_IMAGES` images warn (even with ``--quiet``)."""
+def few_images(args, images: int | None) -> None:
+    """Warn (even with ``--quiet``) where accuracies rest on fewer than :data:`MIN_TEST_IMAGES`."""
     if images is not None and images < MIN_TEST_IMAGES:
         warn(f"the accuracies of this run were measured on {images} test image(s) of --data {args.data}: on fewer "
              f"than {MIN_TEST_IMAGES}, one image moves an accuracy by {100 / max(1, images):.0f} point(s), "
              "so they say little; give more test images (a folder DIR/test/CLASS, or more images per class)")
+
+
+def print_accuracy(args, rows: list[tuple[str, float]], images: int | None = None) -> None:
+    """A two-column table: what was measured, its accuracy in percent (on ``images`` test images);
+    fewer than :data:`MIN_TEST_IMAGES` images warn (even with ``--quiet``)."""
+    few_images(args, images)
     say(args, f"\n{'':28}accuracy (%)" + (f" on {images:,} test images" if images else ""))
     for name, value in rows:
         say(args, f"{name:28}{value:6.2f}")

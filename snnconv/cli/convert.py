@@ -97,6 +97,8 @@ def _convert_into(args, build, Ts: list[int], staged, run_id: str) -> None:
     snn.meta["run_id"] = meta.settings["run_id"] = run_id
     meta.settings.update(model=args.model, data=args.data, eval_images=len(test.dataset),
                          image_size=list(x0.shape[1:]))
+    if os.path.isdir(args.data):  # a folder: where later commands find it by default
+        meta.settings["data_path"] = os.path.abspath(args.data)
     subset = subset_record(test.dataset)
     if subset is not None:
         meta.settings["test_subset"] = subset

@@ -16,10 +16,12 @@ from snnconv.cli.common import (
     UsageError,
     add_command,
     datasets,
+    few_images,
     load_snn,
     nir_path,
     positive_float,
     positive_int,
+    subset_record,
     write_json,
 )
 
@@ -111,6 +113,28 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
+def _check_images(args, shape, graph, prefix) -> None:
+    """UsageError unless the images of ``--data`` have the shape the network takes (the analog
+    prefix's input where there is one, else the graph's), naming both and what to give."""
+    from snnconv.nir.reader import parse
+
+    recorded = (prefix.meta or {}).get("input_shape") if prefix is not None else None
+    want = tuple(recorded) if recorded else tuple(parse(graph, dt=args.dt).input_shape)
+    got = tuple(int(v) for v in shape)
+    if got == want or len(want) != 3 or len(got) != 3:
+        return
+    advice = []
+    if got[0] != want[0]:
+        advice.append(f"images with {want[0]} channel(s), not {got[0]}")
+    if got[1:] != want[1:]:
+        size = f"{want[1]}" if want[1] == want[2] else f"{want[1]}x{want[2]}"
+        advice.append(f"give --image-size {size}" if os.path.isdir(args.data) and want[1] == want[2]
+                      else f"images of {size} px")
+    raise UsageError(f"the images of --data {args.data} are {got[1]}x{got[2]} px with {got[0]} channel(s); the "
+                     f"network was converted for {want[1]}x{want[2]} px with {want[0]} channel(s): "
+                     + "; ".join(advice) + " (--data: the data it was converted on)")
+
+
 def _run_dataset(args):
     """The test split of ``--data`` (digits and synthetic: the split of seed 0; a folder: its test
     split), cut to ``--limit`` images."""
@@ -180,6 +204,7 @@ def _cmd_run(args) -> int:
     dataset = _run_dataset(args)
     if len(dataset) == 0:
         raise SnnconvError(f"the {args.data} test set holds no images")
+    _check_images(args, dataset[0][0].shape, graph, prefix)
     T = args.T if args.T is not None else graph.metadata.get("T")
     if T is None:
         raise UsageError(f"{args.file} records no T; give --T")
@@ -295,6 +320,10 @@ def _cmd_run(args) -> int:
     settings = {k: v for k, v, unset in (("option", _backend_options(args.option), {}), ("dt", args.dt, 1.0),
                                          ("image_size", args.image_size, None)) if v != unset}
     rec.update(data=args.data, settings=settings, file=os.path.basename(args.file))
+    subset = subset_record(dataset)
+    if subset is not None:
+        rec["test_subset"] = subset
+    few_images(args, n)
     out = args.out or os.path.dirname(os.path.abspath(args.file))
     path = os.path.join(out, "backends", record_name(rec, args.data, settings))
     before = _accuracy_in(path)
