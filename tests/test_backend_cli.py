@@ -70,7 +70,9 @@ def test_run_refuses_data_of_the_wrong_shape(tmp_path, capsys):
     path = tmp_path / "rgb.nir"
     save_nir(export_nir(snn, input_shape=(3, 16, 16)), path)
     assert main(["run", str(path), "--data", "digits", "--limit", "8"]) == 2
-    assert "does not fit the graph's input (3, 16, 16)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "are 8x8 px with 1 channel(s)" in err and "converted for 16x16 px with 3 channel(s)" in err
+    assert "images with 3 channel(s), not 1" in err
 
 
 def test_backends_lists_each_backend_and_why_not(capsys):
