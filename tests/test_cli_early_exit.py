@@ -127,3 +127,17 @@ def test_the_report_shows_the_early_exit_curve_histogram_and_mean_steps(run):
     section = page.split("<h2>Early exit</h2>")[1].split("<h2>")[0]
     assert 'alt="early exit: accuracy against mean steps, exit steps"' in section
     assert f"<td>{e['mean_steps']:.2f}</td>" in section and f"<td>{e['histogram']}</td>" in section
+
+
+def test_an_early_exit_run_is_recorded_beside_the_fixed_T_run_and_kept_off_the_T_plot(run, capsys):
+    assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "2", "--quiet"]) == 0
+    assert main(["export", str(run), "--quiet"]) == 0
+    base = ["run", str(run), "--backend", "cpu", "--data", "digits", "--limit", "40", "--quiet"]
+    assert main(base) == 0 and main(base + ["--early-exit"]) == 0
+    records = [json.loads(p.read_text()) for p in (run / "backends").glob("cpu_*.json")]
+    assert sorted(bool(r.get("early_exit")) for r in records) == [False, True]  # neither replaced the other
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    accuracy = page.split("<h2>Accuracy against time steps</h2>")[1].split("<h2>")[0]
+    assert "early exit" not in accuracy
+    assert "backend cpu (digits, early exit)" in page.split("<h2>Early exit</h2>")[1].split("<h2>")[0]

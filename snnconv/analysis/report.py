@@ -334,9 +334,10 @@ def _backend_rows(backends: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, 
     rows = []
     for stem, res in backends.items():
         settings = res.get("settings") or {}
-        extra = ", ".join(f"{k}={v}" for k, v in settings.items())
-        label = f"{res.get('backend', stem)} ({res.get('data', 'data not recorded')}" + \
-                (f", {extra})" if extra else ")")
+        inner = [str(res.get("data", "data not recorded"))] + \
+            [f"{k}={v}" for k, v in settings.items() if k != "early_exit"] + \
+            (["early exit"] if res.get("early_exit") else [])
+        label = f"{res.get('backend', stem)} ({', '.join(inner)})"
         rows.append((label, res))
     return sorted(rows, key=lambda r: (str(r[1].get("backend", "")), r[1].get("T") or 0,
                                        r[1].get("images") or 0, r[0]))
@@ -354,8 +355,8 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
             set(map(str, ev["accuracy"])) - set(map(str, acc["snn"])):
         evaluated = (f"SNN (snnconv evaluate, {_images(ev.get('images'))} images)", ev["accuracy"])
     tuned = (ft or {}).get("accuracy", {}).get("snn") if ft else None
-    measured = [(label, res) for label, res in _backend_rows(run["backends"])
-                if isinstance(res.get("accuracy"), (int, float)) and res.get("T")]
+    measured = [(label, res) for label, res in _backend_rows(run["backends"])  # at a fixed T (early exit: below)
+                if isinstance(res.get("accuracy"), (int, float)) and res.get("T") and not res.get("early_exit")]
     parts.append("<h2>Accuracy against time steps</h2>")
     if not (acc.get("snn") or tuned or measured):
         parts.append(_note("No accuracies: meta.json (snnconv convert with evaluation data) is absent."))
@@ -363,8 +364,9 @@ def _accuracy_section(run: Mapping[str, Any], parts: list[str]) -> None:
     counts = [c for c in [n, (ft or {}).get("images")] + [r.get("images") for _, r in measured]
               if isinstance(c, int)]
     largest = max(counts, default=0)
-    shown = [(f"{label}, {_images(r.get('images'))} images" + _subset(r.get("images"), largest), int(r["T"]),
-              float(r["accuracy"])) for label, r in measured if not few_images(r.get("images"), largest)]
+    shown = [(f"{label}, {_images(r.get('images'))}" + (f" of {largest:,} images (a subset)"
+                                                       if _subset(r.get("images"), largest) else " images"),
+              int(r["T"]), float(r["accuracy"])) for label, r in measured if not few_images(r.get("images"), largest)]
     left = [f"{label} at T={r['T']}: {r['accuracy']:.2f}% on {_images(r.get('images'))} images"
             for label, r in measured if few_images(r.get("images"), largest)]
     parts.append(_img(_png(lambda ax: draw_accuracy(ax, acc, tuned, shown, evaluated), size=(8.4, 3.8)),

@@ -318,7 +318,9 @@ def _cmd_run(args) -> int:
         rec["early_exit"] = early
     # what else changes the result: recorded, and a part of the file name where set
     settings = {k: v for k, v, unset in (("option", _backend_options(args.option), {}), ("dt", args.dt, 1.0),
-                                         ("image_size", args.image_size, None)) if v != unset}
+                                         ("image_size", args.image_size, None),
+                                         ("early_exit", rule.to_dict() if rule is not None else None, None))
+                if v != unset}
     rec.update(data=args.data, settings=settings, file=os.path.basename(args.file))
     subset = subset_record(dataset)
     if subset is not None:
