@@ -3,6 +3,6 @@
 A thin re-export of :mod:`snnconv_backends` (which never imports the conversion stages).
 """
 
-from snnconv_backends import Backend, Program, RunResult, available, get, names
+from snnconv_backends import Backend, Program, Report, RunResult, RunWarning, available, get, names
 
-__all__ = ["available", "get", "names", "Backend", "Program", "RunResult"]
+__all__ = ["available", "get", "names", "Backend", "Program", "RunResult", "Report", "RunWarning"]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,61 @@ def test_no_python_file_of_the_project_is_over_the_module_size_limit():
              for p in proc.stdout.split() if (REPO / p).is_file()}
     assert len(sizes) > 50  # the listing found the project
     assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+REPORTING = """
+    import torch
+    from snnconv_backends import Backend, Program, Report, RunResult, RunWarning, get
+
+    class _Reporting(Program):
+        default_batch = 7
+
+        def __init__(self, graph):
+            self.inner = get("cpu").compile(graph)
+            self.sizes = []
+
+        def run(self, x, T, *, exit_rule=None):
+            import warnings
+
+            self.sizes.append(len(x))
+            warnings.warn("one batch looks odd", RunWarning)  # judged over all batches in report()
+            return self.inner.run(x, T, exit_rule=exit_rule)
+
+        def report(self, runs, *, analog_macs_per_image=0.0):
+            images = sum(r.outputs.shape[1] for r in runs)
+            return Report(text=f"odd chip: {len(runs)} runs, batches {self.sizes}",
+                          verdict=f"WARNING: odd chip: {images} images judged", warnings=("too odd",),
+                          record={"odd_check": {"images": images}})
+
+    class EchoBackend(Backend):
+        name = "odd"
+
+        def compile(self, graph, **options):
+            return _Reporting(graph)
+"""
+
+
+def test_run_prints_and_records_any_backends_report_without_knowing_its_name(tmp_path, monkeypatch, capsys,
+                                                                             small_digits_snn):
+    """``snnconv run`` takes what a backend reports (text, verdict, warnings, record, batch size)
+    from its Program: a third-party backend's report reaches the page and the record, and
+    ``--strict`` fails on its warnings."""
+    import json
+
+    from snnconv.cli import main
+    from snnconv.nir.file import save_nir
+    from snnconv.snn.nir_io import export_nir
+
+    _install_plugin(tmp_path, REPORTING, name="odd")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    save_nir(export_nir(small_digits_snn), tmp_path / "snn.nir")
+    args = ["run", str(tmp_path / "snn.nir"), "--backend", "odd", "--data", "digits", "--T", "2", "--limit", "20"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the per-batch warnings are the report's to judge
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "odd chip: 3 runs, batches [7, 7, 6]" in out and "WARNING: odd chip: 20 images judged" in out
+    rec = json.loads(next((tmp_path / "backends").glob("odd_*.json")).read_text())
+    assert rec["odd_check"] == {"images": 20}
+    assert main(args + ["--strict"]) == 1
+    assert "--strict: the odd backend's check failed (1 departure(s))" in capsys.readouterr().out

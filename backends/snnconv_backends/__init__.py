@@ -6,7 +6,18 @@ import-linter contract in pyproject.toml, checked by the tests): it may import `
 ``numpy``, ``torch``, ``spikingjelly``, ``h5py``, ``snnconv.errors`` and ``snnconv.analysis.energy`` only.
 """
 
-from snnconv_backends.registry import BUILTINS, ENTRY_POINT_GROUP, Backend, Program, RunResult, available, get, names
+from snnconv_backends.registry import (
+    BUILTINS,
+    ENTRY_POINT_GROUP,
+    Backend,
+    Program,
+    Report,
+    RunResult,
+    RunWarning,
+    available,
+    get,
+    names,
+)
 
-__all__ = ["Backend", "Program", "RunResult", "available", "get", "names", "BUILTINS",
+__all__ = ["Backend", "Program", "RunResult", "Report", "RunWarning", "available", "get", "names", "BUILTINS",
            "ENTRY_POINT_GROUP"]

@@ -31,7 +31,7 @@ from snnconv.errors import BackendError
 from snnconv_backends import loihi2
 from snnconv_backends.loihi2.backend import attach_fidelity
 from snnconv_backends.loihi2.simulate import connection_synops, static_eval, static_input
-from snnconv_backends.registry import Backend, Program, RunResult, parse_graph, readout_exit
+from snnconv_backends.registry import Backend, Program, Report, RunResult, parse_graph, readout_exit
 
 __all__ = ["LavaBackend", "LavaProgram", "lava_python", "run_worker", "stop_group", "WORKER"]
 
@@ -212,6 +212,14 @@ class LavaProgram(Program):
         spec = {"steps": T + q.depth, "batch": B, "populations": pops,
                 "dense_limit": int(self.options["dense_limit"])}
         return spec, arrays, clipped
+
+    default_batch = 16  # each call starts a Lava process: few images per call bound its memory
+
+    def report(self, runs: list[RunResult], *, analog_macs_per_image: float = 0.0) -> Report:
+        """As loihi2-sim's (:func:`snnconv_backends.loihi2.report.chip_report`)."""
+        from snnconv_backends.loihi2.report import chip_report
+
+        return chip_report(self.q, runs, "lava", analog_macs_per_image)
 
     def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:
         """``exit_rule``: Lava runs all T steps; the rule is applied to the readout (:func:`readout_exit`)."""

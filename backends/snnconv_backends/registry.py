@@ -22,8 +22,8 @@ import torch
 
 from snnconv.errors import BackendError
 
-__all__ = ["Backend", "Program", "RunResult", "readout_exit", "BUILTINS", "ENTRY_POINT_GROUP", "available", "get",
-           "names", "check_finite", "parse_graph"]
+__all__ = ["Backend", "Program", "RunResult", "Report", "RunWarning", "readout_exit", "BUILTINS",
+           "ENTRY_POINT_GROUP", "available", "get", "names", "check_finite", "parse_graph"]
 
 #: Built-in backends, imported only when asked for.
 BUILTINS: dict[str, str] = {
@@ -124,8 +124,46 @@ def parse_graph(graph: Any, backend: str, dt: Any = 1.0, compare: Any = None):
         raise BackendError(f"backend {backend!r} cannot run this graph: {exc}") from exc
 
 
+class RunWarning(UserWarning):
+    """A backend's warning about one run whose results may depart from what the graph means (a
+    quantised network's rates, say); :meth:`Program.report` judges all the runs of a command at
+    once, so a caller that runs many batches may silence it per batch."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a backend says about a command's runs beyond their outputs and counts.
+
+    Attributes:
+        text: its own report (resources, quantisation, energy on its hardware), printed under
+            the results; empty where it has none.
+        verdict: one line on whether the results can be trusted, printed always; None: nothing
+            to say.
+        warnings: departures beyond the backend's tolerances (a strict caller fails on any).
+        record: entries for the run's JSON record.
+        extra: the runs' ``extra`` merged into one (per-image figures over all the images);
+            None: the last run's stands.
+    """
+
+    text: str = ""
+    verdict: str | None = None
+    warnings: tuple[str, ...] = ()
+    record: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] | None = None
+
+
 class Program(abc.ABC):
     """A graph compiled for one backend; :meth:`run` may be called many times."""
+
+    #: images per :meth:`run` call a caller should use where it chooses (None: its own default)
+    default_batch: int | None = None
+
+    def report(self, runs: list[RunResult], *, analog_macs_per_image: float = 0.0) -> Report:
+        """What the backend says about ``runs`` (the batches of one command, in order) beyond
+        their outputs and counts; ``analog_macs_per_image``: the MACs of an analog prefix the
+        caller ran before the graph (off this backend), for energy figures that compare whole
+        networks. The default says nothing."""
+        return Report()
 
     @abc.abstractmethod
     def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:

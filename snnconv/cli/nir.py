@@ -176,7 +176,6 @@ def _backend_options(pairs: list[str]) -> dict:
 #: Images per backend call where ``--batch`` is not given: Lava runs one process per Lava
 #: process and reads its monitors value by value, so its batches stay small (a progress line
 #: and an estimate after each).
-BATCH = {"lava": 16}
 DEFAULT_BATCH = 256
 
 
@@ -193,6 +192,7 @@ def _cmd_run(args) -> int:
 
     from snnconv import backends
     from snnconv.analysis.activity import static_macs
+    from snnconv.backends import RunWarning
     from snnconv.errors import SnnconvError
     from snnconv.snn.nir_io import from_nir, load_nir
     from snnconv.snn.prefixfile import load_prefix
@@ -219,11 +219,8 @@ def _cmd_run(args) -> int:
     synops: dict[str, Any] = {}
     macs: dict[str, Any] = {}
     prefix_macs: dict[str, float] = {}
-    chip_runs = []  # loihi2-sim / lava: their quantisation, resources and energy reports
-    batch = args.batch or BATCH.get(args.backend, DEFAULT_BATCH)
-    float_counts: dict = {}  # the float network's spike counts, where the backend compares (fidelity)
-    chip_counts: dict = {}  # the backend's own at every step (an early exit cuts ``spikes``)
-    decisions = [0, 0]  # images on which the chip decides as the float network, images compared
+    runs = []  # every batch's run: what the backend reports on them (Program.report)
+    batch = args.batch or program.default_batch or DEFAULT_BATCH
     with Heartbeat(f"snnconv run ({args.backend})", len(dataset), quiet=args.quiet) as beat:
         for x, y in DataLoader(dataset, batch_size=batch):
             if prefix is not None:  # the static analog prefix, once per image
@@ -231,18 +228,12 @@ def _cmd_run(args) -> int:
                     prefix_macs[k] = prefix_macs.get(k, 0.0) + v
                 with torch.no_grad():
                     x = prefix(x)
-            with warnings.catch_warnings():  # judged once, on every image, below
-                warnings.simplefilter("ignore", _quantisation_warning())
+            with warnings.catch_warnings():  # judged once, on every image, by the backend's report
+                warnings.simplefilter("ignore", RunWarning)
                 r = program.run(x, T) if rule is None else _run_exit(program, x, T, rule, args.backend)
             if rule is not None:
                 exits.append(_exits(r, rule))
             readout = r.outputs if rule is None else _held(r.outputs, exits[-1][0], exits[-1][1])
-            fid = r.extra.get("fidelity") or {}
-            for mine, theirs in ((chip_counts, fid.get("counts")), (float_counts, fid.get("float_counts"))):
-                for k, v in (theirs or {}).items():
-                    mine[k] = mine.get(k, 0.0) + torch.tensor(v, dtype=torch.float64)
-            if fid.get("decisions"):
-                decisions = [a + b for a, b in zip(decisions, fid["decisions"])]
             # accuracy of the readout averaged over the first t steps, t = 1..T
             mean_t = readout.float().cpu().cumsum(0) / torch.arange(1, T + 1).view(-1, 1, 1)
             correct += (mean_t.argmax(-1) == y.view(1, -1)).sum(1).double()
@@ -252,8 +243,7 @@ def _cmd_run(args) -> int:
                 for key, value in new.items():
                     d[key] = d[key] + value if key in d else value
             static = set(r.extra.get("static_ops", ()))
-            if "quantisation" in r.extra:
-                chip_runs.append(r)
+            runs.append(r)
             with torch.no_grad():  # the torch network read back from the same file: the reference
                 refs.append(reference.run(x, T=T).mean(0).argmax(1))
             outputs.append(readout.float().cpu())
@@ -283,34 +273,20 @@ def _cmd_run(args) -> int:
     table(rows)
     energy = _print_synops(synops, macs, static, prefix_macs, n, T, quiet=args.quiet)
     print("\n" + format_arithmetic(energy))
-    fidelity = None
-    if chip_runs:
-        from snnconv_backends.loihi2 import format_report
-        from snnconv_backends.loihi2.cost import with_analog_prefix
-        from snnconv_backends.loihi2.fidelity import check, summary
-        from snnconv_backends.loihi2.report import merge_runs
-
-        extra = merge_runs(chip_runs)  # every batch's, not the last one's
-        if prefix_macs and extra.get("energy"):
-            extra["energy"] = with_analog_prefix(extra["energy"], sum(prefix_macs.values()) / n)
-        if not args.quiet:
-            print("\nLoihi 2 (" + args.backend + ")\n" + format_report(extra))
-        q = getattr(program, "q", None)  # the quantised network (loihi2-sim, lava)
-        fidelity = None if q is None else check(q, chip_counts or spikes, float_counts or None, n, T,
-                                                (decisions[0], decisions[1]) if decisions[1] else None)
-        if fidelity is not None:  # said once, on stdout beside the results (--strict: exit 1)
-            line = summary(fidelity, args.backend)
-            print(("WARNING: " if fidelity["warnings"] else "") + line)
+    report = program.report(runs, analog_macs_per_image=sum(prefix_macs.values()) / n)
+    if report.extra is not None:
+        extra = dict(report.extra)  # every batch's, not the last one's
+    if report.text and not args.quiet:
+        print("\n" + report.text)
+    if report.verdict:  # said once, on stdout beside the results (--strict: exit 1 on a warning)
+        print(report.verdict)
     from snnconv.analysis.activity import backend_record
 
     # the batches as one RunResult-like record
     merged = SimpleNamespace(outputs=torch.cat(outputs, 1), synops=synops, macs=macs, extra=extra)
     rec = backend_record(args.backend, merged, torch.cat(labels), torch.cat(refs), T=T,
                          wall_s=time.perf_counter() - t_start)
-    if fidelity is not None:
-        rec["quantisation_check"] = {k: fidelity[k] for k in ("warnings", "lowest_rate_ratio", "decision_agreement",
-                                                              "tolerances", "layers")}
-        rec["quantisation_check"]["flushed"] = {k: v["fraction"] for k, v in fidelity["connections"].items()}
+    rec.update(report.record)
     rec["energy_45nm_per_image_nj"] = {"snn": energy["snn_pj"] / 1e3, "ann": energy["ann_pj"] / 1e3,
                                        "snn_over_ann": energy["ratio"]}
     rec["energy"] = energy
@@ -333,8 +309,8 @@ def _cmd_run(args) -> int:
     print(f"\nagreement with the torch network read from the same file: {rec['agreement']:.2f}%; "
           f"wrote {path}" + (f" (it replaces an earlier run of the same backend, T, data, images and "
                              f"settings: {before})" if before else ""))
-    if args.strict and fidelity is not None and fidelity["warnings"]:
-        print(f"--strict: the quantisation check failed ({len(fidelity['warnings'])} departure(s))")
+    if args.strict and report.warnings:
+        print(f"--strict: the {args.backend} backend's check failed ({len(report.warnings)} departure(s))")
         return 1
     return 0
 
@@ -423,12 +399,6 @@ def _accuracy_in(path: str) -> str | None:
         return None
 
 
-def _quantisation_warning() -> type[Warning]:
-    from snnconv_backends.loihi2.fidelity import QuantisationWarning
-
-    return QuantisationWarning
-
-
 def _print_synops(synops: dict, macs: dict, static: set, prefix_macs: dict, n: int, T: int,
                   quiet: bool = False) -> dict:
     """The synaptic operations table (per image; none with ``quiet``); returns the arithmetic
@@ -497,7 +467,7 @@ def add_run(sub, pa: dict) -> None:
     # one T, not the shared --T's list: the run reports the accuracy at every t = 1..T
     p.add_argument("--T", type=positive_int, help="time steps (default: the T recorded in the file)")
     p.add_argument("--batch", type=positive_int,
-                   help=f"images per backend call (default {DEFAULT_BATCH}; lava {BATCH['lava']}). "
+                   help=f"images per backend call (default {DEFAULT_BATCH}, or the backend's own: lava 16). "
                         "A run longer than a few seconds prints progress on stderr (--quiet: none)")
     p.add_argument("--prefix", help="the analog prefix's network file, where the graph reads one "
                    "(default: the file its metadata names, beside the NIR file)")

@@ -15,11 +15,12 @@ from snnconv_backends.loihi2.chip import STEP_SECONDS
 from snnconv_backends.loihi2.fidelity import QuantisationWarning, check, summary
 from snnconv_backends.loihi2.network import QuantizedNetwork
 from snnconv_backends.loihi2.quantisation import quantize
-from snnconv_backends.loihi2.report import build_result
+from snnconv_backends.loihi2.report import build_result, chip_report
 from snnconv_backends.loihi2.simulate import RuntimeCounters, run_quantized
 from snnconv_backends.registry import (
     Backend,
     Program,
+    Report,
     RunResult,
     check_finite,
     check_rule,
@@ -72,6 +73,11 @@ class Loihi2Program(Program):
         self.q = q
         self.options = dict(options)
         self.device = torch.device(self.options["device"])
+
+    def report(self, runs: list[RunResult], *, analog_macs_per_image: float = 0.0) -> Report:
+        """Quantisation, resources, latency and energy over ``runs``, and the quantisation check
+        over all their images (:func:`.report.chip_report`)."""
+        return chip_report(self.q, runs, "loihi2-sim", analog_macs_per_image)
 
     def run(self, x: torch.Tensor, T: int, *, exit_rule: Any = None) -> RunResult:
         """``exit_rule``: an :class:`snnconv.exit_rule.ExitRule`; the simulation runs all T steps,

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from snnconv_backends.loihi2.network import QuantizedNetwork
+from snnconv_backends.registry import RunWarning
 
 __all__ = ["QuantisationWarning", "RATE_TOLERANCE", "FLUSH_TOLERANCE", "MIN_RATE", "DECISION_TOLERANCE",
            "MIN_IMAGES", "flushed",
@@ -59,7 +60,7 @@ DECISION_TOLERANCE = 0.9
 MIN_IMAGES = 64
 
 
-class QuantisationWarning(UserWarning):
+class QuantisationWarning(RunWarning):
     """A quantised network departs from the float network beyond the stated tolerances."""
 
 

@@ -7,11 +7,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from snnconv_backends.loihi2.cost import ann_macs, energy, resources
+from snnconv_backends.loihi2.cost import ann_macs, energy, resources, with_analog_prefix
+from snnconv_backends.loihi2.fidelity import check, summary
 from snnconv_backends.loihi2.network import QuantizedNetwork
-from snnconv_backends.registry import RunResult
+from snnconv_backends.registry import Report, RunResult
 
-__all__ = ["quantisation_report", "build_result", "format_report", "merge_runs"]
+__all__ = ["quantisation_report", "build_result", "format_report", "merge_runs", "chip_report"]
 
 
 def quantisation_report(q: QuantizedNetwork) -> dict[str, Any]:
@@ -136,3 +137,33 @@ def build_result(q: QuantizedNetwork, out: torch.Tensor, counts: Mapping[str, to
     if extra:
         ex.update(extra)
     return RunResult(outputs=out.cpu(), spikes=counts, synops=dict(synops), macs=macs, extra=ex)
+
+
+def chip_report(q: QuantizedNetwork, runs: list[RunResult], name: str, analog_macs_per_image: float = 0.0) -> Report:
+    """The :class:`Report` of a loihi2-sim / lava command: the runs' reports merged (an analog
+    prefix's MACs on both sides of the energy), and the quantisation check over all their
+    images (:func:`.fidelity.check`: rates at every step against the float network's, the
+    weights flushed, the decisions)."""
+    if not runs:
+        return Report()
+    extra = merge_runs(runs)
+    if analog_macs_per_image and extra.get("energy"):
+        extra["energy"] = with_analog_prefix(extra["energy"], analog_macs_per_image)
+    counts: dict[str, torch.Tensor] = {}
+    floats: dict[str, torch.Tensor] = {}
+    decisions = [0, 0]
+    for r in runs:
+        fid = r.extra.get("fidelity") or {}
+        for mine, theirs in ((counts, fid.get("counts") or r.spikes), (floats, fid.get("float_counts"))):
+            for k, v in (theirs or {}).items():
+                v = torch.as_tensor(v, dtype=torch.float64).reshape(-1)
+                mine[k] = mine[k] + v if k in mine else v
+        if fid.get("decisions"):
+            decisions = [a + b for a, b in zip(decisions, fid["decisions"])]
+    images, T = sum(int(r.outputs.shape[1]) for r in runs), int(runs[0].outputs.shape[0])
+    fid = check(q, counts, floats or None, images, T, (decisions[0], decisions[1]) if decisions[1] else None)
+    record = {k: fid[k] for k in ("warnings", "lowest_rate_ratio", "decision_agreement", "tolerances", "layers")}
+    record["flushed"] = {k: v["fraction"] for k, v in fid["connections"].items()}
+    return Report(text=f"Loihi 2 ({name})\n" + format_report(extra),
+                  verdict=("WARNING: " if fid["warnings"] else "") + summary(fid, name),
+                  warnings=tuple(fid["warnings"]), record={"quantisation_check": record}, extra=extra)
