@@ -83,7 +83,7 @@ def _net(kind: type) -> tuple[nn.Module, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("kind", ACCEPTED_MODULES, ids=lambda k: k.__name__)
-def test_each_accepted_module_kind_converts_then_exports_exactly_or_is_refused_by_name(kind):
+def test_each_accepted_module_kind_converts_saves_then_exports_exactly_or_is_refused_by_name(kind, tmp_path):
     if kind is nn.modules.batchnorm._BatchNorm:
         kind = nn.BatchNorm2d
     torch.manual_seed(0)
@@ -93,6 +93,10 @@ def test_each_accepted_module_kind_converts_then_exports_exactly_or_is_refused_b
     snn, meta = snnconv.convert(model, [(x, torch.zeros(16, dtype=torch.long))], T=2, L=4, calib_batches=1,
                              bias_calibration=False, finetune_epochs=0, reconstruction_steps=0,
                              progress=False, on_collapse="warn")
+    snn.save(tmp_path / "snn.pt")  # every kind that converts is saved: the file gives the same network
+    back = snnconv.SpikingNetwork.load(tmp_path / "snn.pt")
+    with torch.no_grad():
+        assert torch.equal(back.run(x, 2), snn.run(x, 2)), kind.__name__
     refused = {type(m).__name__ for m in model.modules() if type(m) in NO_NIR_FORM}
     assert (kind.__name__ in refused) == (kind in NO_NIR_FORM)
     assert meta.stage("prepare").changes["no_nir_form"] == no_nir_form(model)  # known before the work

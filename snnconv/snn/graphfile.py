@@ -104,6 +104,10 @@ def _conv_cfg(m: nn.Module) -> dict:
                 bias=m.bias is not None, padding_mode=m.padding_mode)
 
 
+def _conv_transpose_cfg(m: nn.Module) -> dict:
+    return dict(_conv_cfg(m), output_padding=m.output_padding)
+
+
 def _avgpool_cfg(m: nn.Module) -> dict:
     cfg = dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding,
                ceil_mode=m.ceil_mode, count_include_pad=m.count_include_pad)
@@ -129,6 +133,9 @@ def _module_table() -> dict[str, tuple[type, Callable[[Any], dict]]]:
     table["ReLU"] = (nn.ReLU, lambda m: {})
     families: list[tuple[tuple[type, ...], Callable[[Any], dict]]] = [
         ((nn.Conv1d, nn.Conv2d, nn.Conv3d), _conv_cfg),
+        ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), _conv_transpose_cfg),
+        ((nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d), lambda m: dict(padding=m.padding)),
+        ((nn.Unflatten,), lambda m: dict(dim=m.dim, unflattened_size=tuple(m.unflattened_size))),
         ((nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), _avgpool_cfg),
         ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
          lambda m: dict(output_size=m.output_size)),
@@ -232,10 +239,15 @@ def _config_value(value: Any, what: str, depth: int = 0) -> None:
 
 #: Ranges of the module constructors' integer arguments (kernel sizes, strides, paddings and
 #: pooling outputs a network of up to 4096 px can use; sizes of layers far above any network's).
-_INT_RANGES = {**{k: (0, 4096) for k in ("kernel_size", "stride", "padding", "dilation", "output_size")},
+_INT_RANGES = {**{k: (0, 4096) for k in ("kernel_size", "stride", "padding", "dilation", "output_size",
+                                          "output_padding")},
                **{k: (1, 2**24) for k in ("in_channels", "out_channels", "in_features", "out_features",
                                             "groups", "divisor_override")},
-               "start_dim": (-8, 8), "end_dim": (-8, 8), "T": (1, 2**20), "burst": (1, 255)}
+               "start_dim": (-8, 8), "end_dim": (-8, 8), "dim": (-8, 8), "unflattened_size": (1, 2**24),
+               "T": (1, 2**20), "burst": (1, 255)}
+#: The most integers an argument of ``_INT_RANGES`` holds (default 3: one per spatial dim):
+#: a padding module's two sides per dim, an unflattened shape.
+_INT_LENGTHS = {"padding": 6, "unflattened_size": 8}
 _BOOLS = {"bias", "ceil_mode", "count_include_pad", "detach_reset", "inplace", "return_indices"}
 _CHOICES = {"padding_mode": ("zeros", "reflect", "replicate", "circular"), "reset": ("subtract", "zero")}
 
@@ -252,9 +264,10 @@ def _config_argument(key: str, value: Any, what: str) -> None:
             items = [v for v in items if v is not None]
         if key == "divisor_override" and value is None:
             return
-        if not items or len(items) > 3 or not all(
+        most = _INT_LENGTHS.get(key, 3)
+        if not items or len(items) > most or not all(
                 isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in items):
-            raise _Refusal(f"{what} is {value!r:.60}, not an integer (or up to 3) in [{low}, {high}]")
+            raise _Refusal(f"{what} is {value!r:.60}, not an integer (or up to {most}) in [{low}, {high}]")
     elif key in _BOOLS:
         if not isinstance(value, bool):
             raise _Refusal(f"{what} is {value!r:.60}, not True or False")
