@@ -28,12 +28,14 @@ def test_every_op_has_a_role_and_every_nir_node_type_is_read_as_one_op():
 
 def test_the_executor_and_the_loihi_mapping_cover_the_vocabulary():
     from snnconv_backends.engine.ops import OP_BUILDERS, RUNNABLE
+    from snnconv_backends.engine.stats import MACS
     from snnconv_backends.loihi2.ops import LINEAR_KINDS
 
     # the plan builds the neurons; a builder for every other op
     assert set(OP_BUILDERS) == set(OPS) - set(NEURONS)
     assert set(RUNNABLE) == set(OPS)
-    assert set(LINEAR_KINDS) == set(LINEAR)
+    assert set(LINEAR_KINDS) == set(LINEAR)  # the ops the Loihi mapping evaluates (its APPLY table)
+    assert set(MACS) == set(WEIGHTED)  # a MAC count (or none, stated) for every weighted op
 
 
 def _written(kind: type) -> bool:

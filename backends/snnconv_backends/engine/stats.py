@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,19 +111,30 @@ def _structural(op: Any, x: torch.Tensor) -> torch.Tensor:
     return x  # sum
 
 
+def _conv(op: Any) -> float:
+    p = op.params
+    return float(conv_macs(op.in_shape, tuple(p["weight"].shape), p["stride"], p["padding"], p["dilation"]))
+
+
+#: weighted op kind -> the ANN's multiply-accumulates of one op for one input, or None where the
+#: ANN multiplies nothing there (a Scale: a residual shortcut's identity, or a constant factor)
+MACS: dict[str, Callable[[Any], float] | None] = {
+    "conv1d": _conv, "conv2d": _conv,
+    "affine": lambda op: float(linear_macs(tuple(op.params["weight"].shape))),
+    "linear": lambda op: float(linear_macs(tuple(op.params["weight"].shape))),
+    "scale": None,
+}
+
+
 def macs_per_image(ops: list[Any]) -> dict[str, float]:
-    """Multiply-accumulates of the ANN per weighted op, for one input: its synapses
-    (:func:`snnconv.analysis.energy.conv_macs`, padding excluded; a linear layer's weights)."""
+    """Multiply-accumulates of the ANN per weighted op, for one input (:data:`MACS`: a
+    convolution's synapses, :func:`snnconv.analysis.energy.conv_macs`, padding excluded; a
+    linear layer's weights)."""
     macs = {}
     for op in ops:
-        p = op.params
-        if p.get("placement"):  # a concatenation's part: no synapse of the ANN
-            continue
-        if op.kind in ("conv1d", "conv2d"):
-            macs[op.name] = float(conv_macs(op.in_shape, tuple(p["weight"].shape), p["stride"],
-                                            p["padding"], p["dilation"]))
-        elif op.kind in ("affine", "linear"):
-            macs[op.name] = float(linear_macs(tuple(p["weight"].shape)))
+        count = MACS.get(op.kind)
+        if count is not None and not op.params.get("placement"):  # a concatenation's part: no ANN synapse
+            macs[op.name] = count(op)
     return macs
 
 
