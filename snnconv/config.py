@@ -141,6 +141,15 @@ class ConvertConfig:
             steps has T * B levels (QCFS at ``L = T * B`` by default): graded spikes, as Loihi 2
             carries them (NIR export writes B ``Threshold`` nodes per neuron and their sum). It
             costs no time step; it addresses the quantisation that :func:`snnconv.diagnose` measures.
+        early_exit: convert for early exit (each image stops at the step where its answer is
+            sure, :mod:`snnconv.exit_rule`): fine-tuning trains the readouts after 1, 2, 4, ...
+            up to 2T steps (:func:`~snnconv.defaults.anytime_horizons`) instead of T/2, T and 2T,
+            and is kept where it does better on the held-out images over those readouts; then
+            an exit rule is calibrated on the held-out images
+            (:data:`~snnconv.exit_rule.DEFAULT_TOLERANCE` points of the fixed T) and stored in
+            ``snn.meta`` (:func:`snnconv.evaluate_exit`, NIR export and the backends use it).
+            The network then answers well after one or two steps, for a few tenths of a point
+            at the fixed T (the Defaults row "early exit").
         on_collapse: ``"raise"`` (default) or ``"warn"``. After every stage, per-layer activity
             on the first two calibration batches goes into that stage's ``meta`` record
             (:mod:`snnconv.analysis.health`). A QCFS site left silent or saturated, or a network at
@@ -176,6 +185,7 @@ class ConvertConfig:
     on_collapse: str = "raise"
     burst: int = 1
     membrane_calibration: bool | None = None
+    early_exit: bool = False
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -198,6 +208,7 @@ class ConvertConfig:
         for name in ("per_channel", "threshold_calibration", "weight_calibration", "membrane_calibration"):
             _flag(name, getattr(self, name), optional=True)
         _flag("bias_calibration", self.bias_calibration)
+        _flag("early_exit", self.early_exit)
         _flag("progress", self.progress)
         put("seed", _int("seed", self.seed, 0, 2**63 - 1))
         if isinstance(self.eval_T, (str, bytes)) or not hasattr(self.eval_T, "__iter__"):
@@ -318,5 +329,5 @@ class ConvertConfig:
                     weight_calibration=bool(cfg.weight_calibration and cfg.bias_calibration),
                     calib_batches=cfg.calib_batches, maxpool=cfg.maxpool, reset=cfg.reset,
                     qcfs_epochs=cfg.qcfs_epochs, reconstruction_steps=cfg.reconstruction_steps,
-                    finetune_epochs=cfg.finetune_epochs, burst=cfg.burst,
+                    finetune_epochs=cfg.finetune_epochs, burst=cfg.burst, early_exit=cfg.early_exit,
                     device=str(torch.device(cfg.device)))

@@ -26,7 +26,7 @@ from snnconv.stages.qcfs import QCFSTrainConfig, max_pools
 __all__ = ["CONVERT_FINETUNE", "FINETUNE_MAX_STEPS", "FINETUNE_MIN_STEPS", "FINETUNE_MAX_EPOCHS",
            "FINETUNE_UP_TO_T", "RECONSTRUCT_STEPS", "LABEL_FREE_DISTILL", "QCFS_STEPS", "LoaderFacts",
            "GraphFacts", "ConversionPlan", "plan_conversion", "finetune_recipe", "default_finetune_epochs",
-           "later_maxpool"]
+           "anytime_horizons", "later_maxpool"]
 
 #: convert()'s fine-tuning recipe, the rest as :class:`FinetuneConfig` (:func:`finetune_recipe`;
 #: Defaults rows "distillation, thresholds, surrogate, lr", "batch size" and "keep_start").
@@ -75,6 +75,17 @@ def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 
                   detach_reset=reset == "zero")
     recipe.update(changes)
     return FinetuneConfig(**recipe)
+
+
+def anytime_horizons(T: int) -> tuple[int, ...]:
+    """The readouts that fine-tuning for early exit trains: every power of two up to ``2 * T``,
+    and ``T`` (``(1, 2, 4, 8, 16)`` at T=8): the network answers well from the first step."""
+    steps = {T, 2 * T}
+    h = 1
+    while h <= 2 * T:
+        steps.add(h)
+        h *= 2
+    return tuple(sorted(steps))
 
 
 def _finetune_batch(loader: Any, batch: int, val_fraction: float) -> int:
@@ -246,8 +257,10 @@ def plan_conversion(config: ConvertConfig, graph: GraphFacts, data: LoaderFacts)
         epochs, reasons["finetune_default"] = _finetune_default(cfg, data)
         cfg = cfg.replace(finetune_epochs=epochs)
     if finetune is None and cfg.finetune_epochs:
+        # early exit: every readout from the first step (Defaults row "early exit")
+        anytime = {"horizons": anytime_horizons(cfg.T)} if cfg.early_exit else {}
         finetune = finetune_recipe(cfg.T, epochs=cfg.finetune_epochs, seed=cfg.seed, max_steps=FINETUNE_MAX_STEPS,
-                                   reset=cfg.reset, batch_size=data.finetune_batch, **targets)
+                                   reset=cfg.reset, batch_size=data.finetune_batch, **targets, **anytime)
     if cfg.maxpool == "auto":
         cfg = cfg.replace(maxpool=later_maxpool(cfg.maxpool))
     qcfs_train = cfg.qcfs_train

@@ -256,9 +256,10 @@ class _Judge:
             batches = []
         return cls(batches or calib, ann, device)
 
-    def score(self, net: nn.Module) -> tuple[torch.Tensor, float]:
-        """Per image whether ``net`` decides right (a bool tensor), and its mean KL divergence to
-        the ANN's outputs."""
+    def score(self, net: nn.Module, horizons: tuple[int, ...] | None = None) -> tuple[torch.Tensor, float]:
+        """Per image whether ``net`` decides right (a bool tensor; with ``horizons``, per image
+        and horizon: its readout averaged over the first h steps of one run), and its mean KL
+        divergence to the ANN's outputs (at its T)."""
         right, kl, n = [], 0.0, 0
         was = net.training
         net.eval()
@@ -267,7 +268,11 @@ class _Judge:
                 for (x, y), ref in zip(self.batches, self.ann):
                     out = net(x)
                     target = y.to(out.device) if self.labelled else ref.argmax(1)
-                    right.append((out.argmax(1) == target).cpu())
+                    if horizons:
+                        steps = cast(SpikingNetwork, net).run(x, T=max(horizons)).cumsum(0)  # [H, B, classes]
+                        right.append(torch.cat([(steps[h - 1].argmax(1) == target).cpu() for h in horizons]))
+                    else:
+                        right.append((out.argmax(1) == target).cpu())
                     n += len(x)
                     kl += float(kl_to(ref, out).sum())
         finally:
@@ -275,18 +280,21 @@ class _Judge:
         return torch.cat(right), kl / max(1, n)
 
     def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork, *,
-             selected_here: bool = False) -> SpikingNetwork:
+             selected_here: bool = False, horizons: tuple[int, ...] | None = None) -> SpikingNetwork:
         """``after`` where it does at least as well as ``before`` (recorded under ``step``);
         ``selected_here``: ``after`` was chosen on these images, and must beat ``before``
-        beyond their noise."""
-        a = self._last[1] if self._last is not None and self._last[0] is before else self.score(before)
-        b = self.score(after)
+        beyond their noise; ``horizons``: judged on the readouts after each of these steps
+        (every image at every horizon), not at T alone."""
+        last = self._last is not None and self._last[0] is before and not horizons
+        a = self._last[1] if last else self.score(before, horizons)  # type: ignore[index]
+        b = self.score(after, horizons)
         wins, losses = int((b[0] & ~a[0]).sum()), int((a[0] & ~b[0]).sum())
         kept = wins - losses >= (max(1.0, math.sqrt(wins + losses)) if selected_here else 0)
-        self._last = (after, b) if kept else (before, a)
+        self._last = None if horizons else (after, b) if kept else (before, a)
         self.record[step] = {"before": 100.0 * float(a[0].float().mean()), "after": 100.0 * float(b[0].float().mean()),
                              "wins": wins, "losses": losses, "kl_before": a[1], "kl_after": b[1],
-                             "kept": kept, "images": len(a[0]),
+                             "kept": kept, "images": len(a[0]) // max(1, len(horizons or ())),
+                             **({"horizons": list(horizons)} if horizons else {}),
                              "measure": "accuracy" if self.labelled else "agreement with the ANN"}
         return after if kept else before
 
@@ -481,9 +489,22 @@ def _finetune(s: _Run) -> dict:
     start = s.snn
     tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
-    s.snn = s.judge.keep("finetune", start, tuned, selected_here=True)
+    # early exit: judged on every readout it trained, where the rule will read them
+    horizons = tuple(s.plan.finetune.horizons or ()) if s.settings.early_exit else None
+    s.snn = s.judge.keep("finetune", start, tuned, selected_here=True, horizons=horizons)
     return {"history": history, "steps": sum(h.get("steps", 0) for h in history),
             "kept": s.judge.record["finetune"]}
+
+
+def _early_exit(s: _Run) -> dict:
+    """The exit rule at the default tolerance, calibrated on the judge's held-out images (with
+    their labels, else the network's own answers at T) and stored in the network."""
+    from snnconv.analysis.early_exit import calibrate_exit
+    from snnconv.exit_rule import DEFAULT_TOLERANCE
+
+    rec = calibrate_exit(s.snn, s.judge.batches, T=s.settings.T, tolerance=DEFAULT_TOLERANCE,
+                         labels=s.judge.labelled, device=s.device)
+    return rec.to_dict()
 
 
 #: convert()'s stages in their order; each name is its record's in ``meta.stages``.
@@ -494,6 +515,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("spiking", _spiking, checked=lambda s: (s.snn, f"the SNN at T={s.settings.T}", s.if_source, "")),
     Stage("finetune", _finetune, runs=lambda s: s.plan is not None and s.plan.finetunes,
           checked=lambda s: (s.snn, f"the fine-tuned SNN at T={s.settings.T}", s.if_source, "")),
+    Stage("early_exit", _early_exit, runs=lambda s: s.settings.early_exit),
 )
 
 

@@ -86,6 +86,7 @@ _CHOICES = {
     "membrane_calibration": (None, True, False),
     "maxpool": ("auto", "avg", "error"),
     "burst": (1, 2),
+    "early_exit": (False, True),
 }
 _NAMES = tuple(_CHOICES)
 

@@ -375,3 +375,37 @@ def test_calibration_settings_out_of_range_are_refused(labelled, kw, match):
     snn, data = labelled
     with pytest.raises(ConfigError, match=match):
         calibrate_exit(snn, data, store=False, **kw)
+
+
+def test_anytime_horizons_are_the_powers_of_two_up_to_2T_and_T():
+    from snnconv.defaults import anytime_horizons
+
+    assert anytime_horizons(8) == (1, 2, 4, 8, 16)
+    assert anytime_horizons(6) == (1, 2, 4, 6, 8, 12)
+    assert anytime_horizons(1) == (1, 2)
+
+
+def test_convert_for_early_exit_trains_every_readout_judges_them_and_stores_a_rule(digits_data, small_digits_ann):
+    """``early_exit=True``: the fine-tuning recipe trains the readouts from the first step, the
+    judge compares the networks at every one of them, and the rule calibrated on the judge's
+    held-out images is stored (it travels to evaluate_exit and to NIR)."""
+    from torch.utils.data import DataLoader
+
+    from snnconv.defaults import anytime_horizons
+    from snnconv.snn.nir_io import export_nir, from_nir
+
+    train, _ = digits_data
+    loader = DataLoader(train, 64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    snn, meta = snnconv.convert(small_digits_ann, loader, T=4, early_exit=True, finetune_epochs=1,
+                                reconstruction_steps=0, progress=False)
+    assert meta.settings["early_exit"] is True
+    tuned = meta.stage("finetune").changes["kept"]
+    assert tuned["horizons"] == list(anytime_horizons(4))
+    record = meta.stage("early_exit").changes
+    rule = stored_rule(snn.meta)
+    assert rule is not None and ExitRule.from_dict(record["rule"]) == rule and record["T"] == 4
+    assert record["accuracy"] >= record["accuracy_fixed"] - 0.3 - 1e-9 and record["images"] == tuned["images"]
+    assert stored_rule(from_nir(export_nir(snn)).meta) == rule
+    plain, plain_meta = snnconv.convert(small_digits_ann, loader, T=4, finetune_epochs=0, reconstruction_steps=0,
+                                        progress=False)
+    assert stored_rule(plain.meta) is None and "early_exit" not in [s.name for s in plain_meta.stages]

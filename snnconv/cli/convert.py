@@ -92,7 +92,8 @@ def _convert_into(args, build, Ts: list[int], staged, run_id: str) -> None:
               f"{'default' if args.finetune_epochs is None else args.finetune_epochs}) ...")
     snn, meta = convert(model, train, T=max(Ts), L=args.L, per_channel=args.per_channel,
                         qcfs_epochs=args.qcfs_epochs, finetune_epochs=args.finetune_epochs,
-                        reconstruction_steps=args.reconstruction_steps, burst=args.burst, eval_loader=test, eval_T=Ts,
+                        reconstruction_steps=args.reconstruction_steps, burst=args.burst, early_exit=args.early_exit,
+                        eval_loader=test, eval_T=Ts,
                         seed=args.seed, device=args.device, progress=not args.quiet)
     snn.meta["run_id"] = meta.settings["run_id"] = run_id
     meta.settings.update(model=args.model, data=args.data, eval_images=len(test.dataset),
@@ -263,6 +264,9 @@ def add_convert(sub, pa: dict) -> None:
                    help="up to B spikes a neuron may emit in one step (default 1): T*B levels in T steps; "
                         "NIR export writes B Threshold nodes per neuron and their sum (graded spikes on "
                         "loihi2-sim and lava)")
+    p.add_argument("--early-exit", action="store_true",
+                   help="convert for early exit: fine-tune every readout from the first step and store an "
+                        "exit rule calibrated on held-out images (snnconv evaluate and run use it)")
     p.add_argument("--overwrite", action="store_true",
                    help="--out holds a run: replace its files once the new run is complete (without it, "
                         "such a folder is refused)")
