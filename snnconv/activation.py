@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from snnconv.errors import ConfigError, UnsupportedLayerError
 from snnconv.graph import describe_node, module_of, set_module
 from snnconv.refusals import Construct, module_path, refusal_message, source_line
+from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand
 
 __all__ = ["QCFS", "FloorSTE", "relu_sites", "relu_input", "is_inplace", "qcfs_sites",
            "check_activations", "unsupported_constructs", "max_pools", "replace_maxpool"]
@@ -279,8 +280,7 @@ def _spike_carriers(gm: fx.GraphModule) -> set[fx.Node]:
     seeds = set(relu_sites(gm))
     for node in gm.graph.nodes:
         mod = module_of(gm, node)
-        if mod is not None and (isinstance(mod, (QCFS, *_UNSUPPORTED_MODULES))
-                                or type(mod).__name__ == "IFNeuron"):
+        if mod is not None and isinstance(mod, (QCFS, IFNeuron, *_UNSUPPORTED_MODULES)):
             seeds.add(node)
         elif (node.op == "call_function" and node.target in _UNSUPPORTED_FUNCTIONS) or (
                 node.op == "call_method" and node.target in _UNSUPPORTED_METHODS):
@@ -300,8 +300,7 @@ def _refusal(gm: fx.GraphModule, node: fx.Node, carriers: set[fx.Node], maxpool:
         return None
     mod = module_of(gm, node)
     if node.op == "call_module":
-        if isinstance(mod, ACCEPTED_MODULES) or isinstance(mod, QCFS) or type(mod).__name__ in (
-                "IFNeuron", "Scale", "TimeExpand"):
+        if isinstance(mod, (*ACCEPTED_MODULES, QCFS, IFNeuron, Scale, TimeExpand)):
             return None
         if maxpool == "avg" and type(mod) in _MAX_POOLS:
             return None

@@ -38,11 +38,11 @@ import torch.nn.functional as F
 
 from snnconv.analysis.energy import E_AC_PJ, E_MAC_PJ, arithmetic_energy, conv_macs, linear_macs
 from snnconv.analysis.metrics import accuracy_by_T
-from snnconv.constructs.prefix import AnalogPrefix
 from snnconv.data import first_batch
 from snnconv.progress import progress_bar
 from snnconv.snn.network import SpikingNetwork, check_T
 from snnconv.snn.neuron import IFNeuron, LeakyNeuron, Scale, neurons
+from snnconv.snn.timing import AnalogPrefix
 
 __all__ = ["SpikeAnalysis", "analyse", "static_macs", "evaluation_record", "backend_record", "E_MAC_PJ",
            "E_AC_PJ",

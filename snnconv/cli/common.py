@@ -529,7 +529,7 @@ def _read_state(path: str, trusted: str):
     (weights only); a file of pickled objects is refused, naming what it holds."""
     import torch
 
-    from snnconv.errors import CheckpointError, SnnconvError
+    from snnconv.errors import CheckpointError
     from snnconv.io.torchfile import load_untrusted
 
     try:
@@ -541,7 +541,7 @@ def _read_state(path: str, trusted: str):
             found = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(path)[:3])
         except Exception:
             found = "objects"
-        raise SnnconvError(
+        raise CheckpointError(
             f"{path} holds pickled Python objects ({found}), not only tensors: a whole saved "
             "module? It is not unpickled, because that would run code from the file. Save "
             f"model.state_dict() with torch.save and give that file{trusted}") from None
@@ -557,7 +557,7 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
     import torch
 
     from snnconv import models
-    from snnconv.errors import SnnconvError
+    from snnconv.errors import CheckpointError
 
     if not os.path.isfile(path):
         raise UsageError(f"{path} is a folder, not a saved model" if os.path.isdir(path)
@@ -570,13 +570,13 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
         if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
             state = state["state_dict"]
         if not isinstance(state, dict):
-            raise SnnconvError(f"{path} holds a {type(state).__name__}, not a state dict of "
+            raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of "
                                f"'{model_name}'; save model.state_dict() with torch.save")
         try:
             model.load_state_dict(state)
         except RuntimeError as exc:
             fits = "" if ":" in model_name else f" (num_classes={num_classes}, in_channels={in_channels})"
-            raise SnnconvError(f"{path} does not fit model '{model_name}'{fits}: {exc}") from exc
+            raise CheckpointError(f"{path} does not fit model '{model_name}'{fits}: {exc}") from exc
         return model
     if not trust_pickle:
         raise UsageError(f"{path}: give --model NAME (one of {', '.join(models.names())}) or "
@@ -586,9 +586,9 @@ def load_model(path: str, model_name: str | None, num_classes: int, in_channels:
     except FileNotFoundError:
         raise
     except Exception as exc:
-        raise SnnconvError(f"cannot unpickle {path} ({type(exc).__name__}: {one_line(exc)[:200]})") from None
+        raise CheckpointError(f"cannot unpickle {path} ({type(exc).__name__}: {one_line(exc)[:200]})") from None
     if not isinstance(model, torch.nn.Module):
-        raise SnnconvError(f"{path} holds a {type(model).__name__}, not an nn.Module")
+        raise CheckpointError(f"{path} holds a {type(model).__name__}, not an nn.Module")
     return model
 
 

@@ -23,11 +23,9 @@ import torch.nn.functional as F
 
 from snnconv.activation import relu_sites
 from snnconv.graph import describe_node, module_of
+from snnconv.snn.timing import PREFIX_NAME, AnalogPrefix, analog_prefix
 
 __all__ = ["AnalogPrefix", "PREFIX_NAME", "split_prefix", "analog_prefix"]
-
-#: The submodule name the prefix is installed under.
-PREFIX_NAME = "analog_prefix"
 
 #: The most ReLU sites a prefix holds: a stem (VGG-16's first block has two), not the network
 #: (a max-pooling at the end of the features would otherwise leave nothing to spike).
@@ -37,24 +35,6 @@ _MAX_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d,
                 nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)
 _MAX_FUNCTIONS = {F.max_pool1d, F.max_pool2d, F.max_pool3d, torch.max_pool1d, torch.max_pool2d,
                   torch.max_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d}
-
-
-class AnalogPrefix(nn.Module):
-    """Layers that see only the static input, run once per input in analog (``net``: a graph)."""
-
-    def __init__(self, net: fx.GraphModule):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def analog_prefix(model: nn.Module) -> AnalogPrefix | None:
-    """The :class:`AnalogPrefix` of a converted network (its graph's), else None."""
-    net = getattr(model, "net", model)
-    mod = getattr(net, PREFIX_NAME, None)
-    return mod if isinstance(mod, AnalogPrefix) else None
 
 
 def _is_max(gm: fx.GraphModule, node: fx.Node) -> bool:

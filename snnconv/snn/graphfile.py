@@ -91,7 +91,7 @@ _NESTED = "AnalogPrefix"
 
 
 def _prefix_type() -> type:
-    from snnconv.constructs.prefix import AnalogPrefix  # imported here: the prefix pass imports the stages below
+    from snnconv.snn.timing import AnalogPrefix  # imported here: timing imports the neurons, as this does
 
     return AnalogPrefix
 

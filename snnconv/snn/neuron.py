@@ -462,7 +462,7 @@ def leaky_sequence(kind: str, seq: Sequence[torch.Tensor] | torch.Tensor, p: Lea
         ValueError: an unknown ``kind``.
     """
     if kind not in LEAKY_KINDS:
-        raise ValueError(f"leaky neuron kind must be one of {LEAKY_KINDS}, got {kind!r}")
+        raise ConfigError(f"leaky neuron kind must be one of {LEAKY_KINDS}, got {kind!r}")
     zero = torch.zeros_like(seq[0] * p.k_mem)  # the broadcast shape of input and coefficients
     v, i = zero, zero
     out = []
@@ -501,7 +501,7 @@ class LeakyNeuron(nn.Module):
                  detach_reset: bool = False):
         super().__init__()
         if kind not in LEAKY_KINDS:
-            raise ValueError(f"leaky neuron kind must be one of {LEAKY_KINDS}, got {kind!r}")
+            raise ConfigError(f"leaky neuron kind must be one of {LEAKY_KINDS}, got {kind!r}")
         self.kind = kind
         self.T = int(T)
         self.alpha = float(alpha)

@@ -52,7 +52,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from snnconv.constructs.prefix import AnalogPrefix
 from snnconv.errors import ConfigError, NIRError
 from snnconv.exit_rule import META_KEY as EXIT_META_KEY
 from snnconv.exit_rule import stored_rule
@@ -77,7 +76,7 @@ from snnconv.nir.format import (
 )
 from snnconv.snn.network import SpikingNetwork, check_T
 from snnconv.snn.neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
-from snnconv.stages.spiking import insert_time_expand, unique_name
+from snnconv.snn.timing import AnalogPrefix, insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "no_nir_form", "NIR_FORMAT_VERSION", "WRITERS",
            "NO_NIR_FORM"]

@@ -21,13 +21,13 @@ import nir
 import torch.fx as fx
 import torch.nn as nn
 
-from snnconv.constructs.prefix import PREFIX_NAME, analog_prefix
 from snnconv.errors import CheckpointError, NIRError
 from snnconv.io.files import open_regular
 from snnconv.nir.file import load_nir as _load_graph
 from snnconv.nir.file import save_nir as _save_graph
 from snnconv.nir.format import ANALOG_PREFIX, INPUT_KEY, PREFIX_FILE_KEY, PREFIX_SHA256_KEY
 from snnconv.snn.network import SpikingNetwork
+from snnconv.snn.timing import PREFIX_NAME, analog_prefix
 
 __all__ = ["MAX_PREFIX_BYTES", "save_prefix", "load_prefix", "save_nir", "load_nir"]
 

@@ -11,7 +11,6 @@ expanded over time by :class:`TimeExpand`, so direct encoding costs one pass of 
 
 from __future__ import annotations
 
-import builtins
 from typing import Any
 
 import torch
@@ -24,18 +23,10 @@ from snnconv.errors import ConfigError, StageOrderError, UnsupportedModelError
 from snnconv.graph import call_counts, describe_node, module_of, prepare
 from snnconv.guards import assert_no_batchnorm
 from snnconv.snn.network import SpikingNetwork, check_T
-from snnconv.snn.neuron import RESETS, IFNeuron, LeakyNeuron, Scale, TimeExpand, check_burst
+from snnconv.snn.neuron import RESETS, IFNeuron, Scale, check_burst
+from snnconv.snn.timing import insert_time_expand, unique_name
 
-__all__ = ["LAYERS", "to_spiking", "insert_time_expand", "unique_name"]
-
-
-def unique_name(base: str, used: set[str]) -> str:
-    """``base``, or ``base_1``, ``base_2``... whichever is not yet a submodule name in ``used``."""
-    name, k = base, 1
-    while name in used:
-        name, k = f"{base}_{k}", k + 1
-    used.add(name)
-    return name
+__all__ = ["LAYERS", "to_spiking"]
 
 
 # --- absorbing theta into the consumers -----------------------------------------------------
@@ -143,44 +134,6 @@ def _absorb(gm: fx.GraphModule, if_node: fx.Node, theta: torch.Tensor, sites: di
         user.replace_input_with(if_node, scale_node)
         scaled.append(user.name)
     return {"absorbed_into": absorbed, "explicit_scale_for": scaled}
-
-
-# --- time expansion -------------------------------------------------------------------------
-
-_SHAPE_METHODS = {"size", "dim", "numel", "shape"}
-
-
-def insert_time_expand(gm: fx.GraphModule, T: int, used: set[str]) -> list[str]:
-    kind: dict[fx.Node, str] = {}
-    for node in gm.graph.nodes:
-        ins = node.all_input_nodes
-        if node.op == "placeholder":
-            kind[node] = "static"
-        elif node.op == "get_attr":
-            kind[node] = "const"
-        elif isinstance(module_of(gm, node), (IFNeuron, LeakyNeuron)) or any(kind.get(i) == "dynamic" for i in ins):
-            kind[node] = "dynamic"
-        elif (node.op == "call_method" and node.target in _SHAPE_METHODS) or (
-                node.op == "call_function" and node.target in (getattr, builtins.len)):
-            kind[node] = "dynamic"
-        elif any(kind.get(i) == "static" for i in ins):
-            kind[node] = "static"
-        else:
-            kind[node] = "const"
-    expanded: dict[fx.Node, fx.Node] = {}
-    for node in list(gm.graph.nodes):
-        if kind.get(node) not in ("dynamic",) and node.op != "output":
-            continue
-        for inp in node.all_input_nodes:
-            if kind.get(inp) != "static":
-                continue
-            if inp not in expanded:
-                name = unique_name(f"time_expand_{inp.name}", used)
-                gm.add_submodule(name, TimeExpand(T))
-                with gm.graph.inserting_after(inp):
-                    expanded[inp] = gm.graph.call_module(name, (inp,))
-            node.replace_input_with(inp, expanded[inp])
-    return [n.name for n in expanded]
 
 
 def to_spiking(model: nn.Module, *, T: int = 8, alpha: float = 2.0,
