@@ -59,10 +59,8 @@ first step: ``loihi2-sim`` adds it over the population's ``T`` steps, Lava pause
 steps and writes it (its input arrives at step ``depth + 1``). Such a population's ``vth`` is at
 most ``2**11``, so the bias reaches four thresholds (clipping beyond is counted).
 
-One threshold per channel: where the single threshold below would fall under ``2**10`` (on
-torchvision's ``resnet18``, channels that calibration left silent have theta floored at 1e-3,
-so their rows are 1000x the others' and every layer from ``layer2`` got vth 1-2 with 75-99% of
-its weights rounded to zero), each channel gets the largest ``vth`` its own worst case allows,
+One threshold per channel: where the single threshold below would fall under ``2**10``, each
+channel gets the largest ``vth`` its own worst case allows,
 as a custom neuron program (Lava: ``ChannelIF``). An IF neuron's spikes do not change when its
 weights, bias, threshold and initial membrane are scaled together, so this is exact in the
 float network; a channel that cannot fit even at vth = 1 has its threshold raised (counted).
@@ -73,26 +71,21 @@ the worst case of ``a_in`` (every input spiking) fits in 16 signed bits (Lava's 
 precision), so the 24-bit current can never wrap. Within the octave below that ceiling,
 ``vth`` is placed where the incoming weights round most finely relative to it: every weight
 scales with ``vth`` while each connection's exponent moves in powers of two, so just below an
-exponent step a connection's largest mantissa fills all 8 bits (:func:`_best_vth`; on the
-Fashion-MNIST ResNet-14 this halves the weight rounding step of most layers and brings
-``loihi2-sim`` from -0.56 to -0.13 points of the float SNN). Then each connection's exponent
+exponent step a connection's largest mantissa fills all 8 bits (:func:`_best_vth`). Then each connection's exponent
 follows from its largest weight. A connection whose weights have both signs is mapped as two
 synapse groups, one excitatory and one inhibitory, sharing its exponent (``split_signs``, on
 by default): each keeps 8 bits of magnitude, where Lava's mixed sign mode keeps 7 (even
 mantissas). Zero mantissas are absent synapses, so the split costs no synapses; in Lava it is
-two Dense/Sparse processes into the same neurons. On the Fashion-MNIST ResNet-14 (hard reset,
-10,000 test images) it raises the share of images on which loihi2-sim and the float SNN agree
-from 90.5% to 91.1% (the same network with 16-bit weights: 92.8%).
+two Dense/Sparse processes into the same neurons.
 
 Finer weights on 8-bit synapses (``weight_groups``): a connection's rounding residual becomes a
 second synapse group ``"<name>.lo"`` from the same source with an exponent about 8 lower
 (negative exponents floor each group's sum, as Lava's Dense does), so the pair carries ~15-bit
 weights at twice that connection's synapses and synaptic operations. By default (``"auto"``) a
-connection gets it where its 8-bit weights' relative RMS rounding error exceeds 0.5%: one
+connection gets it where its 8-bit weights' relative RMS rounding error exceeds 0.5% (one
 exponent per connection leaves the rows of a wide layer whose weights are small against its
-largest a few bits (the zoo's CIFAR ResNet-18 on Fashion-MNIST: 0.8-1.3% in ``layer1``, 3.5-5.1%
-in ``layer2`` to ``layer4``); the threshold's measurements: benchmarks/README.md, "Defaults",
-row "Loihi 2 second synapse group". ``1`` or ``2`` (or a mapping ``{connection: groups}``)
+largest a few bits; the measurements: benchmarks/README.md, "Defaults", row "Loihi 2 second
+synapse group"). ``1`` or ``2`` (or a mapping ``{connection: groups}``)
 force one choice.
 
 IF neurons' biases beyond what can change a spike (above the threshold plus the most negative
@@ -101,17 +94,12 @@ are clipped to those bounds before the layer's scale is chosen, so that a channe
 left saturated or silent does not reduce every other neuron's threshold to a few bits.
 
 ``mse_exponents=True`` also tries the two exponents below the one that fits a connection's
-largest weight (clipping outliers) and keeps the least squared error; off by default: on the
-trained torchvision ``resnet18`` it chose the same exponents for every connection.
+largest weight (clipping outliers) and keeps the least squared error; off by default.
 
 Decision agreement with cpu is bounded by the float network's own stability: a converted
-network at T=8 whose decisions flip when its input is perturbed by a relative 1e-4 (below the
-first layer's 13-bit rounding) cannot agree better with any finite-precision copy of itself.
-On torchvision's ``resnet18`` converted training-free without reconstruction (cpu 36% accurate)
-the cpu backend agreed with itself on 70% of the images at 1e-4 noise and 94% at 1e-5, and
-loihi2-sim with cpu on 52% (16-bit weights: 57%; a 4x larger input budget as well: 61%), with
-every layer's firing rate within 6% of the float rate (``python -m benchmarks backends loihi2_agreement``
-records both figures per network).
+network whose decisions flip when its input is perturbed by a relative 1e-4 (below the first
+layer's 13-bit rounding) cannot agree better with any finite-precision copy of itself
+(``python -m benchmarks backends loihi2_agreement`` measures both per network).
 
 Nothing is wrapped silently: the worst case is checked on the integer
 mantissas at compile time, and saturation, wrapping and bias clipping are counted at run time.
