@@ -1,31 +1,13 @@
 """Never silent: a quantised network that flushes a layer's weights, or whose layers fire at
-rates the float network does not, is flagged (:func:`check`, :class:`QuantisationWarning`).
+rates the float network does not, or whose decisions depart from the float network's, is flagged
+(:func:`check`, :class:`QuantisationWarning`).
 
-Tolerances, from measurements (random-init torchvision ``resnet18``, 10 classes, 3x32x32,
-``convert(T=8, finetune_epochs=0, reconstruction_steps=0, maxpool="avg")``, 32 synthetic images;
-compiled and run by loihi2-sim with and without ``per_neuron_vth``, rates against cpu's):
-
-- one threshold per population (before per-channel thresholds): from ``layer2`` on, layers fired
-  at 0.7%-61% of the float rate (ratios 0.01-0.61) and 75%-99% of a convolution's weights
-  rounded to zero; the decisions agreed with cpu on 6% of the images;
-- per-channel thresholds: every layer's rate within 2% of the float rate (ratios 0.98-1.02),
-  at most 27% of a connection's weights rounded to zero (``layer4``: its 512-channel rows share
-  one exponent), 97% agreement (95% on 64 images).
-
-So a layer is flagged when its rate departs from the float rate by more than
-:data:`RATE_TOLERANCE` (a fifth: ten times the healthy spread, a third of the smallest broken
-departure), or when more than :data:`FLUSH_TOLERANCE` of a connection's nonzero weights round
-to zero (half: twice the worst healthy layer, below every broken one). Layers that fire less
-than :data:`MIN_RATE` in the float network are compared in absolute terms (a few spikes of a
-nearly silent layer are no evidence).
-
-On trained networks (``python -m benchmarks backends loihi2_agreement``, Fashion-MNIST at 3x32x32, 256 test
-images, T=8, training-free default conversion, layer biases as bias currents): every layer's
-rate ratio was 0.97-1.01 (torchvision ``resnet18``) and 0.996-1.008 (the zoo's ResNet-18), at
-most 26.5% and 8.4% of a connection's weights flushed, and no warning, while decision agreement
-with cpu was 61.7% and 88.3%: the float networks' own decisions agreed with themselves on 74%
-and 87% of the images under a relative input perturbation of 1e-4. Disagreement on such
-networks comes from their sensitivity, not from a broken layer, so the tolerances stay.
+A layer is flagged when its rate departs from the float rate by more than
+:data:`RATE_TOLERANCE`, or when more than :data:`FLUSH_TOLERANCE` of a connection's nonzero
+weights round to zero. Layers that fire less than :data:`MIN_RATE` in the float network are
+compared in absolute terms (a few spikes of a nearly silent layer are no evidence). Decisions are
+judged over at least :data:`MIN_IMAGES` images against :data:`DECISION_TOLERANCE`. The
+measurements behind each tolerance: benchmarks/README.md, "loihi2-sim's quantisation checks".
 """
 
 from __future__ import annotations
@@ -49,11 +31,8 @@ FLUSH_TOLERANCE = 0.5
 #: Float rates below this (spikes per neuron per step) are compared as |chip - float| <= this * tolerance.
 MIN_RATE = 0.01
 #: Least share of images on which the chip's decision (the readout averaged over T, its argmax)
-#: is the float network's, judged over at least :data:`MIN_IMAGES` images. Layer rates within
-#: tolerance do not make decisions agree: trained torchvision ResNet-18s on Fashion-MNIST
-#: (``python -m benchmarks coverage loihi2``) kept every layer within 3% of the float rate and agreed on
-#: 82% of the images, because the float network's own decision changes on 11% of them when its
-#: input is scaled by 1 + 1e-4 noise (near-ties that any rounding flips).
+#: is the float network's, judged over at least :data:`MIN_IMAGES` images (layer rates within
+#: tolerance do not make decisions agree where the float network's outputs are near ties).
 DECISION_TOLERANCE = 0.9
 #: Fewest images over which decisions are judged (at 64, a true 95% agreement reads below 90%
 #: with probability 5%).
