@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from snnconv.errors import ConfigError, UnsupportedLayerError
 from snnconv.graph import describe_node, module_of, set_module
+from snnconv.kinds import ACCEPTED_MODULES
 from snnconv.refusals import Construct, module_path, refusal_message, source_line
 from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand
 
@@ -241,11 +242,7 @@ def _neighbours(gm: fx.GraphModule, node: fx.Node) -> str:
 # identities at inference (dropout). Anything else (clamp, abs, max, min, a product of two
 # activations, normalisation...) is refused by name.
 
-ACCEPTED_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-                    nn.ConvTranspose3d, nn.Linear, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
-                    nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.Flatten,
-                    nn.Unflatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity,
-                    nn.ReLU, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.modules.batchnorm._BatchNorm)
+# the module kinds accepted: snnconv.kinds (ACCEPTED_MODULES)
 _ALLOWED_FUNCTIONS = {operator.add, operator.sub, operator.neg, operator.pos, operator.getitem,
                       torch.add, torch.sub, torch.subtract, torch.neg, torch.cat, torch.concat,
                       torch.stack, torch.flatten, torch.reshape, torch.squeeze, torch.unsqueeze,

@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 
 import snnconv
-from snnconv.activation import ACCEPTED_MODULES
+from snnconv.kinds import ACCEPTED_MODULES
 from snnconv.errors import NIRError
 from snnconv.nir import reader
 from snnconv.nir.ops import LINEAR, NEURONS, OPS, PASS, ROLES, WEIGHTED
-from snnconv.snn.nir_io import NO_NIR_FORM, WRITERS, export_nir, no_nir_form
+from snnconv.snn.nir_io import NO_NIR_FORM, READERS, WRITERS, export_nir, no_nir_form
 
 pytestmark = pytest.mark.portable
 
@@ -38,18 +38,29 @@ def test_the_executor_and_the_loihi_mapping_cover_the_vocabulary():
     assert set(MACS) == set(WEIGHTED)  # a MAC count (or none, stated) for every weighted op
 
 
-def _written(kind: type) -> bool:
-    return any(issubclass(kind, k) for kinds, _ in WRITERS for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+def test_every_layer_kind_is_one_record_that_every_table_follows():
+    """snnconv.kinds: each record's NIR form is ops of the vocabulary and has a writer, or it
+    passes its input on, or it names why NIR has none; every kind that reaches a converted
+    network is saved; the derived tables are the records'."""
+    from snnconv.kinds import ACCEPTED_MODULES as accepted
+    from snnconv.kinds import KINDS, ROLES, SAVED, kind_of
 
-
-#: Accepted kinds that never reach export: ReLU becomes an IF neuron, BatchNorm is folded.
-_REPLACED = (nn.ReLU, nn.modules.batchnorm._BatchNorm)
-
-
-def test_every_accepted_module_kind_is_written_refused_or_replaced():
-    for kind in ACCEPTED_MODULES:
-        ways = [_written(kind), kind in NO_NIR_FORM, issubclass(kind, _REPLACED)]
-        assert sum(ways) == 1, f"{kind.__name__}: written {ways[0]}, refused {ways[1]}, replaced {ways[2]}"
+    assert accepted is ACCEPTED_MODULES
+    assert len({k.name for k in KINDS}) == len(KINDS) and all(k.role in ROLES for k in KINDS)
+    for k in KINDS:
+        assert set(k.nir) <= set(OPS), k.name
+        assert not (k.nir and k.no_nir), k.name
+        reaches_nir = k.role in ("between", "spiking") and not k.no_nir
+        assert (k.name in WRITERS) == reaches_nir, k.name  # a writer for every kind export meets
+        assert (k.saved is None) == (k.name == "batchnorm"), k.name  # all but the folded kind are saved
+        for m in k.modules:
+            assert kind_of(m) is k
+            assert (m in NO_NIR_FORM) == bool(k.no_nir)
+            assert (m.__name__ in SAVED) == (k.saved is not None)
+    assert set(WRITERS) <= {k.name for k in KINDS}
+    assert set(READERS) == set(OPS) - {"input", "output", "sum"}  # every op read back as a module
+    written = {op for k in KINDS for op in k.nir}
+    assert written == set(OPS) - {"input", "output", "sum", *NEURONS} | {"neuron"}  # leaky neurons: read only
 
 
 def _net(kind: type) -> tuple[nn.Module, tuple[int, ...]]:

@@ -4,12 +4,14 @@ Each direction keys its own table by these names, and the tests check that every
 the vocabulary (``tests/test_op_vocabulary.py``):
 
 - NIR node -> op: the strict reader (:mod:`snnconv.nir.reader`, from :attr:`OpKind.nodes`);
-- module -> NIR node: the writer's table (``WRITERS`` of :mod:`snnconv.snn.nir_io`), with the
-  module kinds that convert but have no NIR form named in ``NO_NIR_FORM`` there;
+- module -> NIR node: the layer kinds' records (:mod:`snnconv.kinds`: the ops each is written
+  as, or why NIR has none) and their writers (``WRITERS`` of :mod:`snnconv.snn.nir_io`);
+- op -> torch module: ``READERS`` of :mod:`snnconv.snn.nir_io`;
 - op -> executor: the dense executor's builders (``OP_BUILDERS`` of
-  ``snnconv_backends.engine.ops``; neurons are built by its plan);
-- op -> Loihi 2: the linear ops of ``snnconv_backends.loihi2.ops`` run off-chip in the encoder
-  or fold into a neuron population's synapses; the neurons are populations.
+  ``snnconv_backends.engine.ops``; neurons are built by its plan) and MAC counts (``MACS`` of
+  ``snnconv_backends.engine.stats``);
+- op -> Loihi 2: the linear ops (``APPLY`` of ``snnconv_backends.loihi2.ops``) run off-chip in
+  the encoder or fold into a neuron population's synapses; the neurons are populations.
 
 A new op kind is a row here, then one entry in each of those tables.
 """

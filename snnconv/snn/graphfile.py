@@ -39,7 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from snnconv.errors import CheckpointError, UnsupportedModelError
-from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand
+from snnconv.kinds import SAVED
+from snnconv.snn.neuron import IFNeuron
 
 __all__ = ["FUNCTIONS", "METHODS", "KEYWORDS", "ATTRIBUTES", "DTYPES", "MAX_NODES", "MAX_DEPTH",
            "check_graph", "graph_to_dict", "graph_from_dict"]
@@ -98,61 +99,7 @@ def _prefix_type() -> type:
 
 # --- the module table --------------------------------------------------------------------------
 
-def _conv_cfg(m: nn.Module) -> dict:
-    return dict(in_channels=m.in_channels, out_channels=m.out_channels, kernel_size=m.kernel_size,
-                stride=m.stride, padding=m.padding, dilation=m.dilation, groups=m.groups,
-                bias=m.bias is not None, padding_mode=m.padding_mode)
-
-
-def _conv_transpose_cfg(m: nn.Module) -> dict:
-    return dict(_conv_cfg(m), output_padding=m.output_padding)
-
-
-def _avgpool_cfg(m: nn.Module) -> dict:
-    cfg = dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding,
-               ceil_mode=m.ceil_mode, count_include_pad=m.count_include_pad)
-    if hasattr(m, "divisor_override"):
-        cfg["divisor_override"] = m.divisor_override
-    return cfg
-
-
-def _module_table() -> dict[str, tuple[type, Callable[[Any], dict]]]:
-    table: dict[str, tuple[type, Callable[[Any], dict]]] = {
-        "Linear": (nn.Linear, lambda m: dict(in_features=m.in_features, out_features=m.out_features,
-                                             bias=m.bias is not None)),
-        "Flatten": (nn.Flatten, lambda m: dict(start_dim=m.start_dim, end_dim=m.end_dim)),
-        "Identity": (nn.Identity, lambda m: {}),
-        "IFNeuron": (IFNeuron, lambda m: dict(theta=torch.ones(m.theta.shape), T=m.T, alpha=m.alpha,
-                                              detach_reset=m.detach_reset, reset=m.reset,
-                                              v_init=torch.zeros(m.v_init.shape)
-                                              if m.reset == "subtract" else None, burst=m.burst)),
-        "Scale": (Scale, lambda m: dict(theta=torch.ones(m.theta.shape))),
-        "TimeExpand": (TimeExpand, lambda m: dict(T=m.T)),
-    }
-    # what an analog prefix (snnconv.constructs.prefix) runs once on the static input
-    table["ReLU"] = (nn.ReLU, lambda m: {})
-    families: list[tuple[tuple[type, ...], Callable[[Any], dict]]] = [
-        ((nn.Conv1d, nn.Conv2d, nn.Conv3d), _conv_cfg),
-        ((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), _conv_transpose_cfg),
-        ((nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d), lambda m: dict(padding=m.padding)),
-        ((nn.Unflatten,), lambda m: dict(dim=m.dim, unflattened_size=tuple(m.unflattened_size))),
-        ((nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d), _avgpool_cfg),
-        ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d),
-         lambda m: dict(output_size=m.output_size)),
-        ((nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d), lambda m: dict(p=m.p)),
-        ((nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d),
-         lambda m: dict(kernel_size=m.kernel_size, stride=m.stride, padding=m.padding, dilation=m.dilation,
-                        ceil_mode=m.ceil_mode)),
-        ((nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d),
-         lambda m: dict(output_size=m.output_size)),
-    ]
-    for classes, config in families:
-        for cls in classes:
-            table[cls.__name__] = (cls, config)
-    return table
-
-
-_TABLE = _module_table()
+_TABLE = SAVED  # the module table: snnconv.kinds
 #: each module type's constructor keywords (what a saved config may name)
 _PARAMETERS = {kind: frozenset(p for p in inspect.signature(cls.__init__).parameters  # type: ignore[misc]
                                if p != "self")

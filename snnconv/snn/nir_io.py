@@ -56,6 +56,7 @@ from snnconv.errors import ConfigError, NIRError
 from snnconv.exit_rule import META_KEY as EXIT_META_KEY
 from snnconv.exit_rule import stored_rule
 from snnconv.graph import describe_node, module_of
+from snnconv.kinds import KINDS, NO_NIR_FORM, kind_of
 from snnconv.nir.file import load_nir, save_nir
 from snnconv.nir.format import (
     ADAPTIVE_AVGPOOL,
@@ -75,15 +76,14 @@ from snnconv.nir.format import (
     v_init_metadata,
 )
 from snnconv.snn.network import SpikingNetwork, check_T
-from snnconv.snn.neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale, TimeExpand
+from snnconv.snn.neuron import LEAKY_KINDS, IFNeuron, LeakyNeuron, Scale
 from snnconv.snn.timing import AnalogPrefix, insert_time_expand, unique_name
 
 __all__ = ["export_nir", "from_nir", "save_nir", "load_nir", "no_nir_form", "NIR_FORMAT_VERSION", "WRITERS",
-           "NO_NIR_FORM"]
+           "READERS", "NO_NIR_FORM"]
 
 NIR_FORMAT_VERSION = FORMAT_VERSION
 
-_PASS_MODULES = (TimeExpand, nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 _ADDS = (operator.add, torch.add)
 _FLATTENS = (torch.flatten,)
 
@@ -177,7 +177,7 @@ class _Exporter:
         mod = module_of(self.gm, n)
         what = (f"module '{n.target}' of type {type(mod).__name__}" if mod is not None
                 else f"fx node '{n.name}' ({describe_node(n)})")
-        known = ", ".join(c.__name__ for kinds, _ in WRITERS for c in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        known = ", ".join(c.__name__ for k in KINDS if k.name in WRITERS for c in k.modules)
         return NIRError(f"{what} has no NIR form{': ' + why if why else ''}. NIR export writes the "
                         f"modules {known}, residual adds, channel concatenations and flattens")
 
@@ -215,7 +215,8 @@ class _Exporter:
             self.nodes[srcs[0]] = nir.Input(np.array(out_shape))
             self.value[n.name], self.prefix = srcs, out_shape
             return
-        write = next((w for kinds, w in WRITERS if isinstance(mod, kinds)), None)
+        kind = kind_of(type(mod))
+        write = WRITERS.get(kind.name) if kind is not None else None
         if write is None:
             raise self.unsupported(n)
         self.value[n.name] = write(self, n, mod, srcs, in_shape, out_shape)
@@ -403,35 +404,18 @@ def _linear(mod: nn.Linear) -> nir.NIRNode:
 
 _Writer = Callable[[_Exporter, fx.Node, Any, tuple[str, ...], tuple[int, ...], tuple[int, ...]], tuple[str, ...]]
 
-#: module kind -> its writer: ``write(exporter, node, module, sources, in_shape, out_shape)``
-#: gives the NIR nodes whose sum the module's output is (the op kinds of
-#: :data:`snnconv.nir.ops.OPS`). The first kind that matches writes.
-WRITERS: tuple[tuple[type | tuple[type, ...], _Writer], ...] = (
-    (_PASS_MODULES, lambda ex, n, m, s, i, o: s),
-    (IFNeuron, lambda ex, n, m, s, i, o: (ex.neuron(str(n.target), m, s, o),)),
-    (Scale, lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.scale(m, o), s),)),
-    ((nn.Conv1d, nn.Conv2d), lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.conv(n, m, i), s),)),
-    (nn.Linear, lambda ex, n, m, s, i, o: (ex.add(str(n.target), _linear(m), s),)),
-    (nn.AvgPool2d, lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.avgpool(n, m), s),)),
-    (nn.AdaptiveAvgPool2d, lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.adaptive(n, i, o), s),)),
-    (nn.Flatten, lambda ex, n, m, s, i, o: (ex.flatten(n, str(n.target), m.start_dim, m.end_dim, i, s),)),
-)
-
-#: Module kinds that convert (the activation checks accept them) but that NIR cannot express:
-#: export refuses them all by name before it writes anything (:func:`no_nir_form`).
-NO_NIR_FORM: dict[type, str] = {
-    nn.Conv3d: "NIR has no 3-d convolution",
-    nn.ConvTranspose1d: "NIR has no transposed convolution",
-    nn.ConvTranspose2d: "NIR has no transposed convolution",
-    nn.ConvTranspose3d: "NIR has no transposed convolution",
-    nn.AvgPool1d: "NIR pools in 2-d only",
-    nn.AvgPool3d: "NIR pools in 2-d only",
-    nn.AdaptiveAvgPool1d: "NIR pools in 2-d only",
-    nn.AdaptiveAvgPool3d: "NIR pools in 2-d only",
-    nn.Unflatten: "NIR has no reshape node",
-    nn.ZeroPad1d: "NIR has no padding node (give the padding to the convolution that follows)",
-    nn.ZeroPad2d: "NIR has no padding node (give the padding to the convolution that follows)",
-    nn.ZeroPad3d: "NIR has no padding node (give the padding to the convolution that follows)",
+#: layer kind (:data:`snnconv.kinds.KINDS`) -> its writer: ``write(exporter, node, module,
+#: sources, in_shape, out_shape)`` gives the NIR nodes whose sum the module's output is (the op
+#: kinds of the record's ``nir``; a kind that passes its input on gives its sources).
+WRITERS: dict[str, _Writer] = {
+    **{name: (lambda ex, n, m, s, i, o: s) for name in ("dropout", "identity", "time_expand")},
+    "if_neuron": lambda ex, n, m, s, i, o: (ex.neuron(str(n.target), m, s, o),),
+    "scale": lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.scale(m, o), s),),
+    "conv": lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.conv(n, m, i), s),),
+    "linear": lambda ex, n, m, s, i, o: (ex.add(str(n.target), _linear(m), s),),
+    "avgpool2d": lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.avgpool(n, m), s),),
+    "adaptive_avgpool2d": lambda ex, n, m, s, i, o: (ex.add(str(n.target), ex.adaptive(n, i, o), s),),
+    "flatten": lambda ex, n, m, s, i, o: (ex.flatten(n, str(n.target), m.start_dim, m.end_dim, i, s),),
 }
 
 
@@ -598,7 +582,7 @@ def _leaky_module(op: Any, meta: dict, T: int) -> nn.Module:
 
 #: op kind -> the torch module that computes it exactly as SpikingNetwork does (input, output
 #: and sum have none: the graph's placeholder, its return value and an add)
-_MODULES = {"conv1d": _conv_module, "conv2d": _conv_module, "affine": _linear_module,
+READERS = {"conv1d": _conv_module, "conv2d": _conv_module, "affine": _linear_module,
             "linear": _linear_module, "avgpool2d": _avgpool_module, "sumpool2d": _sumpool_module,
             "flatten": _flatten_module, "scale": _scale_module, "neuron": _if_module,
             **{kind: _leaky_module for kind in LEAKY_KINDS}}
@@ -606,7 +590,7 @@ _MODULES = {"conv1d": _conv_module, "conv2d": _conv_module, "affine": _linear_mo
 
 def _module_for(op: Any, node: Any, T: int) -> nn.Module | None:
     """The torch module of ``op`` (None: input, output, sum)."""
-    build = _MODULES.get(op.kind)
+    build = READERS.get(op.kind)
     return None if build is None else build(op, getattr(node, "metadata", None) or {}, T)
 
 
