@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import snnconv
-from snnconv.kinds import ACCEPTED_MODULES
 from snnconv.errors import NIRError
+from snnconv.kinds import ACCEPTED_MODULES
 from snnconv.nir import reader
 from snnconv.nir.ops import LINEAR, NEURONS, OPS, PASS, ROLES, WEIGHTED
 from snnconv.snn.nir_io import NO_NIR_FORM, READERS, WRITERS, export_nir, no_nir_form
