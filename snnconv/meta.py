@@ -52,7 +52,7 @@ class ConversionMeta:
     environment: dict[str, str] = field(default_factory=environment)
     accuracy: dict[str, Any] = field(default_factory=dict)
     #: Before training-style work: the stages, steps and estimated seconds on this device
-    #: (:class:`snnconv.plan.Plan`); empty where none ran.
+    #: (:class:`snnconv.plan.WorkEstimate`); empty where none ran.
     plan: dict[str, Any] = field(default_factory=dict)
 
     def stage(self, name: str) -> StageRecord:

@@ -53,6 +53,7 @@ from snnconv.stages.fold import fold_graph
 from snnconv.stages.prepare import rewrite_constructs
 from snnconv.stages.qcfs import calibrate_qcfs, check_activations
 from snnconv.stages.spiking import to_spiking
+from snnconv.vocabulary import StageName
 
 __all__ = ["convert", "ConvertConfig", "STAGES", "Stage", "seed_everything", "draw_batches", "finetune_recipe",
            "default_finetune_epochs"]
@@ -161,7 +162,7 @@ class _Health:
         rec.changes["activity"] = act
         rec.changes["check_accuracy"] = acc
         rec.changes["check_seconds"] = time.perf_counter() - start  # included in the stage's time
-        if stage == "fold":
+        if stage == StageName.FOLD:
             self.ann_accuracy, self.reference = acc, act
             dead = dead_layers(act)
             if dead:
@@ -178,8 +179,8 @@ class _Health:
         # A QCFS-ANN with dead or clipped sites is broken thresholds; an SNN with silent deep
         # layers at a small T (or with hard reset) may still be fine-tuned back: there, silent
         # layers alone warn, and only a network at chance is an error.
-        fatal = stage == "qcfs" or any(f.startswith("at chance") for f in findings)
-        if stage == "spiking" and self.finetune_follows:
+        fatal = stage == StageName.QCFS or any(f.startswith("at chance") for f in findings)
+        if stage == StageName.SPIKING and self.finetune_follows:
             fatal = False  # fine-tuning comes next; its result is checked
         n = sum(len(x) for x in self.x)
         anyway = " pass on_collapse='warn' to get the network anyway." if fatal and self.on_collapse == "raise" else ""
@@ -509,13 +510,13 @@ def _early_exit(s: _Run) -> dict:
 
 #: convert()'s stages in their order; each name is its record's in ``meta.stages``.
 STAGES: tuple[Stage, ...] = (
-    Stage("prepare", _prepare, then=_plan_defaults),
-    Stage("fold", _fold, checked=lambda s: (s.gm, "the (folded) ANN", None, ""), then=_plan_time),
-    Stage("qcfs", _qcfs, checked=_qcfs_checked, then=lambda s: s.accuracy("qcfs", s.qgm)),
-    Stage("spiking", _spiking, checked=lambda s: (s.snn, f"the SNN at T={s.settings.T}", s.if_source, "")),
-    Stage("finetune", _finetune, runs=lambda s: s.plan is not None and s.plan.finetunes,
+    Stage(StageName.PREPARE, _prepare, then=_plan_defaults),
+    Stage(StageName.FOLD, _fold, checked=lambda s: (s.gm, "the (folded) ANN", None, ""), then=_plan_time),
+    Stage(StageName.QCFS, _qcfs, checked=_qcfs_checked, then=lambda s: s.accuracy("qcfs", s.qgm)),
+    Stage(StageName.SPIKING, _spiking, checked=lambda s: (s.snn, f"the SNN at T={s.settings.T}", s.if_source, "")),
+    Stage(StageName.FINETUNE, _finetune, runs=lambda s: s.plan is not None and s.plan.finetunes,
           checked=lambda s: (s.snn, f"the fine-tuned SNN at T={s.settings.T}", s.if_source, "")),
-    Stage("early_exit", _early_exit, runs=lambda s: s.settings.early_exit),
+    Stage(StageName.EARLY_EXIT, _early_exit, runs=lambda s: s.settings.early_exit),
 )
 
 

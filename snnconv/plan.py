@@ -26,9 +26,10 @@ from snnconv.data import split_steps
 from snnconv.errors import SnnconvError
 from snnconv.memory import TRAINING_FACTOR, budget_bytes, gib, images_that_fit, saved_bytes, step_budget
 from snnconv.meta import ConversionMeta
+from snnconv.vocabulary import StageName
 
-__all__ = ["TIME_BUDGETS", "MIN_STEPS", "StagePlan", "Plan", "make_plan", "log_plan", "planned_work", "record_run",
-           "epoch_steps"]
+__all__ = ["TIME_BUDGETS", "MIN_STEPS", "StageEstimate", "WorkEstimate", "make_plan", "log_plan", "planned_work",
+           "record_run", "epoch_steps"]
 
 logger = logging.getLogger("snnconv.plan")
 
@@ -89,20 +90,20 @@ def record_run(meta: ConversionMeta) -> None:
     """What the training stages ran: optimiser steps and seconds, beside the plan."""
     budget = meta.settings.get("budget", {})
     for record in meta.stages:
-        if record.name == "qcfs" and record.changes.get("history"):
+        if record.name == StageName.QCFS and record.changes.get("history"):
             budget["qcfs_steps_run"] = sum(h.get("steps", 0) for h in record.changes["history"])
             budget["qcfs_seconds"] = record.seconds
-        if record.name == "spiking" and "reconstruction" in record.changes:
+        if record.name == StageName.SPIKING and "reconstruction" in record.changes:
             budget["reconstruction_steps_run"] = record.changes["reconstruction"]["steps"]
             budget["reconstruction_seconds"] = record.changes["reconstruction"]["seconds"]
-        if record.name == "finetune":
+        if record.name == StageName.FINETUNE:
             budget["finetune_steps_run"] = record.changes.get("steps", 0)
             budget["finetune_seconds"] = record.seconds
     budget["total_seconds"] = sum(r.seconds for r in meta.stages)
 
 
 @dataclass
-class StagePlan:
+class StageEstimate:
     """One stage of the plan: ``steps`` of ``images`` each at ``T`` time steps (T=1: the ANN),
     ``seconds_per_step`` measured here, ``seconds`` in all; ``cut_from``: the default steps
     before a time budget cut them; ``micro_batch``: images per pass that fit the memory."""
@@ -119,11 +120,11 @@ class StagePlan:
 
 
 @dataclass
-class Plan:
+class WorkEstimate:
     """What a conversion will do and what it should cost here (:func:`make_plan`)."""
 
     device: str
-    stages: list[StagePlan] = field(default_factory=list)
+    stages: list[StageEstimate] = field(default_factory=list)
     cheaper: list[str] = field(default_factory=list)
     needs_gpu: str = ""
     measure_seconds: float = 0.0
@@ -145,12 +146,13 @@ class Plan:
                  f"{self.measure_seconds:.0f} s; memory budget {gib(self.memory_budget)}):"]
         for s in self.stages:
             # fine-tuning unrolls BPTT over its own horizon (2T by default), not the network's T
-            what = "ANN" if s.T == 1 else (f"BPTT through {s.T} time steps" if s.name == "finetune" else f"T={s.T}")
+            bptt = s.name == StageName.FINETUNE
+            what = "ANN" if s.T == 1 else (f"BPTT through {s.T} time steps" if bptt else f"T={s.T}")
             steps = "unknown number of" if s.steps is None else str(s.steps)
             if s.name == "calibration":
                 line = f"  {s.name}: one pass over {s.images} image(s) at {what}"
             else:
-                at = "," if s.name == "finetune" else " at"
+                at = "," if s.name == StageName.FINETUNE else " at"
                 line = f"  {s.name}: {steps} step(s) of {s.images} image(s){at} {what}"
                 if s.seconds_per_step is not None:
                     line += f", {_duration(s.seconds_per_step)} a step"
@@ -234,7 +236,7 @@ def _provisional_snn(gm: nn.Module, x: torch.Tensor, cfg: Any) -> nn.Module:
     return to_spiking(qgm, T=cfg.T, reset=cfg.reset)
 
 
-def _cut(stage: StagePlan, budget: float) -> int | None:
+def _cut(stage: StageEstimate, budget: float) -> int | None:
     """Steps of ``stage`` that fit ``budget`` seconds (None: no cut needed)."""
     if stage.seconds is None or stage.steps is None or stage.seconds <= budget or not stage.seconds_per_step:
         return None
@@ -244,7 +246,7 @@ def _cut(stage: StagePlan, budget: float) -> int | None:
 
 def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune_config: Any,
               budget: dict[str, Any], defaults: dict[str, bool], device: torch.device,
-              val_images: int | None = None) -> tuple[Plan, Any, Any, int]:
+              val_images: int | None = None) -> tuple[WorkEstimate, Any, Any, int]:
     """Measure one step of each training-style stage and plan them; cut a default budget
     (``defaults[stage]``) whose estimate passes :data:`TIME_BUDGETS`.
 
@@ -262,7 +264,7 @@ def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune
         a budget was.
     """
     start = time.perf_counter()
-    plan = Plan(device=str(device), memory_budget=budget_bytes(device))
+    plan = WorkEstimate(device=str(device), memory_budget=budget_bytes(device))
     x = calib[0][0].to(device)
     images = sum(len(b[0]) for b in calib)
     snn_needed = bool(cfg.reconstruction_steps) or (finetune_config is not None and finetune_config.epochs > 0)
@@ -279,7 +281,7 @@ def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune
             horizon = max(cfg.horizons) if cfg.horizons else (cfg.bias_calibration_T or cfg.T)
             n_bias = sum(len(b[0]) for b in calib[:cfg.bias_batches])
             forward = _forward_time(snn, x, horizon, n_bias)
-            plan.stages.append(StagePlan("calibration", 1, n_bias, horizon, forward * 1.5, forward * 1.5,
+            plan.stages.append(StageEstimate("calibration", 1, n_bias, horizon, forward * 1.5, forward * 1.5,
                                          note="all images in one pass where they fit the memory"))
         if qcfs_train is not None and qcfs_train.epochs:
             ann = copy.deepcopy(gm).train()
@@ -308,7 +310,7 @@ def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune
         # a stage is cut only where its steps were counted and a step was timed (_cut)
         assert stage.steps is not None and stage.seconds_per_step is not None
         stage.cut_from = stage.steps
-        if stage.name == "qcfs":
+        if stage.name == StageName.QCFS:
             qcfs_train = replace(qcfs_train, max_steps=fit)
         elif stage.name == "reconstruction":
             steps_r = fit
@@ -316,14 +318,14 @@ def make_plan(gm: nn.Module, calib: list, cfg: Any, *, qcfs_train: Any, finetune
             finetune_config, fit = _cut_finetune(finetune_config, fit, stage.cut_from)
         stage.steps = fit
         stage.seconds = stage.seconds_per_step * fit + (
-            val * _val_passes(finetune_config) if stage.name == "finetune" else 0.0)
+            val * _val_passes(finetune_config) if stage.name == StageName.FINETUNE else 0.0)
     _advice(plan, cfg, before_cuts, device)
     plan.measure_seconds = time.perf_counter() - start
     return plan, qcfs_train, finetune_config, steps_r
 
 
-def _stage(name: str, steps: int | None, images: int, T: int, per: float, micro: int | None = None) -> StagePlan:
-    return StagePlan(name, steps, images, T, per, None if steps is None else per * steps, micro_batch=micro)
+def _stage(name: str, steps: int | None, images: int, T: int, per: float, micro: int | None = None) -> StageEstimate:
+    return StageEstimate(name, steps, images, T, per, None if steps is None else per * steps, micro_batch=micro)
 
 
 def _snn_step(snn: Any, x: torch.Tensor, T: int, batch: int) -> tuple[float, int]:
@@ -367,7 +369,7 @@ def _val_passes(config: Any) -> int:
     return config.epochs + int(config.keep_start)
 
 
-def _advice(plan: Plan, cfg: Any, before_cuts: float | None, device: torch.device) -> None:
+def _advice(plan: WorkEstimate, cfg: Any, before_cuts: float | None, device: torch.device) -> None:
     """How to make this conversion cheaper, from its own stages."""
     names = {s.name for s in plan.stages}
     if "finetune" in names:
@@ -386,7 +388,7 @@ def _advice(plan: Plan, cfg: Any, before_cuts: float | None, device: torch.devic
                           f"about {_duration(before_cuts)} on this CPU.")
 
 
-def log_plan(plan: Plan, show: bool) -> None:
+def log_plan(plan: WorkEstimate, show: bool) -> None:
     """The plan to the ``snnconv.plan`` logger, and to stderr where ``show``."""
     text = plan.summary()
     logger.info("%s", text)

@@ -25,7 +25,7 @@ from snnconv.memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, s
 from snnconv.snn.network import SpikingNetwork
 from snnconv.snn.neuron import IFNeuron, neurons
 
-__all__ = ["checkpointed", "StepPlan", "plan_step"]
+__all__ = ["checkpointed", "StepBudget", "plan_step"]
 
 
 class _Checkpointed(nn.Module):
@@ -89,7 +89,7 @@ def checkpointed(snn: SpikingNetwork, mode: str) -> SpikingNetwork:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class StepBudget:
     """How a training step runs: ``mode`` (None, ``"neuron"`` or ``"block"`` checkpointing),
     ``micro_batch`` images per forward/backward pass, and the estimated bytes one image needs."""
 
@@ -135,7 +135,7 @@ def step_bytes(snn: SpikingNetwork, x: torch.Tensor, mode: str | None) -> int:
 
 
 def plan_step(snn: SpikingNetwork, x: torch.Tensor, batch: int, mode: str | None = "auto",
-              micro_batch: int | None = None) -> StepPlan:
+              micro_batch: int | None = None) -> StepBudget:
     """How a step of ``batch`` images like ``x[:1]`` fits :func:`snnconv.memory.step_budget`.
 
     ``mode="auto"``: no checkpointing, in micro-batches of as many images as fit; block
@@ -155,4 +155,4 @@ def plan_step(snn: SpikingNetwork, x: torch.Tensor, batch: int, mode: str | None
                 mode, per = "block", step_bytes(snn, one, "block")
     refuse_one_image(per, x.device, f"a BPTT step at T={snn.T}", "lower T or the input size")
     micro = micro_batch if micro_batch is not None else images_that_fit(per, budget, batch)
-    return StepPlan(mode, min(batch, micro), per)
+    return StepBudget(mode, min(batch, micro), per)

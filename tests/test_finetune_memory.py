@@ -48,7 +48,7 @@ def test_a_batch_that_does_not_fit_is_cut_to_what_does(small_digits_snn, digits_
     snn = small_digits_snn
     per = recompute.step_bytes(snn, x[:1], None)
     monkeypatch.setattr(recompute, "step_budget", lambda device: 3 * per)
-    assert recompute.plan_step(snn, x, 32) == recompute.StepPlan(None, 3, per)
+    assert recompute.plan_step(snn, x, 32) == recompute.StepBudget(None, 3, per)
     monkeypatch.setattr(recompute, "step_budget", lambda device: per - 1)
     plan = recompute.plan_step(snn, x, 32)
     assert plan.mode == "block" and plan.micro_batch == 1

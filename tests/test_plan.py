@@ -112,8 +112,8 @@ def test_step_time_extrapolates_along_a_fixed_cost_and_a_cost_per_image(monkeypa
 
 def test_the_plan_line_of_fine_tuning_names_its_bptt_horizon_not_a_network_T():
     """At T=8 fine-tuning unrolls BPTT over 16 steps; the plan must not read as a T=16 network."""
-    plan = plan_module.Plan("cpu", [plan_module.StagePlan("reconstruction", 300, 32, 8),
-                                    plan_module.StagePlan("finetune", 675, 16, 16)])
+    plan = plan_module.WorkEstimate("cpu", [plan_module.StageEstimate("reconstruction", 300, 32, 8),
+                                    plan_module.StageEstimate("finetune", 675, 16, 16)])
     lines = plan.summary().splitlines()
     assert "at T=8" in lines[1]
     assert "image(s), BPTT through 16 time steps" in lines[2] and "T=16" not in lines[2]

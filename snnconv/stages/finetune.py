@@ -37,7 +37,7 @@ from snnconv.distributed import (
 from snnconv.errors import CheckpointError, ConfigError, DataError, StageOrderError
 from snnconv.io.checkpoint import check_checkpoint, read_checkpoint, write_checkpoint
 from snnconv.progress import progress_bar
-from snnconv.recompute import StepPlan, checkpointed, plan_step
+from snnconv.recompute import StepBudget, checkpointed, plan_step
 from snnconv.snn.network import SpikingNetwork
 from snnconv.snn.neuron import neurons
 from snnconv.stages.qcfs import make_optimizer
@@ -357,7 +357,7 @@ def _readout_loss(logits: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | No
 
 
 def _step_plan(model: SpikingNetwork, x: torch.Tensor, cfg: FinetuneConfig, device: torch.device,
-               world: int) -> StepPlan:
+               world: int) -> StepBudget:
     """:func:`plan_step` for this run's batches; under DDP every process takes the smallest
     micro-batch and the most checkpointing any of them needs."""
     plan = plan_step(model, x, len(x), cfg.activation_checkpointing, cfg.micro_batch)
@@ -368,10 +368,10 @@ def _step_plan(model: SpikingNetwork, x: torch.Tensor, cfg: FinetuneConfig, devi
     agreed = torch.tensor([-plan.micro_batch, plan.mode == "block"], dtype=torch.int64,
                           device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return StepPlan("block" if agreed[1] else plan.mode, int(-agreed[0]), plan.per_image)
+    return StepBudget("block" if agreed[1] else plan.mode, int(-agreed[0]), plan.per_image)
 
 
-def _runner(model: SpikingNetwork, plan: StepPlan, device: torch.device, world: int) -> nn.Module:
+def _runner(model: SpikingNetwork, plan: StepBudget, device: torch.device, world: int) -> nn.Module:
     """The module that computes the training forward: ``model``, a checkpointed view of it, and
     under DDP its wrapper (all sharing ``model``'s parameters)."""
     runner: nn.Module = model if plan.mode is None else checkpointed(model, plan.mode)
@@ -496,7 +496,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     # the training forward (a checkpointed view and/or a DDP wrapper sharing those parameters),
     # made at the first step, whose images say what fits (:func:`plan_step`)
     runner: nn.Module | None = None
-    plan: StepPlan | None = None
+    plan: StepBudget | None = None
     use_amp = cfg.amp and device.type == "cuda"
     amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
