@@ -15,9 +15,8 @@ import snnconv
 from snnconv import models
 from snnconv.config import MAX_T
 from snnconv.errors import CheckpointError, UnsupportedModelError
-from snnconv.io.digest import UnverifiedFileWarning, content_digest
+from snnconv.io.digest import content_digest
 from snnconv.snn.network import FORMAT, FORMAT_VERSION, SpikingNetwork, graph_from_dict, graph_to_dict
-from snnconv.snn.neuron import neurons
 from snnconv.stages.fold import fold_batchnorm
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
@@ -275,42 +274,16 @@ def test_a_file_without_its_digest_is_refused(tmp_path):
         SpikingNetwork.load(tmp_path / "bad.pt")
 
 
-def _legacy(tmp_path, snn: SpikingNetwork, drop_v_init: bool):
-    """``snn`` as a version 1 file: no digest, and (``drop_v_init``) no v_init entries."""
+def test_a_version_1_file_is_refused_with_what_to_do(tmp_path):
+    """Files of the format before the digest: refused (their values cannot be verified)."""
+    snn, _ = _snn("small_cnn", False)
     snn.save(tmp_path / "new.pt")
     payload = torch.load(tmp_path / "new.pt", weights_only=True)
     payload["version"] = 1
     del payload["digest"]
-    if drop_v_init:
-        payload["state_dict"] = {k: v for k, v in payload["state_dict"].items()
-                                 if not k.endswith(".v_init")}
     torch.save(payload, tmp_path / "old.pt")
-    return tmp_path / "old.pt"
-
-
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_a_legacy_file_without_v_init_starts_at_half_theta(tmp_path, per_channel):
-    snn, x = _snn("resnet8", per_channel)
-    for m in neurons(snn.net).values():
-        m.v_init.fill_(0.25)  # not the default: the file must not keep it, or zero
-    with pytest.warns(UnverifiedFileWarning, match="version 1"):
-        loaded = SpikingNetwork.load(_legacy(tmp_path, snn, drop_v_init=True))
-    units = neurons(loaded.net)
-    assert units and all(torch.equal(m.v_init, torch.full(m.v_init.shape, 0.5)) for m in units.values())
-    for m in neurons(snn.net).values():
-        m.v_init.fill_(0.5)
-    with torch.no_grad():
-        assert torch.equal(loaded(x), snn(x))
-
-
-def test_a_legacy_file_with_v_init_keeps_it(tmp_path):
-    snn, x = _snn("small_cnn", False)
-    for m in neurons(snn.net).values():
-        m.v_init.fill_(0.25)
-    with pytest.warns(UnverifiedFileWarning):
-        loaded = SpikingNetwork.load(_legacy(tmp_path, snn, drop_v_init=False))
-    with torch.no_grad():
-        assert torch.equal(loaded(x), snn(x))
+    with pytest.raises(CheckpointError, match="format version 1; this snnconv reads version 2.*convert"):
+        SpikingNetwork.load(tmp_path / "old.pt")
 
 
 def test_a_current_file_without_v_init_is_refused(tmp_path):

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from snnconv.errors import CheckpointError, UnsupportedModelError
 from snnconv.kinds import SAVED
-from snnconv.snn.neuron import IFNeuron
 
 __all__ = ["FUNCTIONS", "METHODS", "KEYWORDS", "ATTRIBUTES", "DTYPES", "MAX_NODES", "MAX_DEPTH",
            "check_graph", "graph_to_dict", "graph_from_dict"]
@@ -414,11 +413,9 @@ def _declared(cls: type, config: dict) -> nn.Module:
         return cls(**config)
 
 
-def _check_against(target: str, mod: nn.Module, state: dict, legacy_v_init: bool) -> None:
+def _check_against(target: str, mod: nn.Module, state: dict) -> None:
     """Each parameter and buffer ``mod`` declares is stored in ``state`` with its shape and dtype."""
     prefix = target + "."
-    if legacy_v_init and isinstance(mod, IFNeuron) and prefix + "v_init" not in state:
-        state[prefix + "v_init"] = torch.full(mod.v_init.shape, 0.5 if mod.reset == "subtract" else 0.0)
     for name, want in mod.state_dict().items():
         got = state.get(prefix + name)
         if got is None:
@@ -443,16 +440,13 @@ def _install(root: nn.Module, target: str, mod: nn.Module) -> None:
     owner.add_module(leaf, mod)
 
 
-def graph_from_dict(data: dict, state: dict | None = None, *,
-                    legacy_v_init: bool = False) -> fx.GraphModule:
+def graph_from_dict(data: dict, state: dict | None = None) -> fx.GraphModule:
     """Rebuild a GraphModule from :func:`graph_to_dict` output, after :func:`check_graph`.
 
     Without ``state``: the weights are left at their init. With ``state`` (a state_dict, e.g.
     from a file): every module's parameters and buffers are first declared from its config
     without allocation and compared with the stored tensors (shape and dtype, naming the
-    module), then the modules are built and ``state`` is loaded (strict). ``legacy_v_init``:
-    a missing ``IFNeuron`` ``v_init`` gets the documented default (see
-    :meth:`SpikingNetwork.load`).
+    module), then the modules are built and ``state`` is loaded (strict).
 
     Raises:
         CheckpointError: a graph the schema refuses (an unknown module type, function, method,
@@ -474,7 +468,7 @@ def graph_from_dict(data: dict, state: dict | None = None, *,
                 mod = cls(**spec["config"])
             else:
                 mod = _declared(cls, spec["config"])
-                _check_against(target, mod, state, legacy_v_init)
+                _check_against(target, mod, state)
                 if any(t.is_meta for t in mod.state_dict().values()):
                     mod = mod.to_empty(device="cpu")
             _install(root, target, mod)

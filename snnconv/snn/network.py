@@ -15,7 +15,6 @@ import io
 import math
 import numbers
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from snnconv.errors import CheckpointError, ConfigError, DataError
 from snnconv.exit_rule import ExitRule, stored_rule
 from snnconv.graph import largest_value
 from snnconv.io.atomic import atomic_write_bytes
-from snnconv.io.digest import UnverifiedFileWarning, content_digest
+from snnconv.io.digest import content_digest
 from snnconv.io.torchfile import load_untrusted
 from snnconv.snn.graphfile import FUNCTIONS, graph_from_dict, graph_to_dict
 from snnconv.snn.neuron import IFNeuron, LeakyNeuron, Scale, TimeExpand, neurons
@@ -37,7 +36,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "CHUNK_BYTES", "EXIT_CHUNK_STEPS", "FUNCT
            "images_per_chunk", "graph_to_dict", "graph_from_dict"]
 
 FORMAT = "snnconv.spiking"  # the format's name, written in every file (not a module path)
-#: 2: with a content digest; version 1 files (no digest) are still read, with a warning
+#: 2: with a content digest (the only version read)
 FORMAT_VERSION = 2
 
 # Largest value of one chunk, in SpikingNetwork's forward and in bias calibration's lockstep
@@ -288,11 +287,6 @@ class SpikingNetwork(nn.Module):
         computed from its config and compared with the stored tensors before any module is
         built, so a config that declares more than the file stores allocates nothing.
 
-        A version 1 file (no digest) loads with :class:`~snnconv.io.digest.UnverifiedFileWarning`.
-        If it lacks a neuron's ``v_init`` (written before initial membranes were stored), that
-        neuron gets the documented default: ``v[0] = theta / 2`` (``v_init = 0.5`` in units of
-        theta) for reset by subtraction, ``0`` for hard reset.
-
         Raises:
             FileNotFoundError: no file at ``path``.
             CheckpointError: not a saved network, another format version, a digest that does
@@ -308,16 +302,10 @@ class SpikingNetwork(nn.Module):
             found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
             raise CheckpointError(f"{path} is not a saved snnconv SpikingNetwork (format {found})")
         version = payload.get("version")
-        if version not in (1, FORMAT_VERSION) or isinstance(version, bool):
-            raise CheckpointError(f"{path} has format version {version!r}; this snnconv reads "
-                                  f"versions 1 and {FORMAT_VERSION}")
-        legacy = version == 1
-        if legacy:
-            warnings.warn(f"{path} is a version 1 SpikingNetwork file, without a digest: its "
-                          "structure is checked, its values cannot be verified. Save it again to "
-                          "add one", UnverifiedFileWarning, stacklevel=2)
-        else:
-            _verify(path, payload)
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            raise CheckpointError(f"{path} has format version {version!r}; this snnconv reads version "
+                                  f"{FORMAT_VERSION} (files with a digest): convert the network again")
+        _verify(path, payload)
         T = payload.get("T")
         if isinstance(T, numbers.Integral) and not isinstance(T, bool) and int(T) > MAX_T:
             raise CheckpointError(f"{path} declares T={T}, above the bound of {MAX_T} time steps")
@@ -325,7 +313,7 @@ class SpikingNetwork(nn.Module):
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError(f"{path}: its state_dict is not a dict of tensors")
         try:
-            net = graph_from_dict(payload["graph"], state, legacy_v_init=legacy)
+            net = graph_from_dict(payload["graph"], state)
         except CheckpointError as exc:
             raise CheckpointError(f"{path}: {exc}") from exc
         except Exception as exc:  # KeyError, TypeError, RuntimeError from fx on a damaged graph
@@ -380,7 +368,7 @@ def _dry_run(path: Any, snn: "SpikingNetwork") -> None:
     shape = snn.meta.get("input_shape")
     if not (isinstance(shape, list) and 0 < len(shape) <= 4
             and all(isinstance(d, int) and not isinstance(d, bool) and 0 < d <= 4096 for d in shape)):
-        return  # files without it (version 1) run as before
+        return  # a network without a recorded input shape (built by hand): checked at its first use
     if math.prod(shape) > 2**26:
         raise CheckpointError(f"{path}: its input shape {shape} is larger than snnconv runs")
     try:
