@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from snnconv.activation import max_pools
 from snnconv.config import ConvertConfig
 from snnconv.data import split_steps
 from snnconv.plan import epoch_steps
-from snnconv.stages.qcfs import QCFSTrainConfig, max_pools
+from snnconv.stages.qcfs import QCFSTrainConfig
 
 __all__ = ["CONVERT_FINETUNE", "FINETUNE_MAX_STEPS", "FINETUNE_MIN_STEPS", "FINETUNE_MAX_EPOCHS",
            "FINETUNE_UP_TO_T", "RECONSTRUCT_STEPS", "LABEL_FREE_DISTILL", "QCFS_STEPS", "LoaderFacts",

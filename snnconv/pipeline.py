@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from snnconv.activation import check_activations
 from snnconv.analysis.health import accuracy_of, activity, chance_level, collapse_report, dead_layers
 from snnconv.analysis.metrics import accuracy_by_T, evaluate, kl_to
 from snnconv.analysis.summary import images_in, say_beyond_ann
@@ -51,7 +52,7 @@ from snnconv.snn.network import SpikingNetwork
 from snnconv.snn.nir_io import no_nir_form
 from snnconv.stages.fold import fold_graph
 from snnconv.stages.prepare import rewrite_constructs
-from snnconv.stages.qcfs import calibrate_qcfs, check_activations
+from snnconv.stages.qcfs import calibrate_qcfs
 from snnconv.stages.spiking import to_spiking
 from snnconv.vocabulary import StageName
 

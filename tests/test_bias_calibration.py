@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import snnconv
+from snnconv.activation import QCFS
 from snnconv.calibration import calibrate_bias
 from snnconv.errors import DataError, StageOrderError
 from snnconv.snn.neuron import IFNeuron, neurons
-from snnconv.stages.qcfs import QCFS
 
 
 def _layer_means(model, x, kind, T=None):

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import snnconv
+from snnconv.activation import qcfs_sites
 from snnconv.backends import get
 from snnconv.constructs.clip import CappedReLU, rewrite_clips
 from snnconv.constructs.means import rewrite_means
@@ -16,7 +17,7 @@ from snnconv.constructs.prefix import AnalogPrefix, analog_prefix, split_prefix
 from snnconv.errors import UnsupportedLayerError
 from snnconv.graph import prepare
 from snnconv.stages.prepare import rewrite_constructs
-from snnconv.stages.qcfs import calibrate_qcfs, qcfs_sites
+from snnconv.stages.qcfs import calibrate_qcfs
 
 
 class _Clipped(nn.Module):

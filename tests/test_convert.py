@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
 from snnconv import models
+from snnconv.activation import qcfs_sites
 from snnconv.analysis.metrics import predictions
 from snnconv.calibration import calibrate_bias
 from snnconv.defaults import QCFS_STEPS, _qcfs_epochs
@@ -18,7 +19,7 @@ from snnconv.errors import DataError, UnsupportedLayerError, UnsupportedModelErr
 from snnconv.meta import ConversionMeta
 from snnconv.snn.network import SpikingNetwork
 from snnconv.stages.fold import fold_batchnorm
-from snnconv.stages.qcfs import QCFSTrainConfig, qcfs_sites
+from snnconv.stages.qcfs import QCFSTrainConfig
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

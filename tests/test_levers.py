@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
+from snnconv.activation import QCFS, qcfs_sites
 from snnconv.calibration import calibrate_bias, residual_noise
 from snnconv.calibration.reference import ReLUSite, unquantised
 from snnconv.errors import ConfigError
 from snnconv.graph import capture, module_of
 from snnconv.snn.neuron import IFNeuron, channel_view
 from snnconv.stages.finetune import FinetuneConfig, _backward
-from snnconv.stages.qcfs import QCFS, QCFSTrainConfig, qcfs_sites, set_noise
+from snnconv.stages.qcfs import QCFSTrainConfig, set_noise
 from snnconv.stages.spiking import to_spiking
 
 pytestmark = pytest.mark.portable

@@ -10,9 +10,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import snnconv
 from snnconv import models
+from snnconv.activation import QCFS, qcfs_sites, relu_sites
 from snnconv.errors import BatchNormRemainsError, ConfigError, DataError, UnsupportedLayerError
 from snnconv.stages.fold import fold_batchnorm
-from snnconv.stages.qcfs import QCFS, QCFSTrainConfig, make_optimizer, qcfs_sites, relu_sites
+from snnconv.stages.qcfs import QCFSTrainConfig, make_optimizer
 
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 

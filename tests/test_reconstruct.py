@@ -10,11 +10,11 @@ from torch.utils.data import DataLoader
 
 import snnconv
 from snnconv import defaults
+from snnconv.activation import QCFS
 from snnconv.calibration import calibrate_bias, reconstruct
 from snnconv.calibration.reconstruct import _loss
 from snnconv.config import ConvertConfig
 from snnconv.errors import ConfigError, StageOrderError
-from snnconv.stages.qcfs import QCFS
 
 
 def _converted(ann, images, T):

@@ -544,7 +544,7 @@ def test_per_channel_thresholds_are_scaled_on_the_channel_dimension_before_a_lin
     model = _LinearOnLastDim().eval()
     x = torch.randn(64, 1, 6, 4)
     qcfs = snnconv.calibrate_qcfs(model, [x], L=4, per_channel=True, progress=False)
-    lam = next(iter(snnconv.stages.qcfs.qcfs_sites(qcfs).values())).lam
+    lam = next(iter(snnconv.activation.qcfs_sites(qcfs).values())).lam
     assert lam.shape == (4,) and lam.std() > 0.05 * lam.mean(), "channels must differ for the test"
     snn = snnconv.to_spiking(qcfs, T=4)
     with torch.no_grad():

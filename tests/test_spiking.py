@@ -13,10 +13,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import snnconv
 from snnconv import models
+from snnconv.activation import QCFS, qcfs_sites
 from snnconv.errors import BatchNormRemainsError, StageOrderError, UnsupportedLayerError
 from snnconv.snn.neuron import IFNeuron, Scale, neurons
 from snnconv.stages.fold import fold_batchnorm
-from snnconv.stages.qcfs import QCFS, qcfs_sites
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from snnconv.activation import QCFS
 from snnconv.calibration.membrane import charge_counts, counted, fire, fit_shift
 from snnconv.calibration.reference import calibration_batches, reference_means, reference_sites
 from snnconv.calibration.weights import RIDGE, WeightCalibration
@@ -30,7 +31,6 @@ from snnconv.graph import (
 from snnconv.memory import budget_bytes, refuse_one_image
 from snnconv.snn.network import SpikingNetwork, check_T, images_per_chunk
 from snnconv.snn.neuron import IFNeuron, TimeExpand, channel_view, neurons
-from snnconv.stages.qcfs import QCFS
 from snnconv.stages.spiking import LAYERS
 
 __all__ = ["calibrate_bias", "calibrate_bias_by_rerun", "bias_path", "apply_shift"]

@@ -10,9 +10,9 @@ from typing import cast
 import torch
 import torch.fx as fx
 
+from snnconv.activation import QCFS
 from snnconv.graph import capture, capture_pieces, module_of
 from snnconv.snn.neuron import IFNeuron, channel_view
-from snnconv.stages.qcfs import QCFS
 from snnconv.stages.spiking import to_spiking
 
 __all__ = ["residual_noise"]

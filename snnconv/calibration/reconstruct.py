@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from snnconv.activation import QCFS
 from snnconv.calibration.reference import calibration_batches, qcfs_levels
 from snnconv.errors import ConfigError, StageOrderError
 from snnconv.graph import prepare
@@ -27,7 +28,6 @@ from snnconv.memory import TRAINING_FACTOR, images_that_fit, refuse_one_image, s
 from snnconv.progress import progress_bar
 from snnconv.snn.network import SpikingNetwork, check_T
 from snnconv.snn.neuron import channel_view, neurons
-from snnconv.stages.qcfs import QCFS
 
 __all__ = ["reconstruct", "RECONSTRUCT_LR", "RECONSTRUCT_BATCH"]
 

@@ -10,9 +10,9 @@ import copy
 import torch
 import torch.fx as fx
 
+from snnconv.activation import QCFS
 from snnconv.data import calibration_batches
 from snnconv.graph import capture_pieces, module_of, set_module
-from snnconv.stages.qcfs import QCFS
 
 __all__ = ["calibration_batches", "reference_sites", "qcfs_levels", "reference_means", "channel_sums",
            "channel_mean", "ReLUSite", "unquantised"]

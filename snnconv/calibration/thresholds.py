@@ -34,13 +34,13 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from snnconv.activation import QCFS
 from snnconv.calibration.bias import apply_shift, bias_path
 from snnconv.calibration.reference import calibration_batches, channel_sums, reference_sites
 from snnconv.errors import ConfigError, StageOrderError
 from snnconv.graph import call_counts, capture, module_of, prepare
 from snnconv.snn.network import SpikingNetwork, check_T
 from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand, channel_view
-from snnconv.stages.qcfs import QCFS
 from snnconv.stages.spiking import LAYERS
 
 __all__ = ["DEFAULT_FACTORS", "calibrate_thresholds", "shift_bias"]

@@ -24,10 +24,8 @@ from torch.utils.data import DataLoader
 
 from snnconv.activation import (
     QCFS,
-    FloorSTE,
     check_activations,
     is_inplace,
-    max_pools,
     qcfs_sites,
     relu_input,
     relu_sites,
@@ -40,9 +38,7 @@ from snnconv.graph import capture_pieces, describe_node, module_of, prepare
 from snnconv.guards import assert_no_batchnorm
 from snnconv.progress import progress_bar
 
-# QCFS and the site helpers live in snnconv.activation; importable from here as before
-__all__ = ["QCFS", "FloorSTE", "calibrate_qcfs", "qcfs_sites", "relu_sites",
-           "QCFSTrainConfig", "check_activations", "max_pools", "make_optimizer"]
+__all__ = ["calibrate_qcfs", "QCFSTrainConfig", "make_optimizer"]
 
 def _site_name(node: fx.Node, used: set[str]) -> str:
     name, k = f"qcfs_{node.name}", 1
