@@ -67,17 +67,13 @@ import numpy as np
 
 from snnconv.errors import NIRError
 from snnconv.nir.format import (
-    ADAPTIVE_AVGPOOL,
     BURST_KEY,
     COMPARES,
-    CONCAT_OP,
     FORMAT_VERSION,
     FORMAT_VERSIONS,
-    MODULE_KEY,
     NEURON_KEY,
     OP_KEY,
     RESETS,
-    SCALE_OP,
     SOURCE_VERSION_KEY,
     SPEC_COMPARE,
     SUM_OP,
@@ -89,15 +85,10 @@ from snnconv.nir.format import (
     spec_threshold,
 )
 from snnconv.nir.leaky import LEAKY_KINDS, read_leaky
+from snnconv.nir.node_readers import read_op
 from snnconv.nir.ops import OPS
 from snnconv.nir.values import array as _array
-from snnconv.nir.values import conv_params as _conv_params
-from snnconv.nir.values import diagonal_scale as _diagonal_scale
-from snnconv.nir.values import integer as _int
-from snnconv.nir.values import integers as _ints
 from snnconv.nir.values import meta as _meta
-from snnconv.nir.values import type_shape as _type_shape
-from snnconv.nir.values import window_out as _window_out
 from snnconv.vocabulary import MAX_BURST
 
 __all__ = ["Op", "ParsedGraph", "parse", "KINDS", "RESETS", "FORMAT_VERSION"]
@@ -374,6 +365,19 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
             implement), mixed reset modes, an IF of a file older than ``v_reset`` (it resets by
             subtraction in absolute units) or a format version this reader does not know.
     """
+    dt, compare_default, metadata, legacy, source_version = _call(graph, dt, compare)
+    nodes, kinds, edges, ins, outs, input_name, output_name = _structure(graph)
+    n = _neurons(nodes, kinds, ins, outs, dt, compare_default, legacy, source_version)
+    names, op_inputs, users = _op_inputs(nodes, kinds, ins, n, input_name, output_name)
+    order = _topological(names, op_inputs, users, edges, n.alias, input_name)
+    ops = _ops(order, nodes, kinds, op_inputs, n, dt)
+    reset, T = _graph_facts(ops, metadata)
+    return ParsedGraph(ops=tuple(ops), input_shape=ops[0].out_shape, output_shape=ops[-1].out_shape,
+                       reset=reset, T=T, metadata=MappingProxyType(metadata))
+
+
+def _call(graph: Any, dt: Any, compare: str | None) -> tuple[float, str, dict, bool | None, Any]:
+    """The call's arguments checked, the graph's metadata and whether it predates ``v_reset``."""
     if not isinstance(graph, nir.NIRGraph):
         raise NIRError(f"expected a nir.NIRGraph, got {type(graph).__name__}")
     if isinstance(dt, bool) or not isinstance(dt, (int, float, np.floating)) \
@@ -390,6 +394,13 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
                        f"{FORMAT_VERSIONS} (a newer snnconv wrote it?)")
     source_version = metadata.get(SOURCE_VERSION_KEY)
     legacy = predates_v_reset(source_version)
+    return dt, compare_default, metadata, legacy, source_version
+
+
+def _structure(graph: Any) -> tuple[dict, dict[str, str], list[tuple[str, str]], dict[str, list[str]],
+                                     dict[str, list[str]], str, str]:
+    """The nodes, their kinds, the edges (each node's inputs and users) and the one Input and
+    Output."""
     nodes = getattr(graph, "nodes", None)
     if not isinstance(nodes, dict) or not nodes:
         raise NIRError("the NIR graph has no nodes")
@@ -416,8 +427,24 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         raise NIRError(f"edge '{ins[input_name][0]}' -> '{input_name}' leads into the Input node")
     if outs[output_name]:
         raise NIRError(f"edge '{output_name}' -> '{outs[output_name][0]}' leaves the Output node")
+    return nodes, kinds, edges, ins, outs, input_name, output_name
 
-    # --- neurons: collapse I -> Threshold -> Scale -> I into one op; read IF nodes ---
+
+@dataclass
+class _Neurons:
+    """The neurons of a graph: each one's params and shape, a Threshold's neuron (``alias``), an
+    integrator's reset Scale (``own_reset``) and the nodes folded into neurons (``hidden``)."""
+
+    alias: dict[str, str]
+    own_reset: dict[str, str]
+    hidden: set[str]
+    params: dict[str, dict[str, Any]]
+    shapes: dict[str, tuple[int, ...]]
+
+
+def _neurons(nodes: dict, kinds: dict[str, str], ins: dict[str, list[str]], outs: dict[str, list[str]],
+             dt: float, compare_default: str, legacy: bool | None, source_version: Any) -> _Neurons:
+    """Collapse I -> Threshold -> Scale -> I into one op; read IF nodes."""
     alias: dict[str, str] = {}  # a Threshold's name -> its neuron's name
     own_reset: dict[str, str] = {}  # an integrator's name -> its reset Scale's name
     hidden: set[str] = set()  # Threshold and reset Scale nodes folded into a neuron
@@ -460,8 +487,13 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         if kind == "threshold" and name not in hidden:
             raise NIRError(f"node '{name}': a Threshold outside the I -> Threshold -> Scale(-theta) -> I "
                            "neuron pattern; snnconv has no exact meaning for it")
+    return _Neurons(alias, own_reset, hidden, neuron_params, neuron_shapes)
 
-    # --- op inputs, in edge order ---
+
+def _op_inputs(nodes: dict, kinds: dict[str, str], ins: dict[str, list[str]], n: _Neurons, input_name: str,
+               output_name: str) -> tuple[list[str], dict[str, list[str]], dict[str, list[str]]]:
+    """The ops (nodes not folded into a neuron), each one's inputs in edge order and its users."""
+    alias, own_reset, hidden = n.alias, n.own_reset, n.hidden
     names = [n for n in nodes if n not in hidden]
     op_inputs: dict[str, list[str]] = {}
     users: dict[str, list[str]] = {n: [] for n in names}
@@ -488,8 +520,12 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         if name != output_name and not users[name]:
             raise NIRError(f"node '{name}': its output goes nowhere (no edge from it to another "
                            "node); connect it or remove it")
+    return names, op_inputs, users
 
-    # --- topological order (Kahn; ties broken by first appearance in the edge list) ---
+
+def _topological(names: list[str], op_inputs: dict[str, list[str]], users: dict[str, list[str]],
+                 edges: list[tuple[str, str]], alias: dict[str, str], input_name: str) -> list[str]:
+    """The ops in topological order (Kahn; ties broken by first appearance in the edge list)."""
     rank = {input_name: -1}
     for i, (src, dst) in enumerate(edges):
         for n in (alias.get(src, src), alias.get(dst, dst)):
@@ -512,8 +548,13 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         raise NIRError(f"the graph has a cycle through edge '{src}' -> '{n}' (nodes "
                        f"{', '.join(stuck)}); the only recurrence snnconv reads is a subtractive "
                        "neuron's reset edge X_fire -> X_reset -> X")
+    return order
 
-    # --- shapes and params, in order ---
+
+def _ops(order: list[str], nodes: dict, kinds: dict[str, str], op_inputs: dict[str, list[str]], n: _Neurons,
+         dt: float) -> list[Op]:
+    """Each op's shapes and params, in order (every edge's shape checked)."""
+    neuron_params, neuron_shapes = n.params, n.shapes
     out_shape: dict[str, tuple[int, ...]] = {}
     ops: list[Op] = []
     for name in order:
@@ -531,7 +572,7 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         if kind in LEAKY_KINDS:
             kind, params, in_shape, shape = read_leaky(name, node, kind, dt)
         else:
-            kind, params, in_shape, shape = _read_op(name, node, kind, incoming,
+            kind, params, in_shape, shape = read_op(name, node, kind, incoming,
                                                      neuron_params.get(name), neuron_shapes.get(name))
         if incoming is not None and in_shape != incoming:
             raise NIRError(f"inconsistent shapes on edge '{in_names[0]}' -> '{name}': it brings "
@@ -539,8 +580,11 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
         out_shape[name] = shape
         ops.append(Op(name=name, kind=kind, inputs=in_names, params=MappingProxyType(params),
                       in_shape=in_shape, out_shape=shape))
+    return ops
 
-    # --- graph-level facts ---
+
+def _graph_facts(ops: list[Op], metadata: dict) -> tuple[str, int | None]:
+    """The network's one reset mode (checked against the metadata's) and its T, if recorded."""
     reset_by = {op.params["reset"]: op.name for op in ops if op.kind == "neuron"}
     if len(reset_by) > 1:
         raise NIRError(f"mixed reset modes: neuron '{reset_by['subtract']}' reset_by by subtraction, "
@@ -560,140 +604,4 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
                 or T != int(T) or T < 1:
             raise NIRError(f"graph metadata T={T!r} is not a positive integer")
         T = int(T)
-    return ParsedGraph(ops=tuple(ops), input_shape=ops[0].out_shape, output_shape=ops[-1].out_shape,
-                       reset=reset, T=T, metadata=MappingProxyType(metadata))
-
-
-# --- one reader per node kind: (name, node, kind, metadata, incoming shape) -> the op ----------
-
-def _read_input(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    shape = _type_shape(getattr(node, "input_type", None), "input", name)
-    if shape is None:
-        raise NIRError(f"node '{name}': the Input node has no shape")
-    return kind, {}, None, shape
-
-
-def _read_output(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    shape = _type_shape(getattr(node, "output_type", None), "output", name)
-    if shape is None:
-        raise NIRError(f"node '{name}': the Output node has no shape")
-    return kind, {}, shape, shape
-
-
-def _read_conv(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    params, in_shape, shape = _conv_params(name, node, 1 if kind == "conv1d" else 2, incoming)
-    if meta.get(OP_KEY) == SCALE_OP:
-        return _diagonal_scale(name, params, in_shape, shape)
-    if meta.get(OP_KEY) == CONCAT_OP:
-        _placement(name, params)
-    return kind, params, in_shape, shape
-
-
-def _read_dense(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    weight = _array(node.weight, name, "weight", ndim=2)
-    params = {"weight": weight}
-    if kind == "affine":
-        bias = _array(node.bias, name, "bias")
-        if bias.shape != (weight.shape[0],):
-            raise NIRError(f"node '{name}': bias has shape {bias.shape}, expected ({weight.shape[0]},)")
-        params["bias"] = bias
-    if meta.get(OP_KEY) == SCALE_OP:
-        return _diagonal_scale(name, params, (weight.shape[1],), (weight.shape[0],))
-    if meta.get(OP_KEY) == CONCAT_OP:
-        _placement(name, params)
-    return kind, params, (weight.shape[1],), (weight.shape[0],)
-
-
-def _placement(name: str, params: dict) -> None:
-    """A concatenation's part (``{"snnconv_op": "concat"}``): checked to be a one-hot placement
-    (a 1x1 weight of zeros and ones, one one per input channel, at most one per output channel,
-    no bias) and marked ``params["placement"] = True`` (its spikes pass on unchanged: the energy
-    counts charge the weighted layer after it)."""
-    w = np.asarray(params["weight"])
-    bias = params.get("bias")
-    m: Any = w.reshape(w.shape[0], -1) if w.ndim == 2 else w.reshape(w.shape[0], w.shape[1], -1)
-    ok = (w.ndim == 2 or (m.shape[2] == 1 and params.get("groups", 1) == 1
-                          and all(int(v) == 1 for v in np.ravel(params.get("stride", 1)))
-                          and not np.any(params.get("padding", 0))))
-    m = m.reshape(m.shape[0], m.shape[1])
-    ok = ok and bool(np.isin(m, (0.0, 1.0)).all()) and bool((m.sum(0) == 1).all()) and bool((m.sum(1) <= 1).all())
-    if not ok or (bias is not None and np.any(np.asarray(bias) != 0)):
-        raise NIRError(f"node '{name}': marked as a concatenation's part ({OP_KEY}={CONCAT_OP!r}) but its "
-                       "weight is not a one-hot 1x1 placement without bias")
-    params["placement"] = True
-
-
-def _read_pool(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    kernel = _ints(node.kernel_size, 2, name, "kernel_size", minimum=1)
-    stride = _ints(node.stride, 2, name, "stride", minimum=1)
-    padding = _ints(node.padding, 2, name, "padding")
-    if incoming is None or len(incoming) != 3:
-        raise NIRError(f"node '{name}': 2-d pooling needs a (C, H, W) input; it receives {incoming}")
-    if any(2 * p > k for p, k in zip(padding, kernel)):
-        raise NIRError(f"node '{name}': padding {padding} is more than half the kernel {kernel}")
-    out = tuple(_window_out(n, k, s, p, 1, name)
-                for n, k, s, p in zip(incoming[1:], kernel, stride, padding))
-    params: dict[str, Any] = {"kernel_size": kernel, "stride": stride, "padding": padding}
-    if kind == "avgpool2d":
-        adaptive = meta.get(MODULE_KEY) == ADAPTIVE_AVGPOOL
-        if adaptive and not (stride == kernel and padding == (0, 0) and all(
-                n == k * o for n, k, o in zip(incoming[1:], kernel, out))):
-            raise NIRError(f"node '{name}': marked AdaptiveAvgPool2d but kernel {kernel}, stride "
-                           f"{stride}, padding {padding} do not tile the input {incoming}")
-        params["adaptive"] = adaptive
-    return kind, params, incoming, (incoming[0], *out)
-
-
-def _read_flatten(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    declared = _type_shape(getattr(node, "input_type", None), "input", name)
-    in_shape = declared if declared is not None else incoming
-    if in_shape is None:
-        raise NIRError(f"node '{name}': Flatten has no input shape")
-    n = len(in_shape)
-    start = _int(node.start_dim, name, "start_dim")
-    end = _int(node.end_dim, name, "end_dim")
-    s, e = start % n if -n <= start < n else None, end % n if -n <= end < n else None
-    if s is None or e is None or s > e:
-        raise NIRError(f"node '{name}': start_dim={start}, end_dim={end} do not fit its batch-free "
-                       f"input {in_shape} (NIR shapes have no batch dimension: torch's "
-                       "flatten(x, 1) is Flatten(start_dim=0))")
-    out = (*in_shape[:s], math.prod(in_shape[s:e + 1]), *in_shape[e + 1:])
-    return kind, {"start_dim": start, "end_dim": end}, in_shape, out
-
-
-def _read_scale(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    scale = _array(node.scale, name, "scale")
-    if scale.ndim == 0:
-        raise NIRError(f"node '{name}': a Scale needs an array of the signal's shape")
-    if meta.get(OP_KEY) == SUM_OP:
-        if (scale != 1).any():
-            raise NIRError(f"node '{name}': marked as a sum node but its scale is not all ones")
-        return "sum", {}, scale.shape, scale.shape
-    return kind, {"scale": scale}, scale.shape, scale.shape
-
-
-def _read_sum(name: str, node: Any, kind: str, meta: dict, incoming: tuple[int, ...] | None):
-    declared = _type_shape(getattr(node, "input_type", None), "input", name)
-    shape = declared if declared is not None else incoming
-    return kind, {}, shape, shape
-
-
-#: node kind -> its reader (the neurons are read with their pattern, in parse())
-_READERS = MappingProxyType({
-    "input": _read_input, "output": _read_output, "conv1d": _read_conv, "conv2d": _read_conv,
-    "affine": _read_dense, "linear": _read_dense, "avgpool2d": _read_pool, "sumpool2d": _read_pool,
-    "flatten": _read_flatten, "scale": _read_scale, "sum": _read_sum,
-})
-
-
-def _read_op(name: str, node: Any, kind: str, incoming: tuple[int, ...] | None,
-             neuron: dict[str, Any] | None, neuron_shape: tuple[int, ...] | None):
-    """(kind, params, in_shape, out_shape) of one node."""
-    if kind in ("integrator", "if"):
-        if neuron is None or neuron_shape is None:  # pragma: no cover (parse() sets both)
-            raise NIRError(f"node '{name}': neuron parameters were not read")
-        return "neuron", dict(neuron), neuron_shape, neuron_shape
-    reader = _READERS.get(kind)
-    if reader is None:  # pragma: no cover (parse() admits only the kinds of the node table)
-        raise NIRError(f"node '{name}': cannot read a {kind!r} node here")
-    return reader(name, node, kind, _meta(node), incoming)
+    return reset, T
