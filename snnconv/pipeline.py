@@ -517,7 +517,8 @@ STAGES: tuple[Stage, ...] = (
     Stage(StageName.SPIKING, _spiking, checked=lambda s: (s.snn, f"the SNN at T={s.settings.T}", s.if_source, "")),
     Stage(StageName.FINETUNE, _finetune, runs=lambda s: s.plan is not None and s.plan.finetunes,
           checked=lambda s: (s.snn, f"the fine-tuned SNN at T={s.settings.T}", s.if_source, "")),
-    Stage(StageName.EARLY_EXIT, _early_exit, runs=lambda s: s.settings.early_exit),
+    Stage(StageName.EARLY_EXIT, _early_exit, runs=lambda s: s.settings.early_exit,
+          checked=lambda s: (s.snn, f"the SNN at T={s.settings.T} with its exit rule", s.if_source, "")),
 )
 
 

@@ -105,6 +105,6 @@ def test_the_loaders_facts_are_what_its_length_says():
 
 
 def test_convert_walks_one_table_and_every_stage_after_tracing_is_guarded_and_checked():
-    assert [s.name for s in STAGES] == ["prepare", "fold", "qcfs", "spiking", "finetune"]
+    assert [s.name for s in STAGES] == ["prepare", "fold", "qcfs", "spiking", "finetune", "early_exit"]
     assert STAGES[0].checked is None  # the traced ANN still holds its BatchNorm
     assert all(s.checked is not None for s in STAGES[1:])
