@@ -120,11 +120,8 @@ class QCFSTrainConfig:
     ANN before QCFS) into the loss, as in fine-tuning (:func:`snnconv.analysis.metrics.distillation_loss`
     at ``distill_temperature``); at 1 the loader needs no labels and the validation split
     scores agreement with the teacher. The temperature is 1 by default: the distillation term
-    is scaled by its square, and at 2 SGD at ``lr`` 0.01 diverged on a BatchNorm-free ResNet-20
-    (the matrix's, Fashion-MNIST, L=4, three epochs: validation 10.4% each epoch). QCFS-ANN on
-    2,000 test images from the labels / at temperature 2 / at 1: ResNet-20 86.90 / 80.30 (the
-    calibrated network, kept) / 86.15, small CNN 81.95 / 81.95 / 84.85, torchvision-style ResNet
-    86.40 / 86.25 / 85.50 (python -m benchmarks.studies.qcfs_distill).
+    is scaled by its square, and SGD at a higher one diverged on a BatchNorm-free network (the
+    measurements: ``benchmarks/studies/README.md``, ``qcfs_distill``).
 
     ``noise`` > 0: noise-modelled QCFS training (Hu et al., arXiv 2404.17456). Before each epoch
     the converted network's residual error at every site is measured on ``noise_batches``
