@@ -250,9 +250,6 @@ def _cmd_run(args) -> int:
             labels.append(y)
             extra = dict(r.extra or {})
             beat.update(len(y))
-    from snnconv.nir.reader import parse
-
-    sizes = {op.name: op.out_shape for op in parse(graph, dt=args.dt).ops if op.kind == "neuron"}
     timed = seconds if seconds > 0 else time.perf_counter() - t_start  # the backend's own time, else wall
     print(f"{args.file} on backend '{args.backend}', {args.data} test set ({n} images), T={T}: "
           f"{timed:.2f} s ({rate_text(n * T, timed)})")
@@ -261,16 +258,8 @@ def _cmd_run(args) -> int:
     by_t = ", ".join(f"{t + 1}: {100 * c / n:.1f}" for t, c in enumerate(correct.tolist()))
     print(f"accuracy by t{held}: {by_t}")
     early = None if rule is None else _exit_record(rule, exits, torch.cat(labels), T, args.backend)
-    table = _print_table if not args.quiet else (lambda rows: None)  # --quiet: no tables
-    if not args.quiet:
-        print("\nspikes per neuron layer (rate = spikes per neuron per step)")
-    rows = [["layer", "neurons", "spikes", "rate", "by step"]]
-    for name, counts in spikes.items():
-        units = int(torch.Size(sizes[name]).numel())
-        rate = float(counts.sum()) / (units * n * T)
-        rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
-                     " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
-    table(rows)
+    if not args.quiet:  # --quiet: no tables
+        _print_spikes(spikes, graph, args.dt, n, T)
     energy = _print_synops(synops, macs, static, prefix_macs, n, T, quiet=args.quiet)
     print("\n" + format_arithmetic(energy))
     report = program.report(runs, analog_macs_per_image=sum(prefix_macs.values()) / n)
@@ -292,11 +281,7 @@ def _cmd_run(args) -> int:
     rec["energy"] = energy
     if early is not None:
         rec["early_exit"] = early
-    # what else changes the result: recorded, and a part of the file name where set
-    settings = {k: v for k, v, unset in (("option", _backend_options(args.option), {}), ("dt", args.dt, 1.0),
-                                         ("image_size", args.image_size, None),
-                                         ("early_exit", rule.to_dict() if rule is not None else None, None))
-                if v != unset}
+    settings = _settings(args, rule)
     rec.update(data=args.data, settings=settings, file=os.path.basename(args.file))
     subset = subset_record(dataset)
     if subset is not None:
@@ -313,6 +298,31 @@ def _cmd_run(args) -> int:
         print(f"--strict: the {args.backend} backend's check failed ({len(report.warnings)} departure(s))")
         return 1
     return 0
+
+
+def _print_spikes(spikes: dict, graph: Any, dt: float, n: int, T: int) -> None:
+    """The spikes per neuron layer: count, rate, and rate at each step."""
+    import torch
+
+    from snnconv.nir.reader import parse
+
+    sizes = {op.name: op.out_shape for op in parse(graph, dt=dt).ops if op.kind == "neuron"}
+    print("\nspikes per neuron layer (rate = spikes per neuron per step)")
+    rows = [["layer", "neurons", "spikes", "rate", "by step"]]
+    for name, counts in spikes.items():
+        units = int(torch.Size(sizes[name]).numel())
+        rate = float(counts.sum()) / (units * n * T)
+        rows.append([name, str(units), f"{float(counts.sum()):.0f}", f"{rate:.4f}",
+                     " ".join(f"{float(c) / (units * n):.3f}" for c in counts)])
+    _print_table(rows)
+
+
+def _settings(args, rule) -> dict:
+    """What else changes a run's result: recorded, and a part of its file name where set."""
+    return {k: v for k, v, unset in (("option", _backend_options(args.option), {}), ("dt", args.dt, 1.0),
+                                     ("image_size", args.image_size, None),
+                                     ("early_exit", rule.to_dict() if rule is not None else None, None))
+            if v != unset}
 
 
 def _exit_rule(args, graph):
