@@ -21,7 +21,7 @@ STAGES = ("snnconv.pipeline", "snnconv.stages", "snnconv.calibration", "snnconv.
 #: package, the neurons' step (stage-free), the energy figures and the early-exit rule, with the
 #: packages around them.
 ALLOWED = {"snnconv", "snnconv.errors", "snnconv.vocabulary", "snnconv.exit_rule",
-           "snnconv.nir", "snnconv.nir.format", "snnconv.nir.reader", "snnconv.nir.leaky",
+           "snnconv.nir", "snnconv.nir.format", "snnconv.nir.reader", "snnconv.nir.node_readers", "snnconv.nir.leaky",
            "snnconv.nir.values", "snnconv.nir.ops", "snnconv.snn", "snnconv.snn.neuron", "snnconv.analysis",
            "snnconv.analysis.energy"}
 
