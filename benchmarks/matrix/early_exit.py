@@ -101,20 +101,9 @@ def job(arch: str, seed: int, args) -> dict:
     loader = DataLoader(train, batch_size=128, shuffle=True, generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
     saved = os.path.join(args.cache, f"early_exit_{arch}_s{seed}_T{args.T}_ft{args.finetune_epochs}"
-                                     f"_h{'-'.join(map(str, args.horizons or []))}"
                                      f"{'_ee' if args.convert_early_exit else ''}.pt")
     extra = {"maxpool": "avg"} if arch == "vgg_max" else {}
-    if args.convert_early_exit:  # convert for early exit (its fine-tuning, judge and rule)
-        extra["early_exit"] = True
-        extra["finetune_epochs"] = args.finetune_epochs
-    elif args.horizons:  # convert()'s own fine-tuning, its readouts trained at these steps
-        from snnconv.defaults import default_finetune_epochs, finetune_recipe
-
-        epochs = args.finetune_epochs or default_finetune_epochs(loader)
-        extra["finetune_config"] = finetune_recipe(args.T, loader, epochs=epochs, seed=seed,
-                                                   horizons=tuple(args.horizons))
-    else:
-        extra["finetune_epochs"] = args.finetune_epochs
+    extra.update(finetune_epochs=args.finetune_epochs, early_exit=args.convert_early_exit)
     if os.path.exists(saved):  # converted by an earlier run of the same settings
         snn = snnconv.SpikingNetwork.load(saved)
         convert_s = float(snn.meta.get("benchmark_convert_seconds", math.nan))
@@ -159,7 +148,7 @@ def job(arch: str, seed: int, args) -> dict:
     backends = on_backends(snn, test, rule, args)
     return {"arch": arch, "seed": seed, "T": args.T, "finetune_epochs": args.finetune_epochs,
             "backends": backends,
-            "horizons": args.horizons, "convert_early_exit": args.convert_early_exit,
+            "convert_early_exit": args.convert_early_exit,
             "convert_seconds": round(convert_s, 1), "held_images": len(held), "test_images": len(test),
             "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
             "wall_per_image_ms": {"fixed_T": 1e3 * fixed_s / len(x), "early_exit": 1e3 * exit_s / len(x),
@@ -295,8 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-images", type=int, default=0, help="the first N test images (default: all)")
     ap.add_argument("--finetune-epochs", type=_epochs, default=0,
                     help="convert()'s fine-tuning epochs, or 'default' (convert()'s own; default 0: none)")
-    ap.add_argument("--horizons", type=int, nargs="+", default=None,
-                    help="fine-tune (convert()'s recipe and budget) with the readouts at these steps trained")
     ap.add_argument("--convert-early-exit", action="store_true",
                     help="convert(..., early_exit=True): fine-tuning for early exit")
     ap.add_argument("--tolerances", type=float, nargs="+", default=list(TOLERANCES))
