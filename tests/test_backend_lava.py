@@ -22,10 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: A stand-in for the Lava worker: three forked children and a shared memory segment; it
 #: writes the children's pids and the segment's name to argv[1], then optionally interrupts its
-#: parent (as Ctrl-C would) and sleeps.
+#: parent (as Ctrl-C would) and sleeps. With "unregistered", the segment is not known to the
+#: resource tracker (as when a process is stopped between creating a segment and registering it).
 FAKE_WORKER = """
 import multiprocessing as mp, os, signal, sys, time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 
 def child():
     time.sleep(600)
@@ -33,6 +34,8 @@ def child():
 if __name__ == "__main__":
     mp.set_start_method("fork")
     shm = shared_memory.SharedMemory(create=True, size=1 << 16)
+    if sys.argv[2] == "unregistered":
+        resource_tracker.unregister(shm._name, "shared_memory")
     kids = [mp.Process(target=child) for _ in range(3)]
     for k in kids:
         k.start()
@@ -118,8 +121,9 @@ def test_ctrl_c_during_a_run_stops_the_worker_group_and_frees_its_shared_memory(
     assert not os.path.exists(f"/dev/shm/{shm}")
 
 
-def test_a_run_past_its_timeout_is_stopped_and_refused(tmp_path):
-    cmd = _fake(tmp_path, "sleep")
+@pytest.mark.parametrize("mode", ["sleep", "unregistered"])
+def test_a_run_past_its_timeout_is_stopped_and_refused(tmp_path, mode):
+    cmd = _fake(tmp_path, mode)
     with pytest.raises(BackendError, match="took more than 3 s"):
         run_worker(cmd, str(tmp_path), timeout=3)  # the stand-in never ends by itself
     kids, shm = _started(tmp_path)

@@ -29,6 +29,7 @@ import torch
 
 from snnconv.errors import BackendError
 from snnconv_backends import loihi2
+from snnconv_backends._lava.procgroup import end_group
 from snnconv_backends.loihi2.backend import attach_fidelity
 from snnconv_backends.loihi2.simulate import connection_synops, static_eval, static_input
 from snnconv_backends.registry import Backend, Program, Report, RunResult, parse_graph, readout_exit
@@ -135,21 +136,16 @@ def _group_alive(pgid: int) -> bool:
 def stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """Stop the worker ``proc`` and every process of its group (its session).
 
-    SIGTERM first: Lava's processes exit and multiprocessing's resource tracker (which ignores
-    SIGTERM) unlinks the shared memory they leave; SIGKILL whatever still runs after ``grace``
-    seconds (or at a second Ctrl-C). Returns once the worker is reaped.
+    :func:`~snnconv_backends._lava.procgroup.end_group` freezes the group, stops it (SIGTERM,
+    SIGKILL after ``grace`` seconds) and unlinks the shared memory its processes had;
+    multiprocessing's resource tracker (which ignores SIGTERM) then exits by itself. At a second
+    Ctrl-C whatever still runs gets SIGKILL. Returns once the worker is reaped.
     """
     pgid = proc.pid
     try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        proc.wait()
-        return
-    deadline = time.monotonic() + grace
-    try:
-        while proc.poll() is None or _group_alive(pgid):
-            if time.monotonic() > deadline:
-                break
+        end_group(pgid, grace)
+        deadline = time.monotonic() + grace
+        while (proc.poll() is None or _group_alive(pgid)) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:  # past the grace period, or interrupted again
         if _group_alive(pgid):

@@ -3,8 +3,8 @@
 Run by the ``lava`` backend as ``.venv-lava/bin/python worker.py JOB.npz RESULT.npz
 --exit-with-parent`` in a session of its own. Imports numpy, scipy (a Lava dependency), lava and
 the standard library only. With ``--exit-with-parent``, the end of stdin (the backend's process
-closed the pipe, or died) ends the run: SIGTERM to this process group, Lava's processes
-included (multiprocessing's resource tracker then unlinks their shared memory).
+closed the pipe, or died) ends the run: Lava's processes are stopped and their shared memory
+unlinked (``procgroup.end_group``), then this process group gets SIGTERM.
 
 The job (npz): ``spec`` (JSON: steps, batch, populations with their connections) and integer
 arrays: per connection ``c<i>_rows`` / ``c<i>_cols`` / ``c<i>_vals`` (one image's weight
@@ -55,6 +55,7 @@ from lava.proc.lif.models import AbstractPyLifModelFixed
 from lava.proc.lif.process import LIF
 from lava.proc.monitor.process import Monitor
 from lava.proc.sparse.process import DelaySparse, Sparse
+from procgroup import end_group  # type: ignore[import-not-found]  # this script's folder is first on sys.path
 
 DENSE_LIMIT = 2**22  # entries; larger connections use Sparse
 LI_VTH = 2**17 - 1  # the largest threshold: an LI readout's membrane is bounded below it
@@ -217,6 +218,7 @@ def exit_with_parent():
     def watch():
         while os.read(0, 4096):
             pass
+        end_group(os.getpgid(0), spare=os.getpid())
         os.killpg(os.getpgid(0), signal.SIGTERM)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
