@@ -24,7 +24,7 @@ from snnconv.kinds import ACCEPTED_MODULES
 from snnconv.refusals import Construct, module_path, refusal_message, source_line
 from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand
 
-__all__ = ["QCFS", "FloorSTE", "relu_sites", "relu_input", "is_inplace", "qcfs_sites",
+__all__ = ["QCFS", "FloorSTE", "hard_reset_rate", "relu_sites", "relu_input", "is_inplace", "qcfs_sites",
            "check_activations", "unsupported_constructs", "max_pools", "replace_maxpool"]
 
 _RELU_FUNCTIONS = {F.relu, torch.relu, torch.relu_, F.relu_}
@@ -64,6 +64,27 @@ class FloorSTE(torch.autograd.Function):
         return grad
 
 
+class _HardResetRate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, T):  # noqa: D102
+        ctx.save_for_backward(u)
+        period = torch.ceil(1.0 / u.clamp_min(torch.finfo(u.dtype).tiny))
+        return torch.where(u > 0, torch.floor(T / period) / T, torch.zeros_like(u))
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (u,) = ctx.saved_tensors
+        return grad * ((u > 0) & (u < 1)).to(grad.dtype), None
+
+
+def hard_reset_rate(u: torch.Tensor, T: int) -> torch.Tensor:
+    """Spikes per step of a reset-to-zero IF neuron with threshold 1 over ``T`` steps of the
+    constant input ``u`` from ``v[0] = 0``: it fires every ``p = ceil(1 / u)`` steps, so
+    ``floor(T / p) / T`` (0 for ``u <= 0``). The gradient is ``clip(u, 0, 1)``'s (straight
+    through the staircase)."""
+    return _HardResetRate.apply(u, int(T))
+
+
 class QCFS(nn.Module):
     """Quantization-clip-floor-shift activation.
 
@@ -72,6 +93,14 @@ class QCFS(nn.Module):
 
     ``floor`` has a straight-through gradient; ``lam`` is a trainable parameter, one value per
     layer (shape ``[]``) or per channel (shape ``[C]``, channels on dim 1 of the input).
+    ``hard_T`` (an int, None by default): the rate of the reset-to-zero IF neuron that replaces
+    the site instead, over ``hard_T`` steps of a constant input ``z`` from ``v[0] = 0``
+    (threshold lambda, output lambda per spike; :class:`IFNeuron` with ``reset="zero"``)::
+
+        a = lambda * floor(hard_T / ceil(lambda / z)) / hard_T   (z > 0; else 0)
+
+    a staircase with levels lambda / p (a spike every p steps), whose gradient is passed straight
+    through ``lambda * clip(z / lambda, 0, 1)``; ``L`` and ``phi`` are then unused.
     ``noise`` (a float, 0 by default; not saved): in training mode only, ``noise * N(0, 1)``
     is subtracted from every output, the noise-modelled QCFS of Hu et al. (arXiv 2404.17456),
     whose standard deviation is the spiking network's residual error at this site
@@ -83,10 +112,14 @@ class QCFS(nn.Module):
 
     lam: nn.Parameter
 
-    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5):
+    def __init__(self, L: int = 8, lam: float | torch.Tensor = 1.0, phi: float = 0.5,
+                 hard_T: int | None = None):
         super().__init__()
         if int(L) != L or L < 1:
             raise ConfigError(f"QCFS needs an integer L >= 1, got {L}")
+        if hard_T is not None and (isinstance(hard_T, bool) or int(hard_T) != hard_T or hard_T < 1):
+            raise ConfigError(f"QCFS hard_T must be None or an integer >= 1, got {hard_T!r}")
+        self.hard_T = None if hard_T is None else int(hard_T)
         lam = torch.as_tensor(lam, dtype=torch.float32).clone()
         if lam.dim() > 1 or not torch.isfinite(lam).all() or (lam <= 0).any():
             raise ConfigError(f"QCFS lambda must be positive and finite, of shape [] or [C]; got {lam}")
@@ -103,14 +136,19 @@ class QCFS(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lam = self.lam_view(x.dim())
-        q = FloorSTE.apply(x * (self.L / lam) + self.phi)
-        out = torch.clamp(q, 0, self.L) * (lam / self.L)
+        if self.hard_T is not None:
+            out = lam * hard_reset_rate(x / lam, self.hard_T)
+        else:
+            q = FloorSTE.apply(x * (self.L / lam) + self.phi)
+            out = torch.clamp(q, 0, self.L) * (lam / self.L)
         if self.training and self.noise > 0:
             out = out - self.noise * torch.randn_like(out)
         return out
 
     def extra_repr(self) -> str:
         shape = "per-layer" if self.lam.dim() == 0 else f"per-channel[{self.lam.numel()}]"
+        if self.hard_T is not None:
+            return f"hard_T={self.hard_T}, lam={shape}"
         return f"L={self.L}, phi={self.phi}, lam={shape}"
 
 

@@ -107,9 +107,15 @@ class ConvertConfig:
             ANN's own weights where no QCFS training ran): each layer's bias then also absorbs
             the mean error of clipping at its threshold (Nagel et al., ICCV 2019; Li et al.,
             ICML 2021).
+        hard_rate: with ``reset="zero"``, every QCFS site computes the rate of the reset-to-zero
+            neuron that replaces it at T (:class:`~snnconv.activation.QCFS` ``hard_T``: a
+            staircase with levels 1, 1/2, 1/3, ... of the threshold, not QCFS's even steps), and
+            QCFS training (:data:`~snnconv.defaults.QCFS_STEPS` optimiser steps where
+            ``qcfs_epochs`` is None) adapts the ANN to it; every calibration then targets it.
+            Default: on for ``reset="zero"``.
         threshold_calibration: fit each layer's threshold to the QCFS-ANN before the bias
             calibration (:func:`snnconv.calibration.calibrate_thresholds`). Default: on for
-            ``reset="zero"`` only.
+            ``reset="zero"`` without ``hard_rate`` (whose thresholds were trained) only.
         weight_calibration: with bias calibration, refit the weights of every layer that reads
             spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
             calibration.
@@ -172,6 +178,7 @@ class ConvertConfig:
     bias_calibration_T: int | tuple[int, int] | None = None
     calibration_reference: str = "qcfs"
     threshold_calibration: bool | None = None
+    hard_rate: bool | None = None
     weight_calibration: bool | None = None
     qcfs_epochs: int | None = None
     qcfs_train: Any = None
@@ -205,7 +212,8 @@ class ConvertConfig:
                               "would drop the charge beyond one threshold. Use burst=1 with reset='zero'")
         _choice("on_collapse", self.on_collapse, ("raise", "warn"))
         _choice("calibration_reference", self.calibration_reference, ("qcfs", "ann"))
-        for name in ("per_channel", "threshold_calibration", "weight_calibration", "membrane_calibration"):
+        for name in ("per_channel", "threshold_calibration", "weight_calibration", "membrane_calibration",
+                     "hard_rate"):
             _flag(name, getattr(self, name), optional=True)
         _flag("bias_calibration", self.bias_calibration)
         _flag("early_exit", self.early_exit)
@@ -238,6 +246,9 @@ class ConvertConfig:
             raise ConfigError("membrane_calibration=True moves the initial membranes inside bias calibration, "
                               "which bias_calibration=False turns off; pass bias_calibration=True or "
                               "membrane_calibration=False")
+        if self.hard_rate and self.reset != "zero":
+            raise ConfigError(f"hard_rate=True trains the ANN for reset-to-zero neurons, but reset="
+                              f"{self.reset!r}; pass reset='zero', or leave hard_rate out")
         if self.membrane_calibration and self.reset != "subtract":
             raise ConfigError(f"membrane_calibration=True with reset={self.reset!r}: hard-reset neurons start "
                               "at 0 and have no initial membrane to move; pass membrane_calibration=False "
@@ -280,7 +291,7 @@ class ConvertConfig:
 
     #: The fields :meth:`resolved` fills in where they are ``None``.
     DEPENDENT = ("L", "per_channel", "threshold_calibration", "weight_calibration", "bias_calibration_T",
-                 "membrane_calibration")
+                 "membrane_calibration", "hard_rate")
 
     @property
     def is_resolved(self) -> bool:
@@ -290,17 +301,20 @@ class ConvertConfig:
     def resolved(self) -> "ConvertConfig":
         """The same settings with the defaults that follow from the others filled in, each where
         it is ``None``: ``L = T`` (``T * burst``); per-channel thresholds for subtractive reset,
-        per layer for hard reset; the threshold fit for hard reset only; the membrane calibration
+        per layer for hard reset; the hard-reset rate for hard reset; the threshold fit for hard
+        reset without it; the membrane calibration
         with bias calibration where the reset is subtractive and no horizon is given; its horizon
         ``2 * T``, the bias alone's ``T``; the weight refit with the membrane calibration."""
         if self.is_resolved:
             return self
         membrane = (self.bias_calibration and self.bias_calibration_T is None and self.reset == "subtract"
                     if self.membrane_calibration is None else self.membrane_calibration)
+        hard_rate = self.reset == "zero" if self.hard_rate is None else self.hard_rate
         return dataclasses.replace(
             self, L=self.T * self.burst if self.L is None else self.L,
             per_channel=self.reset == "subtract" if self.per_channel is None else self.per_channel,
-            threshold_calibration=(self.reset == "zero" if self.threshold_calibration is None
+            hard_rate=hard_rate,
+            threshold_calibration=(self.reset == "zero" and not hard_rate if self.threshold_calibration is None
                                    else self.threshold_calibration),
             weight_calibration=(membrane and self.bias_calibration if self.weight_calibration is None
                                 else self.weight_calibration),
@@ -325,7 +339,7 @@ class ConvertConfig:
                     bias_calibration=cfg.bias_calibration, bias_calibration_T=cfg.bias_calibration_T,
                     calibration_reference=cfg.calibration_reference,
                     membrane_calibration=bool(cfg.membrane_calibration and cfg.bias_calibration),
-                    threshold_calibration=bool(cfg.threshold_calibration),
+                    threshold_calibration=bool(cfg.threshold_calibration), hard_rate=bool(cfg.hard_rate),
                     weight_calibration=bool(cfg.weight_calibration and cfg.bias_calibration),
                     calib_batches=cfg.calib_batches, maxpool=cfg.maxpool, reset=cfg.reset,
                     qcfs_epochs=cfg.qcfs_epochs, reconstruction_steps=cfg.reconstruction_steps,

@@ -118,6 +118,11 @@ def _batches_below(loader: Any, n: int) -> bool:
 QCFS_STEPS = 576
 
 
+#: The QCFS training of the hard-reset staircase (Defaults row "hard-reset rate"): SGD at
+#: lr 0.01 diverged on its straight-through gradient.
+HARD_RATE_TRAIN = {"optimizer": "adamw", "lr": 1e-3}
+
+
 def _qcfs_epochs(loader: Any) -> int:
     """Epochs that hold :data:`QCFS_STEPS` steps over the training split of ``loader`` (its
     validation split held out), between 1 and 64 (a tiny loader: each epoch is also a
@@ -267,9 +272,12 @@ def plan_conversion(config: ConvertConfig, graph: GraphFacts, data: LoaderFacts)
     qcfs_train = cfg.qcfs_train
     if qcfs_train is None and cfg.qcfs_epochs:
         qcfs_train = QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, **targets)
-    elif qcfs_train is None and cfg.qcfs_epochs is None and cfg.maxpool == "avg" and graph.max_pools:
-        # max-pooling became average pooling, another function: QCFS training adapts the weights
-        qcfs_train = QCFSTrainConfig(epochs=data.qcfs_epochs, max_steps=QCFS_STEPS, seed=cfg.seed, **targets)
+    elif qcfs_train is None and cfg.qcfs_epochs is None and (cfg.hard_rate or cfg.maxpool == "avg" and graph.max_pools):
+        # max-pooling became average pooling, or the hard-reset rate replaced QCFS: other
+        # functions, which QCFS training adapts the weights to (the staircase with AdamW:
+        # HARD_RATE_TRAIN)
+        qcfs_train = QCFSTrainConfig(epochs=data.qcfs_epochs, max_steps=QCFS_STEPS, seed=cfg.seed, **targets,
+                                     **(HARD_RATE_TRAIN if cfg.hard_rate else {}))
     plan = ConversionPlan(cfg, qcfs_train, finetune, reasons, defaults)
     if cfg.reconstruction_steps is None:
         steps, reasons["reconstruction_default"] = _reconstruction_default(cfg, plan.qcfs_trains)

@@ -428,7 +428,8 @@ def _qcfs(s: _Run) -> dict:
                            device=s.device, progress=cfg.progress,
                            teacher=s.model if train is not None and train.distill > 0 else None,
                            noise_model=(functools.partial(residual_noise, T=cfg.T, reset=cfg.reset)
-                                        if train is not None and train.epochs > 0 and train.noise > 0 else None))
+                                        if train is not None and train.epochs > 0 and train.noise > 0 else None),
+                           hard_T=cfg.T if cfg.hard_rate else None)
     changes = dict(s.qgm.meta["qcfs"], ceil_pools=rewrite_ceil_pools(s.qgm, (s.calib[0][0].to(s.device),)))
     s.qcfs_source = {name: name[len("qcfs_"):] for name in s.qgm.meta["qcfs"]["sites"] if name.startswith("qcfs_")}
     return changes

@@ -83,9 +83,17 @@ def test_hard_reset_fine_tunes_with_the_reset_detached_and_is_never_reconstructe
     plan = _plan(T=4, reset="zero")
     assert plan.finetune.detach_reset
     assert not _plan(T=4).finetune.detach_reset
-    free = _plan(T=4, reset="zero", finetune_epochs=0)
+    free = _plan(T=4, reset="zero", hard_rate=False, finetune_epochs=0)
     assert free.config.reconstruction_steps == 0
     assert free.reasons["reconstruction_default"] == "none: reset='zero'"
+
+
+def test_the_hard_reset_rate_is_trained_into_the_ann_with_adamw():
+    plan = _plan(T=4, reset="zero")
+    assert plan.qcfs_trains and plan.qcfs_train.max_steps == defaults.QCFS_STEPS
+    assert (plan.qcfs_train.optimizer, plan.qcfs_train.lr) == ("adamw", 1e-3)
+    assert not _plan(T=4, reset="zero", hard_rate=False).qcfs_trains
+    assert not _plan(T=4, reset="zero", qcfs_epochs=0).qcfs_trains
 
 
 def test_the_plan_is_a_function_of_its_arguments_alone():

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from snnconv.activation import (
     QCFS,
     check_activations,
+    hard_reset_rate,
     is_inplace,
     qcfs_sites,
     relu_input,
@@ -51,8 +52,9 @@ def _site_name(node: fx.Node, used: set[str]) -> str:
 def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, percentile: float,
                  per_channel: bool, num_batches: int, device: torch.device,
                  progress: bool, max_samples: int = 1 << 18,
-                 ndims: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
-    """Per site, lambda: the ``percentile`` of its pre-activation."""
+                 ndims: dict[str, int] | None = None, hard_T: int | None = None) -> dict[str, torch.Tensor]:
+    """Per site, lambda: the ``percentile`` of its pre-activation (with ``hard_T``, then
+    :func:`_fit_hard_lambda`)."""
     inputs = {s.name: relu_input(s).name for s in sites}
     samples: dict[str, list[torch.Tensor]] = {s.name: [] for s in sites}
     gen = torch.Generator().manual_seed(0)
@@ -100,8 +102,31 @@ def _percentiles(gm: fx.GraphModule, loader: Iterable, sites: list[fx.Node], *, 
         else:
             v = torch.cat(chunks)
             lam = torch.quantile(v[: 16_000_000], q)
+        if hard_T is not None:
+            lam = _fit_hard_lambda(v if per_channel else v.reshape(1, -1), lam.reshape(-1), hard_T).reshape(lam.shape)
         out[site] = lam.clamp_min(1e-3)
     return out
+
+
+#: The factors of the percentile that :func:`_fit_hard_lambda` tries: 2 ** (-k / 4), k = 0..16.
+HARD_LAMBDA_FACTORS = tuple(2.0 ** (-k / 4) for k in range(17))
+
+
+def _fit_hard_lambda(v: torch.Tensor, lam: torch.Tensor, T: int) -> torch.Tensor:
+    """Per row of ``v`` (``[C, n]`` samples of a site's pre-activation), the threshold among
+    ``lam * HARD_LAMBDA_FACTORS`` whose hard-reset rate over ``T`` steps
+    (:func:`~snnconv.activation.hard_reset_rate`, output lambda per spike) is nearest the ReLU
+    in mean square: the staircase's few levels (1, 1/2, 1/3, ... of lambda) sit where the
+    values are, not at the percentile."""
+    v = v[:, : 1 << 16].float()
+    relu = v.clamp_min(0)
+    best, err = lam.clone(), torch.full_like(lam, math.inf)
+    for f in HARD_LAMBDA_FACTORS:
+        cand = (lam * f).clamp_min(1e-3)
+        e = ((cand[:, None] * hard_reset_rate(v / cand[:, None], T) - relu) ** 2).mean(dim=1)
+        better = e < err
+        best, err = torch.where(better, cand, best), torch.where(better, e, err)
+    return best
 
 
 def _check_finite(x: torch.Tensor, where: str) -> None:
@@ -338,6 +363,7 @@ def calibrate_qcfs(
     progress: bool = True,
     teacher: nn.Module | None = None,
     noise_model: Callable[..., dict[str, float]] | None = None,
+    hard_T: int | None = None,
 ) -> fx.GraphModule:
     """Replace every ReLU call site of a BatchNorm-free ``model`` with its own calibrated QCFS.
 
@@ -347,7 +373,9 @@ def calibrate_qcfs(
     mapping the same inputs to the same classes, used on a copy in eval mode) is required
     exactly when ``train.distill > 0``. ``noise_model(gm, batches)`` (required exactly when
     ``train.noise > 0``; :func:`snnconv.calibration.noise.residual_noise` at the target T) gives
-    each QCFS call site's noise sigma before each epoch. Works on a copy; returns a GraphModule whose
+    each QCFS call site's noise sigma before each epoch. ``hard_T``: every new site computes the
+    rate of a reset-to-zero IF neuron over that many steps instead (:class:`QCFS` ``hard_T``),
+    in training too. Works on a copy; returns a GraphModule whose
     ``meta["qcfs"]`` records lambda per site and the training history.
 
     Raises:
@@ -387,9 +415,9 @@ def calibrate_qcfs(
     sites = relu_sites(gm)
     ndims: dict[str, int] = {}
     lams = _percentiles(gm, loader, sites, percentile=percentile, per_channel=per_channel,
-                        num_batches=num_batches, device=device, progress=progress, ndims=ndims)
+                        num_batches=num_batches, device=device, progress=progress, ndims=ndims, hard_T=hard_T)
     used: set[str] = set(n for n, _ in gm.named_modules())
-    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled}
+    record: dict[str, Any] = {"sites": {}, "maxpool_replaced": pooled, "hard_T": hard_T}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in sites:
         name = _site_name(node, used)
@@ -398,7 +426,7 @@ def calibrate_qcfs(
         cap = getattr(module_of(gm, node), "cap", None)  # a clipped ReLU (snnconv.constructs.clip)
         if cap is not None:
             lams[node.name] = lams[node.name].clamp(max=cap)
-        site = QCFS(L, lams[node.name]).to(device)
+        site = QCFS(L, lams[node.name], hard_T=hard_T).to(device)
         # the rank of the site's input (not saved): IF replacement needs it to scale a Linear
         # that reads this site's output on the right dimension
         site.input_ndim = ndims.get(node.name)  # type: ignore[assignment]  # a plain attribute
