@@ -112,10 +112,11 @@ class ConvertConfig:
             staircase with levels 1, 1/2, 1/3, ... of the threshold, not QCFS's even steps), and
             QCFS training (:data:`~snnconv.defaults.QCFS_STEPS` optimiser steps where
             ``qcfs_epochs`` is None) adapts the ANN to it; every calibration then targets it.
-            Default: on for ``reset="zero"``.
+            Default: on for ``reset="zero"`` where the loader has two batches or more and
+            ``qcfs_epochs`` is not 0 (untrained, the staircase is a poor reference).
         threshold_calibration: fit each layer's threshold to the QCFS-ANN before the bias
             calibration (:func:`snnconv.calibration.calibrate_thresholds`). Default: on for
-            ``reset="zero"`` without ``hard_rate`` (whose thresholds were trained) only.
+            ``reset="zero"`` only.
         weight_calibration: with bias calibration, refit the weights of every layer that reads
             spikes to the QCFS-ANN (ridge least squares). Default: with the membrane
             calibration.
@@ -291,7 +292,7 @@ class ConvertConfig:
 
     #: The fields :meth:`resolved` fills in where they are ``None``.
     DEPENDENT = ("L", "per_channel", "threshold_calibration", "weight_calibration", "bias_calibration_T",
-                 "membrane_calibration", "hard_rate")
+                 "membrane_calibration")
 
     @property
     def is_resolved(self) -> bool:
@@ -301,20 +302,17 @@ class ConvertConfig:
     def resolved(self) -> "ConvertConfig":
         """The same settings with the defaults that follow from the others filled in, each where
         it is ``None``: ``L = T`` (``T * burst``); per-channel thresholds for subtractive reset,
-        per layer for hard reset; the hard-reset rate for hard reset; the threshold fit for hard
-        reset without it; the membrane calibration
+        per layer for hard reset; the threshold fit for hard reset only; the membrane calibration
         with bias calibration where the reset is subtractive and no horizon is given; its horizon
         ``2 * T``, the bias alone's ``T``; the weight refit with the membrane calibration."""
         if self.is_resolved:
             return self
         membrane = (self.bias_calibration and self.bias_calibration_T is None and self.reset == "subtract"
                     if self.membrane_calibration is None else self.membrane_calibration)
-        hard_rate = self.reset == "zero" if self.hard_rate is None else self.hard_rate
         return dataclasses.replace(
             self, L=self.T * self.burst if self.L is None else self.L,
             per_channel=self.reset == "subtract" if self.per_channel is None else self.per_channel,
-            hard_rate=hard_rate,
-            threshold_calibration=(self.reset == "zero" and not hard_rate if self.threshold_calibration is None
+            threshold_calibration=(self.reset == "zero" if self.threshold_calibration is None
                                    else self.threshold_calibration),
             weight_calibration=(membrane and self.bias_calibration if self.weight_calibration is None
                                 else self.weight_calibration),

@@ -131,6 +131,16 @@ def _qcfs_epochs(loader: Any) -> int:
     return 16 if steps is None else min(64, max(1, math.ceil(QCFS_STEPS / max(1, steps))))
 
 
+def _hard_rate_default(cfg: ConvertConfig, data: LoaderFacts) -> tuple[bool, str]:
+    """``hard_rate=None``: on for ``reset="zero"`` where QCFS training can adapt the ANN to the
+    staircase (a loader of two batches or more, ``qcfs_epochs`` not 0); and why."""
+    if data.one_batch:
+        return False, "off: the loader has one batch (none to train and validate the staircase on)"
+    if cfg.qcfs_epochs == 0 or (cfg.qcfs_train is not None and cfg.qcfs_train.epochs == 0):
+        return False, "off: qcfs_epochs=0 (the untrained staircase is a poor reference)"
+    return True, "on: reset='zero'"
+
+
 def _finetune_default(cfg: ConvertConfig, data: LoaderFacts) -> tuple[int, str]:
     """``finetune_epochs=None``: for a loader of two batches or more at
     ``T <= FINETUNE_UP_TO_T``, the epochs that reach :data:`FINETUNE_MIN_STEPS` steps
@@ -269,6 +279,11 @@ def plan_conversion(config: ConvertConfig, graph: GraphFacts, data: LoaderFacts)
                                    reset=cfg.reset, batch_size=data.finetune_batch, **targets, **anytime)
     if cfg.maxpool == "auto":
         cfg = cfg.replace(maxpool=later_maxpool(cfg.maxpool))
+    if cfg.hard_rate is None and cfg.reset == "zero":
+        hard_rate, reasons["hard_rate_default"] = _hard_rate_default(cfg, data)
+        cfg = cfg.replace(hard_rate=hard_rate)
+    elif cfg.hard_rate is None:
+        cfg = cfg.replace(hard_rate=False)
     qcfs_train = cfg.qcfs_train
     if qcfs_train is None and cfg.qcfs_epochs:
         qcfs_train = QCFSTrainConfig(epochs=cfg.qcfs_epochs, seed=cfg.seed, **targets)

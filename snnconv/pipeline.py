@@ -531,6 +531,9 @@ def _record_plan(record: dict, plan: ConversionPlan, loader: Any) -> None:
     if plan.finetune is not None:
         record["finetune"] = vars(plan.finetune).copy()
     record["qcfs_epochs"] = plan.qcfs_train.epochs if plan.qcfs_train is not None else 0
+    record["hard_rate"] = bool(cfg.hard_rate)
+    if "hard_rate_default" in plan.reasons:
+        record["hard_rate_default"] = plan.reasons["hard_rate_default"]
     if plan.qcfs_train is not None:
         record["qcfs_train"] = vars(plan.qcfs_train).copy()
     if "reconstruction_default" in plan.reasons:

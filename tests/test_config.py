@@ -33,11 +33,8 @@ def test_resolved_defaults_follow_reset_and_T():
     assert (sub.L, sub.per_channel, sub.threshold_calibration, sub.weight_calibration,
             sub.bias_calibration_T, sub.membrane_calibration) == (4, True, False, True, 8, True)
     hard = ConvertConfig(T=4, reset="zero").resolved()
-    assert (hard.L, hard.per_channel, hard.hard_rate, hard.threshold_calibration, hard.weight_calibration,
-            hard.bias_calibration_T, hard.membrane_calibration) == (4, False, True, False, False, 4, False)
-    # the threshold fit only where the thresholds were not trained for the hard-reset rate
-    assert ConvertConfig(T=4, reset="zero", hard_rate=False).resolved().threshold_calibration
-    assert sub.hard_rate is False
+    assert (hard.L, hard.per_channel, hard.threshold_calibration, hard.weight_calibration,
+            hard.bias_calibration_T, hard.membrane_calibration) == (4, False, True, False, 4, False)
     given = ConvertConfig(T=4, L=16, bias_calibration_T=(4, 8), per_channel=False).resolved()
     assert (given.L, given.per_channel, given.horizons, given.membrane_calibration) == (16, False, (4, 8), False)
     assert sub.resolved() is sub
