@@ -94,7 +94,8 @@ def test_the_hard_reset_rate_is_trained_into_the_ann_with_adamw():
     assert (plan.qcfs_train.optimizer, plan.qcfs_train.lr) == ("adamw", 1e-3)
     assert plan.config.hard_rate and plan.reasons["hard_rate_default"] == "on: reset='zero'"
     assert not _plan(T=4, reset="zero", hard_rate=False).qcfs_trains
-    for off in (_plan(T=4, reset="zero", qcfs_epochs=0), _plan(T=4), _plan(T=4, reset="zero", data=_data(one_batch=True))):
+    one_batch = _data(one_batch=True)
+    for off in (_plan(T=4, reset="zero", qcfs_epochs=0), _plan(T=4), _plan(T=4, reset="zero", data=one_batch)):
         assert off.config.hard_rate is False and not off.qcfs_trains
 
 
