@@ -252,6 +252,58 @@ def test_channel_shuffles_and_chunks_become_one_hot_convolutions_bit_for_bit():
         assert torch.equal(gm(x), model(x))
 
 
+class _ViewFlatten(nn.Module):
+    """Flattening by shape arithmetic, as many hand-written VGGs and LeNets do."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.a = nn.Conv2d(1, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x):
+        y = F.avg_pool2d(F.relu(self.a(x)), 2)
+        if self.form == "view":
+            y = y.view(y.size(0), -1)
+        elif self.form == "reshape":
+            y = y.reshape(y.shape[0], -1)
+        else:  # every size named: still a flatten
+            n, c, h, w = y.size()
+            y = y.view(n, c * h * w)
+        return self.fc(y)
+
+
+@pytest.mark.parametrize("form", ["view", "reshape", "sizes"])
+def test_a_flatten_by_shape_arithmetic_becomes_flatten_and_exports(form):
+    from snnconv.constructs.channels import rewrite_channel_moves
+
+    torch.manual_seed(0)
+    model = _ViewFlatten(form).eval()
+    x = torch.randn(8, 1, 8, 8)
+    gm = prepare(model)
+    done = rewrite_channel_moves(gm, (x,))
+    assert [d["flatten"] for d in done] == [[4, 4, 4]]
+    assert not any(n.target in ("view", "reshape", "size") for n in gm.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(gm(x), model(x))
+        assert torch.equal(gm(x[:3]), model(x[:3]))  # for any batch
+    snn, _ = snnconv.convert(model, [x], T=4, finetune_epochs=0, progress=False, on_collapse="warn")
+    with torch.no_grad():
+        ref = snn.run(x, 4)
+    assert torch.equal(get("cpu").compile(snnconv.export_nir(snn)).run(x, 4).outputs, ref)
+
+
+def test_a_view_that_keeps_the_spatial_dimensions_is_no_flatten():
+    from snnconv.constructs.channels import rewrite_channel_moves
+
+    class Half(nn.Module):
+        def forward(self, x):
+            return x.view(x.size(0), 2, -1)  # [B, 2, C*H*W/2]: not a flatten
+
+    gm = prepare(Half())
+    assert rewrite_channel_moves(gm, (torch.randn(2, 4, 3, 3),)) == []
+
+
 def test_a_max_pooling_after_the_whole_feature_extractor_is_no_prefix():
     layers = []
     for _ in range(3):

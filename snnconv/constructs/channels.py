@@ -1,15 +1,19 @@
-"""Channel rearrangements (ShuffleNet's channel shuffle and chunk) as one-hot 1x1 convolutions.
+"""Channel rearrangements (ShuffleNet's channel shuffle and chunk) as one-hot 1x1 convolutions,
+and flattening by shape arithmetic as ``nn.Flatten``.
 
 ``view -> transpose -> contiguous -> view`` over the channels, ``chunk(k, dim=1)[i]`` and their
 compositions move or select whole channels: ``out[c] = in[p[c]]`` at every position. Such a
 chain, with the shape arithmetic it reads (``x.size()``, ``//``), becomes one ``Conv2d(C, C', 1)``
 whose weight is the one-hot matrix of ``p``: exact (each output is one input times 1 plus
 zeros), a layer every stage knows, and a form NIR has. The map ``p`` is read by running the
-chain on a tensor of channel indices. In place on a traced graph; returns what changed.
+chain on a tensor of channel indices. A chain that flattens every dimension after the batch
+(``x.view(x.size(0), -1)``, ``x.reshape(len(x), -1)``) becomes ``nn.Flatten()``, a layer NIR
+has. In place on a traced graph; returns what changed.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Iterable
 
@@ -74,8 +78,37 @@ def _channel_map(chain: list[fx.Node], src: fx.Node, end: fx.Node, shape: tuple)
     return perm if all(0 <= c < C and c == v for c, v in zip(perm, first[:, 0].tolist())) else None
 
 
+def _flattens(chain: list[fx.Node], src: fx.Node, end: fx.Node, shape: tuple) -> bool:
+    """Whether the chain computes ``src.flatten(1)`` (on two images of ``shape``'s sizes)."""
+    graph = fx.Graph()
+    env = {src: graph.placeholder("x")}
+    for node in chain:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[end])
+    probe = torch.arange(2 * math.prod(shape[1:]), dtype=torch.float64).reshape(2, *shape[1:])
+    try:
+        out = fx.GraphModule(nn.Module(), graph)(probe)
+    except Exception:
+        return False
+    return isinstance(out, torch.Tensor) and torch.equal(out, probe.flatten(1))
+
+
+def _replace(gm: fx.GraphModule, end: fx.Node, src: fx.Node, module: nn.Module, suffix: str, used: set) -> None:
+    """``module`` applied to ``src`` in place of ``end`` for every reader outside the chain."""
+    name, k = f"{end.name}_{suffix}", 1
+    while name in used:
+        name, k = f"{end.name}_{suffix}_{k}", k + 1
+    used.add(name)
+    gm.add_submodule(name, module)
+    with gm.graph.inserting_after(end):
+        new = gm.graph.call_module(name, (src,))
+    for user in [u for u in end.users if not _movable(u)]:
+        user.replace_input_with(end, new)
+
+
 def rewrite_channel_moves(gm: fx.GraphModule, example_inputs: Iterable) -> list[dict]:
-    """Replace every chain of channel moves on a 4-d tensor by a one-hot 1x1 convolution."""
+    """Replace every chain of channel moves on a 4-d tensor by a one-hot 1x1 convolution, and
+    every chain that flattens all but the batch dimension by ``nn.Flatten()``."""
     ends = [n for n in gm.graph.nodes if _movable(n) and any(not _movable(u) for u in n.users)]
     if not ends:
         return []
@@ -87,7 +120,14 @@ def rewrite_channel_moves(gm: fx.GraphModule, example_inputs: Iterable) -> list[
     for end in ends:
         chain, src = _chain(end)
         shape, out_shape = values.get(getattr(src, "name", None)), values.get(end.name)
-        if src is None or not isinstance(shape, tuple) or not isinstance(out_shape, tuple) or len(shape) != 4:
+        if src is None or not isinstance(shape, tuple) or not isinstance(out_shape, tuple):
+            continue
+        if len(shape) > 2 and out_shape == (shape[0], math.prod(shape[1:])) and not (
+                len(chain) == 1 and chain[0].target in ("flatten", torch.flatten)) and _flattens(chain, src, end, shape):
+            _replace(gm, end, src, nn.Flatten(), "flatten", used)
+            done.append({"site": describe_node(end), "from": src.name, "flatten": list(shape[1:])})
+            continue
+        if len(shape) != 4:
             continue
         perm = _channel_map(chain, src, end, shape)
         if perm is None:
@@ -101,15 +141,7 @@ def rewrite_channel_moves(gm: fx.GraphModule, example_inputs: Iterable) -> list[
         weight = torch.zeros(len(perm), shape[1], 1, 1)
         weight[torch.arange(len(perm)), torch.tensor(perm)] = 1.0
         conv.weight = nn.Parameter(weight, requires_grad=True)
-        name, k = f"{end.name}_channels", 1
-        while name in used:
-            name, k = f"{end.name}_channels_{k}", k + 1
-        used.add(name)
-        gm.add_submodule(name, conv)
-        with gm.graph.inserting_after(end):
-            new = gm.graph.call_module(name, (src,))
-        for user in [u for u in end.users if not _movable(u)]:
-            user.replace_input_with(end, new)
+        _replace(gm, end, src, conv, "channels", used)
         done.append({"site": describe_node(end), "from": src.name, "channels": [shape[1], len(perm)]})
     if done:
         gm.graph.eliminate_dead_code()
