@@ -120,7 +120,7 @@ QCFS_STEPS = 576
 
 #: The QCFS training of the hard-reset staircase (Defaults row "hard-reset rate"): SGD at
 #: lr 0.01 diverged on its straight-through gradient.
-HARD_RATE_TRAIN = {"optimizer": "adamw", "lr": 1e-3}
+HARD_RATE_TRAIN: dict[str, Any] = {"optimizer": "adamw", "lr": 1e-3}
 
 
 def _qcfs_epochs(loader: Any) -> int:

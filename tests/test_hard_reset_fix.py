@@ -146,12 +146,14 @@ def test_shift_bias_adds_theta_over_2T_to_every_neuron_input():
 
 
 def test_converted_hard_reset_network_is_still_plain_if(digits_qcfs, small_digits_ann, digits_data, tmp_path):
-    """convert(reset='zero') calibrates thresholds by default; the file is plain NIR IF and
-    spikingjelly's importer gives the same spikes in every layer."""
+    """convert(reset='zero') trains the ANN for the hard-reset rate and tries the threshold fit
+    by default; the file is plain NIR IF and spikingjelly's importer gives the same spikes in
+    every layer."""
     _, train, _ = digits_qcfs
     T = 8
     snn, meta = snnconv.convert(small_digits_ann, train, T=T, L=8, reset="zero", progress=False)
     assert meta.settings["threshold_calibration"] is True
+    assert meta.settings["hard_rate"] is True and meta.settings["qcfs_epochs"] >= 1
     assert "threshold_calibration" in snn.meta and "bias_calibration" in snn.meta
     graph = snnconv.export_nir(snn)
     ifs = [n for n in graph.nodes.values() if isinstance(n, nir.IF)]

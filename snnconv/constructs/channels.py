@@ -122,8 +122,9 @@ def rewrite_channel_moves(gm: fx.GraphModule, example_inputs: Iterable) -> list[
         shape, out_shape = values.get(getattr(src, "name", None)), values.get(end.name)
         if src is None or not isinstance(shape, tuple) or not isinstance(out_shape, tuple):
             continue
-        if len(shape) > 2 and out_shape == (shape[0], math.prod(shape[1:])) and not (
-                len(chain) == 1 and chain[0].target in ("flatten", torch.flatten)) and _flattens(chain, src, end, shape):
+        plain = len(chain) == 1 and chain[0].target in ("flatten", torch.flatten)  # NIR reads it as it is
+        if len(shape) > 2 and out_shape == (shape[0], math.prod(shape[1:])) and not plain \
+                and _flattens(chain, src, end, shape):
             _replace(gm, end, src, nn.Flatten(), "flatten", used)
             done.append({"site": describe_node(end), "from": src.name, "flatten": list(shape[1:])})
             continue
