@@ -5,6 +5,8 @@ from __future__ import annotations
 import nir
 import numpy as np
 
+from snnconv.nir.format import COMPARE, fire_threshold, graph_metadata, spec_threshold
+
 __all__ = ["small_graph"]
 
 
@@ -12,26 +14,25 @@ def _neuron(nodes, edges, name, src, theta, reset, shape, v_init=None, burst=1):
     """Add neuron ``name`` (per-channel ``theta`` over ``shape``) fed by ``src``; returns the node
     consumers read spikes from. ``v_init``: per-channel initial membranes (subtractive reset);
     ``burst``: up to this many spikes a step (B Thresholds and their sum)."""
-    from snnconv.nir.format import fire_threshold
-
     theta = np.asarray(theta, np.float32)
     theta = np.broadcast_to(theta.reshape(-1, *([1] * (len(shape) - 1))), shape).astype(np.float32).copy()
     if reset == "zero":
-        nodes[name] = nir.IF(r=np.ones_like(theta), v_threshold=theta, v_reset=np.zeros_like(theta),
+        nodes[name] = nir.IF(r=np.ones_like(theta), v_threshold=spec_threshold(theta),
+                             v_reset=np.zeros_like(theta),
                              metadata={"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0,
-                                       "compare": ">="})
+                                       "compare": COMPARE})
         edges.append((src, name))
         return name
     v0 = 0.5 if v_init is None else [float(v) for v in np.asarray(v_init, np.float32)]
     nodes[name] = nir.I(r=np.ones_like(theta), metadata={"snnconv_neuron": "if", "reset": "subtract",
-                                                         "v_init": v0, "compare": ">=",
+                                                         "v_init": v0, "compare": COMPARE,
                                                          **({"burst": burst} if burst > 1 else {})})
     full = (np.float32(0.5) if v_init is None
             else np.asarray(v_init, np.float32).reshape(-1, *([1] * (len(shape) - 1))))
     edges.append((src, name))
     fires = [f"{name}_fire{k if k > 1 else ''}" for k in range(1, burst + 1)]
     for k, fire in enumerate(fires, start=1):
-        nodes[fire] = nir.Threshold(fire_threshold(theta, np.broadcast_to(full, shape), k))
+        nodes[fire] = nir.Threshold(spec_threshold(fire_threshold(theta, np.broadcast_to(full, shape), k)))
         edges.append((name, fire))
     out = fires[0]
     if burst > 1:
@@ -109,6 +110,4 @@ def small_graph(reset: str, seed: int = 0, channels: int = 4, size: int = 8, cla
     edges.append(("flat", "fc"))
     nodes["output"] = nir.Output(output_type=np.array([classes]))
     edges.append(("fc", "output"))
-    meta = {"producer": "snnconv", "snnconv_format": 1, "T": T, "reset": reset, "encoding": "direct",
-            "readout": "mean_over_T"}
-    return nir.NIRGraph(nodes=nodes, edges=edges, metadata=meta)
+    return nir.NIRGraph(nodes=nodes, edges=edges, metadata=graph_metadata(T, reset))

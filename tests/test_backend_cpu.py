@@ -15,6 +15,7 @@ from _zoo import NARROW as _NARROW
 import snnconv
 from snnconv import models
 from snnconv.errors import BackendError
+from snnconv.nir.format import COMPARE, spec_threshold
 from snnconv.nir.reader import parse
 from snnconv.snn.nir_io import export_nir
 from snnconv_backends import get
@@ -133,8 +134,8 @@ def _one_neuron_graph(theta: float, reset: str) -> nir.NIRGraph:
     th = np.full(1, theta, np.float32)
     if reset == "subtract":
         nodes["n"] = nir.I(r=np.ones(1, np.float32), metadata={"snnconv_neuron": "if", "reset": "subtract",
-                                                             "v_init": 0.5, "compare": ">="})
-        nodes["n_fire"] = nir.Threshold(th / np.float32(2))
+                                                             "v_init": 0.5, "compare": COMPARE})
+        nodes["n_fire"] = nir.Threshold(spec_threshold(th / np.float32(2)))
         nodes["n_reset"] = nir.Scale(-th)
         edges = [("input", "fc"), ("fc", "n"), ("n", "n_fire"), ("n_fire", "n_reset"),
                  ("n_reset", "n"), ("n_fire", "out"), ("out", "output")]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from snnconv.errors import BackendError
+from snnconv.nir.format import COMPARE, spec_threshold
 from snnconv_backends import available, get
 from snnconv_backends.gpu import GPUBackend
 
@@ -27,8 +28,8 @@ def _graph(reset: str = "subtract") -> nir.NIRGraph:
              "output": nir.Output(np.array([2]))}
     if reset == "subtract":
         nodes["n"] = nir.I(r=np.ones(4, np.float32), metadata={"snnconv_neuron": "if", "reset": "subtract",
-                                                             "v_init": 0.5, "compare": ">="})
-        nodes["n_fire"] = nir.Threshold(th / np.float32(2))
+                                                             "v_init": 0.5, "compare": COMPARE})
+        nodes["n_fire"] = nir.Threshold(spec_threshold(th / np.float32(2)))
         nodes["n_reset"] = nir.Scale(-th)
         edges = [("input", "fc1"), ("fc1", "n"), ("n", "n_fire"), ("n_fire", "n_reset"),
                  ("n_reset", "n"), ("n_fire", "fc2"), ("fc2", "output")]
@@ -65,11 +66,12 @@ def test_threshold_ties_are_counted():
     one = np.ones((1, 1), np.float32)
     nodes = {"input": nir.Input(np.array([1])), "fc": nir.Affine(weight=one, bias=np.zeros(1, np.float32)),
              "n": nir.IF(r=np.ones(1, np.float32), v_threshold=np.ones(1, np.float32),
-                         v_reset=np.zeros(1, np.float32), metadata={"compare": ">="}),
-             "output": nir.Output(np.array([1]))}  # fires on h >= 1 (without it: NIR's h > 1)
+                         v_reset=np.zeros(1, np.float32)),
+             "output": nir.Output(np.array([1]))}
     graph = nir.NIRGraph(nodes=nodes, edges=[("input", "fc"), ("fc", "n"), ("n", "output")],
                          metadata={"reset": "zero"}, type_check=False)
-    r = GPUBackend().compile(graph, device="cpu", count_ties=True).run(torch.full((3, 1), 0.5), 4)
+    # read firing on h >= 1 (NIR's own: h > 1)
+    r = GPUBackend().compile(graph, device="cpu", count_ties=True, compare=">=").run(torch.full((3, 1), 0.5), 4)
     assert r.outputs.reshape(4, 3)[:, 0].tolist() == [0, 1, 0, 1]   # h = .5, 1 (tie), .5, 1 (tie)
     assert r.extra["threshold_ties"] == 2 * 3
 

@@ -22,6 +22,7 @@ from _loihi_nets import small_graph
 from _loihi_stem import stem_snn
 
 import snnconv
+from snnconv.nir.format import fire_threshold, spec_threshold
 from snnconv.snn.nir_io import export_nir
 from snnconv_backends.lava import LavaBackend
 from snnconv_backends.loihi2 import Loihi2SimBackend, QuantisationWarning, quantize
@@ -39,13 +40,18 @@ def _dead_channel(reset: str, seed: int = 1):
     """``small_graph`` with channel 0 of ``n2`` at threshold 1e-3 (a channel calibration left
     silent): with one threshold per population its rows set the scale of every channel."""
     g = small_graph(reset, seed=seed)
-    if reset == "zero":
-        g.nodes["n2"].v_threshold[0] = 1e-3
+    if reset == "zero":  # NIR's threshold: one float32 step below theta
+        g.nodes["n2"].v_threshold[0] = spec_threshold(1e-3)
     else:  # theta lives in the reset Scale (-theta) and the fire threshold (theta - v0)
         old = float(-g.nodes["n2_reset"].scale[0, 0, 0])
         g.nodes["n2_reset"].scale[0] *= 1e-3 / old
-        g.nodes["n2_fire"].threshold[0] *= 1e-3 / old
+        _rewrite_fire_threshold(g, "n2")
     return g
+
+
+def _rewrite_fire_threshold(g, name):
+    """Set subtractive neuron ``name``'s fire threshold from its reset Scale (``-theta``)."""
+    g.nodes[f"{name}_fire"].threshold[...] = spec_threshold(fire_threshold(-g.nodes[f"{name}_reset"].scale, 0.5))
 
 
 def _prefix_input(snn, x):
@@ -230,7 +236,7 @@ def test_a_layer_whose_every_channel_exceeds_the_input_budget_runs_and_is_judged
     judges the result, instead of the graph being refused (a channel that fires at every step in
     the float network still does)."""
     g = small_graph("zero", seed=1)
-    g.nodes["n2"].v_threshold[:] = 1e-7
+    g.nodes["n2"].v_threshold[:] = spec_threshold(1e-7)
     x = torch.rand(32, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
     res = Loihi2SimBackend().compile(g).run(x, T)
     assert res.extra["quantisation"]["layers"]["n2"]["vth_per_channel"]["thresholds_raised"] >= 1
@@ -354,7 +360,7 @@ def test_a_threshold_below_the_per_channel_bound_gets_one_per_channel(factor):
 
     g = small_graph("subtract", seed=1)
     g.nodes["n2_reset"].scale[0] *= factor
-    g.nodes["n2_fire"].threshold[0] *= factor
+    _rewrite_fire_threshold(g, "n2")
     x = torch.rand(32, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", QuantisationWarning)

@@ -16,6 +16,7 @@ from _zoo import NARROW as _NARROW
 import snnconv
 from snnconv import models
 from snnconv.errors import NIRError, SnnconvError
+from snnconv.nir.format import COMPARE, spec_threshold
 from snnconv.nir.reader import KINDS, ParsedGraph, parse
 from snnconv.snn.network import SpikingNetwork
 from snnconv.snn.neuron import IFNeuron, Scale, TimeExpand, neurons
@@ -48,8 +49,8 @@ def _convert(name: str, shape=(3, 16, 16), *, per_channel=False, T=4, seed=0, re
 def _neuron(nodes, edges, name, src, theta, shape=(4,)):
     theta = np.full(shape, theta, np.float32)
     nodes[name] = nir.I(r=np.ones(shape, np.float32),
-                        metadata={"reset": "subtract", "v_init": 0.5, "compare": ">="})
-    nodes[f"{name}_fire"] = nir.Threshold(theta / np.float32(2))
+                        metadata={"reset": "subtract", "v_init": 0.5, "compare": COMPARE})
+    nodes[f"{name}_fire"] = nir.Threshold(spec_threshold(theta / np.float32(2)))
     nodes[f"{name}_reset"] = nir.Scale(-theta)
     edges += [(src, name), (name, f"{name}_fire"), (f"{name}_fire", f"{name}_reset"),
               (f"{name}_reset", name)]

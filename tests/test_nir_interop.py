@@ -22,6 +22,12 @@ from snnconv_backends.gpu import GPUBackend
 pytestmark = pytest.mark.portable  # CI runs it at the floor and the newest releases too
 
 
+#: the metadata snnconv writes on a hard-reset IF
+_HARD = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": COMPARE}
+#: NIR's threshold of snnconv's theta = 1 (one float32 step below it)
+_SPEC_ONE = float(spec_threshold(np.float32(1.0)))
+
+
 def _if_chain(theta=1.0, *, r=1.0, weight=1.0, metadata=None, names=("input", "fc", "n", "out", "output")):
     """input(1) -> fc (weight) -> IF(r, theta) -> readout (1) -> output: the readout is the spike."""
     i, fc, n, out, o = names
@@ -65,19 +71,26 @@ def test_the_spec_example_fires_above_the_threshold_on_every_executor():
         assert out.reshape(-1).tolist() == [0, 0, 1, 0], name
 
 
-def test_a_format_1_file_keeps_its_stated_comparison():
-    """snnconv's format 1 stated compare '>=' and wrote theta itself: the float executors read
-    it with that meaning; Loihi's neurons compare with '>' in fixed point (a tie of a format 1
-    file is within loihi2-sim's documented fixed-point error)."""
-    meta = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": ">="}
-    graph = _if_chain(1.0, weight=0.5, metadata=meta)
-    for name, out in _spikes_everywhere(graph, torch.ones(1, 1), 4, loihi=False).items():
-        assert out.reshape(-1).tolist() == [0, 1, 0, 1], name
+def test_a_file_of_another_snnconv_format_is_refused_by_name():
+    """snnconv_format 1 (thresholds compared with '>=') is refused on every path, saying which
+    format was found, which is read and what to do."""
+    graph = _if_chain(_SPEC_ONE, metadata=_HARD)
+    graph.metadata.update({"producer": "snnconv", "snnconv_format": 1, "T": 4, "reset": "zero"})
+    refusal = r"snnconv_format=1: this snnconv reads format 2 only\. Re-export"
+    with pytest.raises(NIRError, match=refusal):
+        parse(graph)
+    with pytest.raises(NIRError, match=refusal):
+        from_nir(graph)
+    with pytest.raises(BackendError, match=refusal):
+        backends.get("cpu").compile(graph)
+    graph.metadata["snnconv_format"] = FORMAT_VERSION
+    assert parse(graph).op("n").params["theta"] == np.float32(1.0) and from_nir(graph).T == 4
 
 
-def test_an_unknown_comparison_is_refused():
-    with pytest.raises(NIRError, match="compare='<'"):
-        parse(_if_chain(metadata={"compare": "<"}))
+@pytest.mark.parametrize("stated", ["<", ">="])
+def test_a_comparison_other_than_the_spec_s_is_refused_where_a_node_states_it(stated):
+    with pytest.raises(NIRError, match=f"compare='{stated}', but snnconv reads this node only with compare='>'"):
+        parse(_if_chain(metadata={"compare": stated}))
 
 
 def test_the_written_threshold_makes_above_mean_at_or_above_for_every_float32():
@@ -112,8 +125,7 @@ def test_hard_reset_ties_agree_between_our_network_and_a_spec_reader():
     to the written threshold all give the same spikes. (loihi2-sim compares its integer
     membrane with '>' as Lava's LIF does: an exact tie of theta fires there one step later,
     within its documented fixed-point error.)"""
-    meta = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": ">="}
-    snn = from_nir(_if_chain(1.0, weight=0.25, metadata=meta), T=8)  # v = 0.25, 0.5, ... 1.0 ties
+    snn = from_nir(_if_chain(_SPEC_ONE, weight=0.25, metadata=_HARD), T=8)  # v = 0.25, ... 1.0 ties
     x = torch.ones(3, 1)
     ours = snn.run(x)
     assert ours.sum() > 0  # it fires, at exact ties (4th step)
@@ -268,9 +280,8 @@ def test_a_reader_option_reproduces_a_producer_that_fires_on_equality():
 # --- every NIR 1.0.8 node type: read, written or refused -------------------------------------
 
 def _hard_if(shape, theta=1.0):
-    meta = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": ">="}
-    return nir.IF(r=np.ones(shape, np.float32), v_threshold=np.full(shape, theta, np.float32),
-                  v_reset=np.zeros(shape, np.float32), metadata=meta)
+    return nir.IF(r=np.ones(shape, np.float32), v_threshold=spec_threshold(np.full(shape, theta, np.float32)),
+                  v_reset=np.zeros(shape, np.float32), metadata=_HARD)
 
 
 def test_conv1d_and_sum_pooling_are_read_and_written_exactly():

@@ -269,6 +269,7 @@ def _our_files(root: Path) -> None:
     import torch
 
     import snnconv
+    from snnconv.nir.format import neuron_metadata, spec_threshold
     from snnconv.snn.nir_io import export_nir, from_nir, save_nir
 
     from ..common import test_helper
@@ -286,10 +287,10 @@ def _our_files(root: Path) -> None:
     out = root / "ours"
     out.mkdir(parents=True, exist_ok=True)
     # a network whose membranes reach theta exactly: dyadic weights, inputs in quarters
-    meta = {"snnconv_neuron": "if", "reset": "zero", "v_init": 0.0, "compare": ">="}
+    meta = neuron_metadata("zero", 0.0, per_channel=False)
     nodes = {"input": nir.Input(np.array([4])),
              "fc1": nir.Affine(weight=_dyadic((8, 4), 1), bias=np.zeros(8, np.float32)),
-             "if1": nir.IF(r=np.ones(8, np.float32), v_threshold=np.ones(8, np.float32),
+             "if1": nir.IF(r=np.ones(8, np.float32), v_threshold=spec_threshold(np.ones(8, np.float32)),
                            v_reset=np.zeros(8, np.float32), metadata=meta),
              "fc2": nir.Affine(weight=_dyadic((3, 8), 2), bias=np.zeros(3, np.float32)),
              "output": nir.Output(np.array([3]))}

@@ -278,21 +278,42 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     """
     T, batches, target_mean, out, horizons, wfit = _bias_setup(snn, reference, loader, T, num_batches,
                                                                horizons, membrane, weights)
-    steps = (T,) if horizons is None else horizons
     gm = out.net
+    shifts: dict[str, Any] = {}
+    plan = _shift_plan(gm, snn, target_mean, shifts)
+    if plan is None:
+        return _rerun(snn, T, batches, target_mean, out, horizons, membrane, wfit)
+    out.T = T
+    per, group_size, budget = _chunking(snn, gm, batches, T, group_size)
+    cut = _chunks(batches, per)
+    if group_size is not None:
+        return _grouped(out, snn, T, batches, target_mean, horizons, membrane, wfit, plan, shifts, cut,
+                        group_size, budget)
+    return _one_pass(out, snn, T, batches, target_mean, horizons, membrane, wfit, plan, shifts, cut)
+
+
+def _shift_plan(gm: fx.GraphModule, snn: SpikingNetwork, target_mean: Any, shifts: dict) -> list[tuple] | None:
+    """Per neuron to correct, in graph order: its node's name, the neuron, its name, its QCFS
+    source and the layer whose bias moves; None where a shift would reach other nodes than its
+    neuron (or a module is called twice), so that the single pass is not exact."""
     calls = call_counts(gm)
     plan: list[tuple] = []
-    shifts: dict[str, Any] = {}
     for node in gm.graph.nodes:
         site = _shift_site(gm, node, snn, target_mean, bias_path, shifts)
         if site is None:
             continue
         neuron_mod, source, hit = site
         if calls.get(str(node.target), 0) != 1 or not _shift_reaches_only(gm, node, hit, calls):
-            return _rerun(snn, T, batches, target_mean, out, horizons, membrane, wfit)
+            return None
         plan.append((node.name, neuron_mod, str(node.target), source, module_of(gm, hit[0])))
+    return plan
+
+
+def _chunking(snn: SpikingNetwork, gm: fx.GraphModule, batches: list, T: int, group_size: int | None
+              ) -> tuple[int | None, int | None, int | None]:
+    """Images per chunk (None: whole batches), images per group (None: all images at once, where
+    their lockstep fits the memory and ``group_size`` is None) and the memory budget."""
     # cache-sized chunks on a CPU (as SpikingNetwork's chunk_size), each inside one batch
-    out.T = T
     per = None
     per_image = largest_value(gm, batches[0][:1])  # all T steps of one image
     device = batches[0].device
@@ -309,12 +330,17 @@ def calibrate_bias(snn: SpikingNetwork, reference: nn.Module, loader: Any, *,
     if grouped:
         assert group_size is not None
         per = min(per or group_size, group_size)
-    chunks, owner, spans = _chunks(batches, per)
-    if grouped:
-        assert group_size is not None
-        return _grouped(out, snn, T, batches, target_mean, horizons, membrane, wfit, plan, shifts,
-                        (chunks, owner, spans), group_size, budget)
+    return per, group_size, budget
 
+
+def _one_pass(out: SpikingNetwork, snn: SpikingNetwork, T: int, batches: list, target_mean: Any,
+              horizons: tuple[int, int] | None, membrane: bool, wfit: WeightCalibration | None,
+              plan: list, shifts: dict, cut: tuple[list, list, list]) -> SpikingNetwork:
+    """:func:`calibrate_bias`'s single pass over every calibration image at once
+    (:func:`snnconv.graph.run_lockstep`)."""
+    chunks, owner, spans = cut
+    gm = out.net
+    steps = (T,) if horizons is None else horizons
     # the spike rates of the neurons whose spikes a fitted layer reads directly: from each
     # position's charge and last membrane as the neuron fires (no pass over the spikes), kept
     # until the last such layer has been fitted

@@ -21,14 +21,14 @@ what the reset ``Scale(-theta)`` and the next layers receive. Every node means w
 says; only the count leaving ``X_spikes`` is graded (Loihi 2 carries it as a graded spike).
 
 The comparison. snnconv's neurons fire on ``h >= theta``; NIR's ``IF`` and ``Threshold`` fire
-on ``v > v_threshold``. Format 2 (written now) states NIR's comparison, ``compare=">"``, and
-writes every threshold as :func:`spec_threshold` ``(theta) = nextafter(theta, 0)`` in float32:
-for every float32 ``v``, ``v > nextafter(theta, 0)`` is ``v >= theta``, so each node means
-exactly what NIR's spec says and that is snnconv's neuron, ties included. A reader that fires
-on ``>=`` (spikingjelly) agrees with it except on a membrane exactly one float32 step below
-theta. Format 1 files stated ``compare=">="`` and wrote theta itself; they are read with that
-meaning (:func:`engine_threshold`). A node without snnconv's metadata means what NIR's spec
-says: ``v > v_threshold``.
+on ``v > v_threshold``. snnconv's metadata states NIR's comparison, ``compare=">"``, and its
+files write every threshold as :func:`spec_threshold` ``(theta) = nextafter(theta, 0)`` in
+float32: for every float32 ``v``, ``v > nextafter(theta, 0)`` is ``v >= theta``, so each node
+means exactly what NIR's spec says and that is snnconv's neuron, ties included. A reader that
+fires on ``>=`` (spikingjelly) agrees with it except on a membrane exactly one float32 step
+below theta. A node without snnconv's metadata means what NIR's spec says: ``v > v_threshold``
+(a reader may apply ``>=`` instead, :data:`COMPARES`, to reproduce a producer that simulates
+that). A file whose ``snnconv_format`` is not :data:`FORMAT_VERSION` is refused.
 
 Files older than the reset value. Up to nir 1.0.5 (files whose ``version`` is below 1.0.6,
 e.g. ``0.2.0`` from nir <= 1.0.4) ``IF`` was documented as resetting by subtraction
@@ -68,7 +68,7 @@ import numpy as np
 from snnconv.errors import ConfigError
 from snnconv.vocabulary import RESETS
 
-__all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
+__all__ = ["FORMAT_VERSION", "PRODUCER", "RESETS", "COMPARE", "COMPARES",
            "SPEC_COMPARE", "NEURON_KEY", "BURST_KEY", "SPIKES_SUFFIX", "OP_KEY", "MODULE_KEY", "SUM_OP",
            "SCALE_OP", "CONCAT_OP",
            "ADAPTIVE_AVGPOOL", "SOURCE_VERSION_KEY", "V_RESET_SINCE", "fire_threshold",
@@ -76,16 +76,15 @@ __all__ = ["FORMAT_VERSION", "FORMAT_VERSIONS", "PRODUCER", "RESETS", "COMPARE",
            "v_init_metadata", "predates_v_reset", "legacy_if_reason", "integration_gain",
            "INPUT_KEY", "ANALOG_PREFIX", "PREFIX_FILE_KEY", "PREFIX_SHA256_KEY"]
 
-#: graph metadata key "snnconv_format": the version written now
+#: graph metadata key "snnconv_format": the version written and read
 FORMAT_VERSION = 2
-#: the versions a reader understands (1: thresholds compared with ">=")
-FORMAT_VERSIONS = (1, 2)
 PRODUCER = "snnconv"
 #: the comparison written now: NIR's own (see the module docstring)
 COMPARE = ">"
 #: NIR's comparison, for nodes without snnconv's metadata
 SPEC_COMPARE = ">"
-#: the comparisons a file may state (">=": format 1)
+#: the comparisons a reader may apply to IF nodes that state none (">=": a producer that
+#: simulates ``v >= v_threshold``)
 COMPARES = (">", ">=")
 NEURON_KEY = "snnconv_neuron"
 #: neuron metadata key: the most spikes a burst neuron emits in one step (absent: 1)

@@ -9,14 +9,14 @@ Neurons (both with ``theta`` per layer, shape ``()``, or per channel, shape ``(C
 is always the threshold compared with ``>=``)::
 
     reset "subtract" (three standard nodes: X = I(r * dt = 1), X_fire = Threshold(t),
-    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X, t = theta/2 compared as X's
-    metadata states: ">=" in format 1, ">" with t = nextafter(theta/2, 0) in format 2):
+    X_reset = Scale(-theta), edges X -> X_fire -> X_reset -> X, t = nextafter(theta/2, 0)
+    compared with ">", as X's metadata states):
         h[t] = v[t-1] + x[t] / theta;  s[t] = h[t] >= 1;  v[t] = h[t] - s[t];  v[0] = 1/2
     burst B > 1 (metadata "burst": B; B Thresholds X_fire, X_fire2, ... at t_k = theta * (k - 1/2)
     into one sum Scale X_spikes, which feeds X_reset): s[t] = min(B, floor(h[t])) where h >= 1
     reset "zero" (one node X = IF(r * dt = 1, v_threshold, v_reset=0)): NIR's IF, firing on
-    v > v_threshold (theta = nextafter(v_threshold, inf)) unless its metadata says ">="
-    (format 1: theta = v_threshold):
+    v > v_threshold (theta = nextafter(v_threshold, inf)), or >= where the reader is asked to
+    (``compare=">="``) and the node states no comparison (theta = v_threshold):
         h[t] = v[t-1] + x[t];  s[t] = h[t] >= theta;  v[t] = h[t] * (1 - s[t]);  v[0] = 0
 
 An IF of a file older than v_reset (graph metadata ``nir_file_version`` below 1.0.6, recorded
@@ -68,9 +68,9 @@ import numpy as np
 from snnconv.errors import NIRError
 from snnconv.nir.format import (
     BURST_KEY,
+    COMPARE,
     COMPARES,
     FORMAT_VERSION,
-    FORMAT_VERSIONS,
     NEURON_KEY,
     OP_KEY,
     RESETS,
@@ -171,24 +171,11 @@ def _theta_compact(full: np.ndarray, where: str, per_channel: bool | None) -> np
     return np.ascontiguousarray(per[:, 0], dtype=np.float32)
 
 
-def _compare(where: str, meta: Mapping[str, Any], required: bool, default: str) -> str:
-    """The comparison a neuron node states (``default`` where it states none)."""
-    if "compare" not in meta:
-        if required:
-            raise NIRError(
-                f"node '{where}': neuron metadata lacks 'compare'. The I/Threshold/Scale pattern "
-                "is read as snnconv's subtractive IF only when the integrator's metadata says so")
-        return default
-    got = meta["compare"]
-    if got not in COMPARES:
-        raise NIRError(f"node '{where}': neuron metadata compare={got!r}; snnconv reads "
-                       f"{' or '.join(map(repr, COMPARES))}")
-    return got
-
-
 def _check_neuron_meta(where: str, meta: Mapping[str, Any], reset: str, v_init: float,
                        required: bool) -> None:
-    expected = {"reset": reset, "v_init": v_init}
+    """Refuse neuron metadata that states another reset, ``v_init`` or comparison than snnconv's
+    (or, where ``required``, states none)."""
+    expected = {"reset": reset, "v_init": v_init, "compare": COMPARE}
     for key, want in expected.items():
         if key not in meta:
             if required:
@@ -262,7 +249,6 @@ def _read_subtractive(name: str, node: Any, meta: Mapping[str, Any], per_channel
     calibrated = isinstance(v_meta, (list, tuple, np.ndarray))
     _check_neuron_meta(name, {k: (0.5 if calibrated and k == "v_init" else v) for k, v in meta.items()},
                        "subtract", 0.5, required=True)
-    compare = _compare(name, meta, required=True, default=SPEC_COMPARE)
     scale = _array(nodes[reset].scale, reset, "scale")
     thresholds = [_array(nodes[f].threshold, f, "threshold") for f in fires]
     if any(not (scale.shape == t.shape == r.shape) for t in thresholds):
@@ -285,13 +271,11 @@ def _read_subtractive(name: str, node: Any, meta: Mapping[str, Any], per_channel
     v_full = np.broadcast_to(v0.reshape(v0.shape + (1,) * (len(r.shape) - v0.ndim)), r.shape)
     # the k-th Threshold in edge order fires the k-th spike of a step
     for k, (fire, threshold) in enumerate(zip(fires, thresholds), start=1):
-        expected = fire_threshold(theta_full, v_full, k)
-        if compare == ">":
-            expected = spec_threshold(expected)
+        expected = spec_threshold(fire_threshold(theta_full, v_full, k))
         if not np.array_equal(threshold, expected):
             raise NIRError(f"node '{fire}': threshold must be exactly theta * ({k} - v_init) "
-                           f"{'(one float32 step below it, compared with >)' if compare == '>' else ''}"
-                           f"(theta = -scale of '{reset}', v_init from the metadata: "
+                           f"(one float32 step below it, compared with >) (theta = -scale of "
+                           f"'{reset}', v_init from the metadata: "
                            f"{'calibrated' if calibrated else '1/2'}); it is not")
     params = {"theta": _theta_compact(theta_full, name, per_channel), "reset": "subtract", "v_init": v0}
     if burst > 1:
@@ -363,7 +347,8 @@ def parse(graph: "nir.NIRGraph", *, dt: float = 1.0, compare: str | None = None)
             a missing or repeated Input/Output, a non-positive threshold, neurons that are not
             exactly snnconv's IF (``r * dt != 1``, a reset value or initial state it does not
             implement), mixed reset modes, an IF of a file older than ``v_reset`` (it resets by
-            subtraction in absolute units) or a format version this reader does not know.
+            subtraction in absolute units) or an ``snnconv_format`` other than the one
+            it reads.
     """
     dt, compare_default, metadata, legacy, source_version = _call(graph, dt, compare)
     nodes, kinds, edges, ins, outs, input_name, output_name = _structure(graph)
@@ -389,9 +374,10 @@ def _call(graph: Any, dt: Any, compare: str | None) -> tuple[float, str, dict, b
         raise NIRError(f"compare must be None or one of {COMPARES}, got {compare!r}")
     metadata = _meta(graph)
     fmt = metadata.get("snnconv_format")
-    if fmt is not None and fmt not in FORMAT_VERSIONS:
-        raise NIRError(f"graph metadata snnconv_format={fmt!r}: this snnconv reads formats "
-                       f"{FORMAT_VERSIONS} (a newer snnconv wrote it?)")
+    if fmt is not None and (isinstance(fmt, bool) or fmt != FORMAT_VERSION):
+        raise NIRError(f"graph metadata snnconv_format={fmt!r}: this snnconv reads format "
+                       f"{FORMAT_VERSION} only. Re-export the network with this snnconv (convert the "
+                       "model again and write it with export_nir or save_nir)")
     source_version = metadata.get(SOURCE_VERSION_KEY)
     legacy = predates_v_reset(source_version)
     return dt, compare_default, metadata, legacy, source_version
@@ -479,7 +465,7 @@ def _neurons(nodes: dict, kinds: dict[str, str], ins: dict[str, list[str]], outs
                 raise NIRError(f"node '{name}': IF with v_reset != 0; snnconv's hard-reset neuron "
                                "resets to 0")
             _check_neuron_meta(name, meta, "zero", 0.0, required=False)
-            compare = _compare(name, meta, required=False, default=compare_default)
+            compare = meta.get("compare", compare_default)
             neuron_params[name] = {"theta": _theta_compact(engine_threshold(v_th, compare), name,
                                                            per_channel), "reset": "zero"}
             neuron_shapes[name] = r.shape

@@ -34,8 +34,8 @@ is snnconv's ``v >= theta`` exactly; the neurons' metadata states ``compare=">"`
   spike and its per-step values are averaged over T (the graph's documented convention).
 
 Reading goes through the strict reader :func:`snnconv.nir.reader.parse`: a node means
-what NIR's spec says unless snnconv's metadata states otherwise (format 1 files: ``compare=">="``
-with theta itself), at a time step ``dt`` chosen by the reader (``r * dt = 1``). Files are
+what NIR's spec says unless snnconv's metadata states otherwise, at a time step ``dt`` chosen by
+the reader (``r * dt = 1``); a file of another ``snnconv_format`` is refused. Files are
 written and read by :mod:`snnconv.nir.file` (:func:`save_nir`, :func:`load_nir`, re-exported here).
 """
 

@@ -17,15 +17,14 @@ import math
 import os
 import time
 from collections.abc import Sized
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler
 
 from snnconv.analysis.metrics import TeacherLabelled, accuracy_by_T, distillation_loss, evaluate, teacher_targets
-from snnconv.data import SameShape, bounded, split_batch, split_dataset
+from snnconv.data import SameShape, bounded, split_batch
 from snnconv.distributed import (
     all_reduce_sum,
     local_device,
@@ -40,6 +39,7 @@ from snnconv.progress import progress_bar
 from snnconv.recompute import StepBudget, checkpointed, plan_step
 from snnconv.snn.network import SpikingNetwork
 from snnconv.snn.neuron import neurons
+from snnconv.stages.finetune_data import TrainingData, training_data, training_size
 from snnconv.stages.qcfs import make_optimizer
 
 __all__ = ["FinetuneConfig", "finetune", "blend", "checkpointed", "read_checkpoint", "CHECKPOINT_NAME"]
@@ -175,16 +175,6 @@ def _weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _data_size(data: "_Data") -> int | None:
-    """Samples (a sized dataset) or batches (a list) of the training split; None if unknown."""
-    for obj in (getattr(data.train, "dataset", None), data.train):
-        try:
-            return len(obj)  # type: ignore[arg-type]  # an unsized one raises TypeError
-        except TypeError:
-            continue
-    return None
-
-
 # --- training -------------------------------------------------------------------------------
 
 # Settings that decide the training trajectory: a checkpoint written under other values cannot
@@ -193,61 +183,6 @@ _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "w
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
                 "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
                 "distill", "distill_temperature", "per_step")
-
-
-@dataclass
-class _Data:
-    train: Iterable
-    val: Iterable | None
-    sampler: DistributedSampler | None = None
-    generator: torch.Generator | None = None  # the train loader's own (worker seeds)
-    global_batch: int | None = None
-
-    def start_epoch(self, epoch: int, seed: int) -> None:
-        """Fix this epoch's order and worker seeds from (seed, epoch) alone, never from the
-        global RNG, so an epoch replays identically after a resume."""
-        if self.sampler is not None:
-            self.sampler.set_epoch(epoch)
-        if self.generator is not None:
-            self.generator.manual_seed(seed * 1_000_003 + epoch)
-
-
-def _loaders(loader: Iterable, cfg: FinetuneConfig, rank: int, world: int) -> _Data:
-    if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
-        if world > 1:
-            raise DataError("distributed fine-tuning needs a torch DataLoader over a sized dataset")
-        from snnconv.data import split_loader
-
-        train, val = split_loader(loader, cfg.val_fraction, seed=cfg.seed)
-        return _Data(train, val)
-    train_set: Any
-    val_set: Any
-    if cfg.val_fraction > 0:
-        train_set, val_set = split_dataset(loader.dataset, cfg.val_fraction, seed=cfg.seed)
-    else:
-        train_set, val_set = loader.dataset, None
-    batch = cfg.batch_size or loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-    if not batch:
-        raise DataError("cannot tell the batch size of a DataLoader without automatic batching; "
-                        "pass batch_size= to finetune()")
-    if batch % world:
-        raise DataError(f"the global batch size {batch} is not divisible by {world} processes")
-    # Every process count draws the same global batches: a DistributedSampler over the seeded
-    # permutation gives rank r the samples r, r + world, ... of it, so with one process it is
-    # the permutation itself and the union over ranks of batch k is always the same set.
-    sampler: DistributedSampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=cfg.seed, drop_last=True)
-    common: dict[str, Any] = dict(num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                                  pin_memory=loader.pin_memory, worker_init_fn=loader.worker_init_fn)
-    # own generators: creating an iterator then draws from them, not from the global RNG
-    generator = torch.Generator()
-    train = DataLoader(train_set, batch_size=batch // world, sampler=sampler, drop_last=True,
-                       generator=generator, **common)
-    val = None
-    if val_set is not None:
-        val = DataLoader(val_set, batch_size=batch, shuffle=False,
-                         generator=torch.Generator().manual_seed(cfg.seed), **common)
-    return _Data(train, val, sampler, generator, batch)
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -464,11 +399,91 @@ def blend(start: SpikingNetwork, tuned: SpikingNetwork, wise: float) -> SpikingN
     return out
 
 
+@dataclass
+class _Run:
+    """One fine-tuning run's state. ``model`` owns the parameters (state dicts, checkpoints,
+    evaluation); ``runner`` computes the training forward (a checkpointed view and/or a DDP
+    wrapper sharing those parameters), made at the first step, whose images say what fits
+    (:func:`plan_step`). ``best_state``: the weights of the best validation score so far."""
+
+    cfg: FinetuneConfig
+    model: SpikingNetwork
+    thresholds: list[nn.Parameter]
+    teacher: nn.Module | None
+    data: TrainingData
+    label_free: bool
+    steps_per_epoch: int | None
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler
+    use_amp: bool
+    amp_dtype: torch.dtype
+    device: torch.device
+    rank: int
+    world: int
+    ckpt_path: str | None
+    fingerprint: str
+    start_digest: str
+    data_size: int | None
+    runner: nn.Module | None = None
+    plan: StepBudget | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_val: float = -1.0
+    best_state: dict[str, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """Where a run starts: the epoch and step, and for a mid-epoch resume the RNG state to set
+    once the epoch's first ``step`` batches are passed and the loss sums so far (rank 0)."""
+
+    epoch: int = 0
+    step: int = 0
+    rng: Any = None
+    partial: list[float] | None = None
+
+
 def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank, world):
+    """:func:`finetune` once its arguments are checked: trains a copy of ``snn`` and returns it
+    with the history."""
     from snnconv.analysis.plots import plot_history
 
+    run = _start(snn, loader, cfg, teacher, device, rank, world)
+    at = _resume(run) if cfg.resume and run.ckpt_path and os.path.exists(run.ckpt_path) else _Resume()
+    start_val: float | None = None
+    margin = 0.0
+    if cfg.keep_start and run.data.val is not None and at.epoch == 0 and at.step == 0:
+        # the converted network is epoch 0, handicapped by one standard error of its score: a
+        # trained epoch wins a tie within the split's noise, a worse one loses to the start
+        run.model.eval()
+        start_val = _val_accuracy(run.model, run.data.val, cfg, device)
+        margin = start_margin(start_val, _val_size(run.data.val))
+        run.best_val, run.best_state = start_val - margin, copy.deepcopy(run.model.state_dict())
+    for epoch in range(at.epoch, cfg.epochs):
+        record = _train_epoch(run, epoch, at.step if epoch == at.epoch else 0, at, progress)
+        if run.data.val is not None:
+            record["val_acc"] = _val_accuracy(run.model, run.data.val, cfg, device)
+            if record["val_acc"] > run.best_val:
+                run.best_val = record["val_acc"]
+                run.best_state = copy.deepcopy(run.model.state_dict())
+        run.history.append(record)
+        _save(run, epoch + 1, 0)
+        if run.ckpt_path and rank == 0:
+            assert cfg.checkpoint_dir is not None  # where ckpt_path lives
+            plot_history(run.history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
+    if start_val is not None and run.history:
+        run.history[-1]["start_val_acc"] = start_val
+        run.history[-1]["start_margin"] = margin
+        # the best only moves on a strict improvement: still equal, no epoch beat the start
+        run.history[-1]["kept_start"] = run.best_val == start_val - margin
+    return _finish(run, snn), run.history
+
+
+def _start(snn: SpikingNetwork, loader: Iterable, cfg: FinetuneConfig, teacher: nn.Module | None,
+           device: torch.device, rank: int, world: int) -> _Run:
+    """A run at its start: a trainable copy of ``snn`` at ``cfg.T``, the data, the optimiser and
+    its schedule, the gradient scaler and the checkpoint's identity."""
     torch.manual_seed(cfg.seed)
-    original_T = snn.T
     model = copy.deepcopy(snn).to(device)
     model.T = cfg.T
     if teacher is not None:
@@ -477,7 +492,7 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
         m.set_surrogate(alpha=cfg.alpha, detach_reset=cfg.detach_reset)
         m.theta.requires_grad_(cfg.train_thresholds)
     thresholds = [m.theta for m in neurons(model).values()] if cfg.train_thresholds else []
-    data = _loaders(loader, cfg, rank, world)
+    data = training_data(loader, cfg, rank, world)
     label_free = teacher is not None and cfg.distill == 1
     if label_free and data.val is not None:
         data.val = TeacherLabelled(data.val, teacher, device)
@@ -492,160 +507,152 @@ def _finetune(snn, loader, cfg: FinetuneConfig, teacher, device, progress, rank,
     # an unsized loader has no known length to anneal over: constant rate after warm-up
     total = cfg.epochs * steps_per_epoch if steps_per_epoch else 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup_steps))
-    # ``model`` owns the parameters (state dicts, checkpoints, evaluation); ``runner`` computes
-    # the training forward (a checkpointed view and/or a DDP wrapper sharing those parameters),
-    # made at the first step, whose images say what fits (:func:`plan_step`)
-    runner: nn.Module | None = None
-    plan: StepBudget | None = None
     use_amp = cfg.amp and device.type == "cuda"
     amp_dtype = torch.bfloat16 if use_amp and torch.cuda.is_bf16_supported() else torch.float16
     scaler = torch.amp.GradScaler("cuda", enabled=use_amp and amp_dtype == torch.float16)
-
     ckpt_path = os.path.join(cfg.checkpoint_dir, CHECKPOINT_NAME) if cfg.checkpoint_dir else None
-    fingerprint = _fingerprint(model)
-    start_digest = _weights_digest(model) if ckpt_path else ""
-    data_size = _data_size(data)
-    history: list[dict[str, float]] = []
-    start_epoch, start_step, best_val, best_state = 0, 0, -1.0, None
-    resume_rng, resume_partial = None, None
-    if cfg.resume and ckpt_path and os.path.exists(ckpt_path):
-        state = read_checkpoint(ckpt_path)
-        check_checkpoint(ckpt_path, state, model, cfg.epochs, steps_per_epoch)
-        _check_resumable(ckpt_path, state, fingerprint, cfg, data.global_batch, start_digest, data_size)
-        try:
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            scaler.load_state_dict(state["scaler"])
-            set_rng_state(state["rng"], device)  # an epoch-end checkpoint continues from here
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
-            raise CheckpointError(f"{ckpt_path}: its training state does not fit this run "
-                                  f"({type(exc).__name__}: {str(exc)[:200]}); delete it to start over") from None
-        start_epoch, start_step = state["epoch"], state["step"]
-        history = list(state["history"])
-        best_val, best_state = state["best_val"], state["best_state"]
-        if start_step:
-            # mid-epoch: replaying the epoch's first batches may draw random numbers (dataset
-            # transforms), so the state is set again once they are passed
-            resume_rng = state["rng"]
-            # the sums so far are global (all ranks); rank 0 carries them, the others restart
-            if rank == 0:
-                resume_partial = state["partial"]
+    return _Run(cfg, model, thresholds, teacher, data, label_free, steps_per_epoch, opt, sched, scaler,
+                use_amp, amp_dtype, device, rank, world, ckpt_path, _fingerprint(model),
+                _weights_digest(model) if ckpt_path else "", training_size(data))
 
-    def save(epoch: int, step: int, partial: list[float] | None = None) -> None:
-        if ckpt_path is None or rank != 0:
-            return
-        write_checkpoint(ckpt_path, {
-            "fingerprint": fingerprint, "start_digest": start_digest, "data_size": data_size,
-            "config": asdict(cfg), "global_batch": data.global_batch,
-            "epoch": epoch, "step": step, "partial": partial,
-            "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
-            "rng": rng_state(device), "history": history, "best_val": best_val,
-            "best_state": best_state})
 
-    start_val: float | None = None
-    margin = 0.0
-    if cfg.keep_start and data.val is not None and start_epoch == 0 and start_step == 0:
-        # the converted network is epoch 0, handicapped by one standard error of its score: a
-        # trained epoch wins a tie within the split's noise, a worse one loses to the start
-        model.eval()
-        start_val = _val_accuracy(model, data.val, cfg, device)
-        margin = start_margin(start_val, _val_size(data.val))
-        best_val, best_state = start_val - margin, copy.deepcopy(model.state_dict())
-    for epoch in range(start_epoch, cfg.epochs):
-        data.start_epoch(epoch, cfg.seed)
-        skip = start_step if epoch == start_epoch else 0
-        model.train()
-        if runner is not None:
-            runner.train()
-        t0 = time.perf_counter()
-        sums = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
-        if skip and resume_partial is not None:
-            sums = torch.tensor(resume_partial, dtype=torch.float64)
-        bar = progress_bar(total=steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not progress, leave=False)
-        batches = iter(bounded(data.train, where="the fine-tuning loader"))
-        if cfg.max_steps_per_epoch:
-            batches = itertools.islice(batches, cfg.max_steps_per_epoch)
-        seen = 0
-        same = SameShape("the fine-tuning loader")
-        for step, batch in enumerate(batches):
-            seen = step + 1
-            if step < skip:
-                if step == skip - 1:
-                    assert resume_rng is not None  # skip > 0 only on a mid-epoch resume
-                    set_rng_state(resume_rng, device)
-                continue
-            x, y = split_batch(batch, where="fine-tuning loader")
-            same(x, step)
-            if y is None and not label_free:
-                raise DataError("fine-tuning needs labels, but the loader yields inputs only; pass "
-                                "(x, y) batches, or distill=1.0 with a teacher to learn from its "
-                                "outputs alone")
-            x = x.to(device)
-            soft, y = teacher_targets(teacher, x, y, cfg.distill_temperature, device)
-            if runner is None:
-                plan = _step_plan(model, x, cfg, device, world)
-                runner = _runner(model, plan, device, world)
-            assert plan is not None  # made with the runner
-            opt.zero_grad(set_to_none=True)
-            loss, out = _backward(runner, x, y, soft, cfg, plan.micro_batch, scaler, use_amp, amp_dtype)
-            if cfg.grad_clip > 0:
-                scaler.unscale_(opt)
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(opt)
-            scaler.update()
-            sched.step()
-            if thresholds:
-                with torch.no_grad():
-                    for m in neurons(model).values():
-                        m.theta.clamp_(min=1e-3)
-            with torch.no_grad():
-                sums += torch.tensor([loss * len(y), (out.argmax(1) == y).sum().item(), len(y)],
-                                     dtype=torch.float64)
-            bar.update(1)
-            bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{100 * sums[1] / sums[2]:.1f}")
-            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-                partial = all_reduce_sum(sums, device) if world > 1 else sums
-                save(epoch, step + 1, partial.tolist())
-        bar.close()
-        if seen < skip:
-            raise CheckpointError(
-                f"{ckpt_path} stopped after step {skip} of epoch {epoch + 1}, but the loader now "
-                f"yields only {seen} batches per epoch; resume with the same data")
-        if world > 1:
-            sums = all_reduce_sum(sums, device)
-        if sums[2] == 0:
-            raise DataError(
-                f"the fine-tuning loader yielded no batch in epoch {epoch + 1}; a one-shot iterator "
-                "(a generator) can be read only once: pass a DataLoader or a list of batches")
-        record = {"epoch": epoch + 1, "loss": float(sums[0] / sums[2]),
-                  "train_acc": float(100 * sums[1] / sums[2]), "steps": seen,
-                  "seconds": time.perf_counter() - t0}
-        if data.val is not None:
-            record["val_acc"] = _val_accuracy(model, data.val, cfg, device)
-            if record["val_acc"] > best_val:
-                best_val = record["val_acc"]
-                best_state = copy.deepcopy(model.state_dict())
-        history.append(record)
-        save(epoch + 1, 0)
-        if ckpt_path and rank == 0:
-            assert cfg.checkpoint_dir is not None  # where ckpt_path lives
-            plot_history(history, os.path.join(cfg.checkpoint_dir, "training_curve.png"))
-    if start_val is not None and history:
-        history[-1]["start_val_acc"] = start_val
-        history[-1]["start_margin"] = margin
-        # the best only moves on a strict improvement: still equal, no epoch beat the start
-        history[-1]["kept_start"] = best_val == start_val - margin
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    if cfg.wise:
-        model = blend(snn, model, cfg.wise)
+def _resume(run: _Run) -> _Resume:
+    """Load the run's checkpoint into ``run`` (weights, optimiser, schedule, scaler, RNG,
+    history, best so far); where it starts again."""
+    path = run.ckpt_path
+    assert path is not None  # resumed only from a checkpoint file
+    state = read_checkpoint(path)
+    check_checkpoint(path, state, run.model, run.cfg.epochs, run.steps_per_epoch)
+    _check_resumable(path, state, run.fingerprint, run.cfg, run.data.global_batch, run.start_digest,
+                     run.data_size)
+    try:
+        run.model.load_state_dict(state["model"])
+        run.opt.load_state_dict(state["optimizer"])
+        run.sched.load_state_dict(state["scheduler"])
+        run.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"], run.device)  # an epoch-end checkpoint continues from here
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: its training state does not fit this run "
+                              f"({type(exc).__name__}: {str(exc)[:200]}); delete it to start over") from None
+    run.history = list(state["history"])
+    run.best_val, run.best_state = state["best_val"], state["best_state"]
+    if not state["step"]:
+        return _Resume(state["epoch"])
+    # mid-epoch: replaying the epoch's first batches may draw random numbers (dataset
+    # transforms), so the state is set again once they are passed; the sums so far are
+    # global (all ranks): rank 0 carries them, the others restart
+    return _Resume(state["epoch"], state["step"], state["rng"], state["partial"] if run.rank == 0 else None)
+
+
+def _save(run: _Run, epoch: int, step: int, partial: list[float] | None = None) -> None:
+    """Write the run's checkpoint (rank 0, where the run has a checkpoint file)."""
+    if run.ckpt_path is None or run.rank != 0:
+        return
+    write_checkpoint(run.ckpt_path, {
+        "fingerprint": run.fingerprint, "start_digest": run.start_digest, "data_size": run.data_size,
+        "config": asdict(run.cfg), "global_batch": run.data.global_batch,
+        "epoch": epoch, "step": step, "partial": partial,
+        "model": run.model.state_dict(), "optimizer": run.opt.state_dict(),
+        "scheduler": run.sched.state_dict(), "scaler": run.scaler.state_dict(),
+        "rng": rng_state(run.device), "history": run.history, "best_val": run.best_val,
+        "best_state": run.best_state})
+
+
+def _train_epoch(run: _Run, epoch: int, skip: int, at: _Resume, progress: bool) -> dict[str, float]:
+    """Train one epoch (its first ``skip`` batches passed over on a mid-epoch resume); its
+    record: loss, training accuracy, steps and seconds."""
+    cfg, device = run.cfg, run.device
+    run.data.start_epoch(epoch, cfg.seed)
+    run.model.train()
+    if run.runner is not None:
+        run.runner.train()
+    t0 = time.perf_counter()
+    sums = torch.zeros(3, dtype=torch.float64)  # loss*n, correct, n
+    if skip and at.partial is not None:
+        sums = torch.tensor(at.partial, dtype=torch.float64)
+    bar = progress_bar(total=run.steps_per_epoch, initial=skip, desc=f"BPTT epoch {epoch + 1}/{cfg.epochs}",
+                       disable=not progress, leave=False)
+    batches = iter(bounded(run.data.train, where="the fine-tuning loader"))
+    if cfg.max_steps_per_epoch:
+        batches = itertools.islice(batches, cfg.max_steps_per_epoch)
+    seen = 0
+    same = SameShape("the fine-tuning loader")
+    for step, batch in enumerate(batches):
+        seen = step + 1
+        if step < skip:
+            if step == skip - 1:
+                assert at.rng is not None  # skip > 0 only on a mid-epoch resume
+                set_rng_state(at.rng, device)
+            continue
+        loss, out, y = _train_step(run, batch, step, same)
+        with torch.no_grad():
+            sums += torch.tensor([loss * len(y), (out.argmax(1) == y).sum().item(), len(y)],
+                                 dtype=torch.float64)
+        bar.update(1)
+        bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{100 * sums[1] / sums[2]:.1f}")
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            partial = all_reduce_sum(sums, device) if run.world > 1 else sums
+            _save(run, epoch, step + 1, partial.tolist())
+    bar.close()
+    if seen < skip:
+        raise CheckpointError(
+            f"{run.ckpt_path} stopped after step {skip} of epoch {epoch + 1}, but the loader now "
+            f"yields only {seen} batches per epoch; resume with the same data")
+    if run.world > 1:
+        sums = all_reduce_sum(sums, device)
+    if sums[2] == 0:
+        raise DataError(
+            f"the fine-tuning loader yielded no batch in epoch {epoch + 1}; a one-shot iterator "
+            "(a generator) can be read only once: pass a DataLoader or a list of batches")
+    return {"epoch": epoch + 1, "loss": float(sums[0] / sums[2]),
+            "train_acc": float(100 * sums[1] / sums[2]), "steps": seen,
+            "seconds": time.perf_counter() - t0}
+
+
+def _train_step(run: _Run, batch: Any, step: int, same: SameShape
+                ) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """One optimiser step on ``batch``: its loss, the readout and the labels it was scored on."""
+    cfg = run.cfg
+    x, y = split_batch(batch, where="fine-tuning loader")
+    same(x, step)
+    if y is None and not run.label_free:
+        raise DataError("fine-tuning needs labels, but the loader yields inputs only; pass "
+                        "(x, y) batches, or distill=1.0 with a teacher to learn from its "
+                        "outputs alone")
+    x = x.to(run.device)
+    soft, y = teacher_targets(run.teacher, x, y, cfg.distill_temperature, run.device)
+    if run.runner is None:
+        run.plan = _step_plan(run.model, x, cfg, run.device, run.world)
+        run.runner = _runner(run.model, run.plan, run.device, run.world)
+    assert run.plan is not None  # made with the runner
+    run.opt.zero_grad(set_to_none=True)
+    loss, out = _backward(run.runner, x, y, soft, cfg, run.plan.micro_batch, run.scaler, run.use_amp,
+                          run.amp_dtype)
+    if cfg.grad_clip > 0:
+        run.scaler.unscale_(run.opt)
+        nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.scaler.step(run.opt)
+    run.scaler.update()
+    run.sched.step()
+    if run.thresholds:
+        with torch.no_grad():
+            for m in neurons(run.model).values():
+                m.theta.clamp_(min=1e-3)
+    return loss, out, y
+
+
+def _finish(run: _Run, snn: SpikingNetwork) -> SpikingNetwork:
+    """The trained network: the best weights (blended with ``snn``'s for ``wise``), in eval
+    mode, thresholds frozen, at ``snn``'s T."""
+    model = run.model
+    if run.best_state is not None:
+        model.load_state_dict(run.best_state)
+    if run.cfg.wise:
+        model = blend(snn, model, run.cfg.wise)
     model.eval()
-    if plan is not None:
-        model.meta["finetune_step"] = plan.to_dict()
+    if run.plan is not None:
+        model.meta["finetune_step"] = run.plan.to_dict()
     for m in neurons(model).values():
         m.theta.requires_grad_(False)
-    model.T = original_T
-    return model, history
+    model.T = snn.T
+    return model

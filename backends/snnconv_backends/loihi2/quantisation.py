@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from snnconv.errors import BackendError
 from snnconv.nir.leaky import SPIKING
 from snnconv.nir.reader import ParsedGraph
 from snnconv_backends.loihi2.chip import CLOCK, FIRST_VTH, LOIHI
-from snnconv_backends.loihi2.leaky import leaky_spec
+from snnconv_backends.loihi2.leaky import LeakySpec, leaky_spec
 from snnconv_backends.loihi2.mapping import Mapper, chain_as_conv, chain_kind, compose, fanout
 from snnconv_backends.loihi2.network import Connection, Population, QuantizedNetwork, per_neuron_values
 from snnconv_backends.loihi2.ops import conv_params
@@ -271,222 +272,18 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             bit budget cannot represent, or a graph the strict reader refuses (a node type it
             does not run, a malformed graph: the reader's NIRError is the cause).
     """
+    opts = _Options(weight_bits, split_signs, weight_groups, per_neuron_vth, mse_exponents, backend)
     g = graph if isinstance(graph, ParsedGraph) else parse_graph(graph, backend)
     mp = Mapper(g, backend)
-    readout = g.ops[-1]
-    if len(readout.inputs) == 1 and mp.ops[readout.inputs[0]].kind == "li":
-        readout = mp.ops[readout.inputs[0]]  # a leaky readout: LI directly before the Output
-    for op in g.ops:
-        if op.kind == "li" and op is not readout:
-            leaky_spec(op, False, "neuron")  # refused, with the reason
-    targets = [op for op in g.ops if op.kind in SPIKING] + [readout]
-    if len(targets) == 1:
-        raise BackendError(f"{backend}: the graph has no neurons; Loihi runs spiking networks")
+    targets = _targets(g, mp, backend)
     pops: list[Population] = []
     depth: dict[str, int] = {}
     static_ops: list[Any] = [op for op in g.ops if op.name in mp.static and op.kind != "input"]
-    for tgt in targets:
-        role = "neuron" if tgt.kind in SPIKING else "readout"
-        shape = tuple(tgt.out_shape if role == "neuron" else tgt.in_shape or tgt.out_shape)
-        n = int(np.prod(shape))
-        terms = mp.terms(tgt.name)
-        static = [t for t in terms if t[0] == "__static__"]
-        spiking = [t for t in terms if t[0] != "__static__"]
-        if static and role == "readout":
-            raise BackendError(f"{backend}: the readout '{tgt.name}' is fed by the static input "
-                               f"({static[0][1][0].name}) directly; the readout has no bias current "
-                               "to carry it: put a neuron layer between them")
-        late = tuple(tuple(chain) for _, chain in static) if static and spiking else ()
-        leaky = leaky_spec(tgt, bool(static), role) if tgt.kind in ("lif", "cubalif", "li") else None
-        if leaky is not None:  # an IF neuron with threshold v_threshold / gain (see .leaky)
-            theta, reset = leaky.theta, ("zero" if role == "neuron" else "none")
-        elif role == "neuron":
-            theta = np.asarray(tgt.params["theta"], np.float64).reshape(-1)
-            if (theta <= 0).any() or not np.isfinite(theta).all():
-                raise BackendError(f"{backend}: neuron '{tgt.name}' has a non-positive threshold")
-            reset = str(tgt.params["reset"])
-        else:
-            theta, reset = np.ones(1), "none"
-        if late and leaky is not None:
-            raise BackendError(f"{backend}: the leaky neuron '{tgt.name}' sums the static input "
-                               f"({static[0][1][0].name}) with spikes; only IF neurons take it as "
-                               "a bias current")
-        chip: dict[str, Any] = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
-        if static and not spiking:
-            # an int, or one per channel (ndarray) below; the bias current reaches about two
-            # thresholds, 2B for a burst neuron (which emits up to B a step)
-            vth: Any = max(1, FIRST_VTH // _burst(tgt))
-            scale = (vth << LOIHI["vth_shift"]) / theta
-            pops.append(Population(
-                tgt.name, role, shape, 0, vth, _v_init(tgt, vth, shape),
-                reset, scale, (), True,
-                {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)",
-                 **_burst_report(tgt), **({} if leaky is None else leaky.report)}, burst=_burst(tgt), **chip))
-            depth[tgt.name] = 0
-            continue
-        d = max(depth[s] for s, _ in spiking) + 1
-        depth[tgt.name] = d
-        # float weights per connection, unscaled
-        raw: list[Any] = []
-        for s, chain in spiking:
-            src_shape = tuple(mp.ops[s].out_shape)
-            kind, core = chain_kind(chain, src_shape, shape)
-            if kind == "conv" and isinstance(core, list):
-                composed = chain_as_conv(core)
-                assert composed is not None  # chain_kind says "conv" only where it composes
-                w, cparams = composed
-            elif kind == "conv":
-                w, cparams = np.asarray(core.params["weight"], np.float64), conv_params(core)
-            elif kind == "diag":
-                w = (np.ones(n) if core is None else
-                     np.broadcast_to(np.asarray(core.params["scale"], np.float64),
-                                     core.in_shape).reshape(-1).copy())
-            else:
-                w = compose(chain, src_shape, n)
-            weighted = [op.name for op in chain if op.kind in ("conv1d", "conv2d", "affine", "linear")]
-            cname = weighted[-1] if weighted else f"{s}->{tgt.name}"
-            if any(r[0] == cname for r in raw):  # two chains from one source: distinct names
-                cname = f"{cname}#{sum(r[0].split('#')[0] == cname for r in raw) + 1}"
-            raw.append((cname, s, kind, w, cparams if kind == "conv" else None))
-        const = mp.const(tgt.name).reshape(-1).numpy()  # static inputs: 0 (a bias per image)
-        # IF neurons and the IF readout take their biases as the neurons' bias current (13-bit
-        # mantissa per neuron); leaky ones through a connection from the clock neuron
-        as_current = leaky is None and bool(np.any(const != 0))
-        # per-neuron worst-case sums in float units
-        pos = np.zeros(n)
-        neg = np.zeros(n)
-        for _, s, kind, w, _ in raw:
-            p_, n_ = _row_sums(kind, w, shape)
-            pos, neg = pos + p_ * _burst(mp.ops[s]), neg + n_ * _burst(mp.ops[s])
-        if as_current and role == "neuron" and not late:
-            const = _saturating_bias(const, pos, neg, per_neuron_values(theta, shape) * _burst(tgt))
-        if not as_current:
-            pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
-        worst = np.maximum(pos, -neg)
-        a_max = LOIHI["a_in_max"] if leaky is None else leaky.a_in_max
-        if role == "neuron":
-            theta_n = per_neuron_values(theta, shape)
-            with np.errstate(divide="ignore"):
-                lim = np.where(worst > 0, 64.0 * a_max * theta_n / np.maximum(worst, 1e-300), np.inf)
-                if as_current:  # the bias current |b| * (vth << 6) / theta within _BIAS_MAX
-                    lim = np.minimum(lim, np.where(const != 0, _BIAS_MAX * theta_n
-                                                   / np.maximum(np.abs(const), 1e-300), np.inf))
-            cap = _LATE_STATIC_VTH if late else _VTH_CAP
-            raised = 0
-            vth = int(min(cap, math.floor(float(lim.min()) / 64.0)))
-            lim_c = np.minimum(cap, np.floor(_channel_min(lim, shape) / 64.0))
-            if (per_neuron_vth and leaky is None and lim_c.size > 1
-                    and vth < _VTH_PER_CHANNEL):
-                # one threshold per channel (a custom neuron program): each channel's integer
-                # weights fill the input budget its own worst case leaves (see the module doc).
-                # A channel whose worst case exceeds a_max thresholds even at vth = 1 (a channel
-                # calibration left silent, theta floored at 1e-3) gets its threshold raised to
-                # worst / a_max: its output scale theta is tiny, so its spikes barely matter
-                worst_c = _channel_max(worst, shape)
-                theta_c = np.broadcast_to(theta, lim_c.shape).astype(np.float64)
-                theta = np.where(lim_c < 1, np.maximum(theta_c, worst_c / a_max * 1.02), theta_c)
-                raised = int((lim_c < 1).sum())
-                vth = np.maximum(lim_c, 1).astype(np.int64)
-            elif vth >= 2:
-                vth = _best_vth(vth, [_per_vth(kind, w, theta, shape, cname, weight_bits, split_signs)
-                                      for cname, _, kind, w, _ in raw]
-                                + ([_per_vth("bias", const, theta, shape, f"{tgt.name}.bias", weight_bits, split_signs)]
-                                   if np.any(const != 0) and not as_current else []))
-        else:
-            vth = 0
-        for attempt in range(12):
-            if role == "neuron":
-                if np.min(vth) < 1:
-                    raise BackendError(
-                        f"{backend}: neuron '{tgt.name}': its worst-case input is more than "
-                        f"{a_max} times its threshold; the 16-bit input budget cannot hold it")
-                scale_c = np.asarray(vth, np.float64) * 64.0 / theta
-            else:
-                gain = np.ones(1) if leaky is None else leaky.gain  # membrane units: scale / gain
-                wmax = float((worst * per_neuron_values(gain, shape)).max())
-                scale_c = np.asarray(gain) * (64.0 * a_max / wmax if wmax > 0 else 1.0) * (0.97 ** attempt)
-                if as_current:  # the biases fit the bias current
-                    scale_c = np.minimum(scale_c, _BIAS_MAX / float(np.abs(const).max()))
-            s_n = per_neuron_values(scale_c, shape)
-            conns: list[Connection] = []
-            tot_pos = np.zeros(n, np.int64)
-            tot_neg = np.zeros(n, np.int64)
-            for cname, s, kind, w, cparams in raw:
-                if kind == "conv":
-                    sc = (w * per_neuron_values(scale_c, (w.shape[0],)).reshape(-1, *([1] * (w.ndim - 1)))
-                          / 64.0)
-                elif kind == "diag":
-                    sc = w * s_n / 64.0
-                else:
-                    sc = w * s_n[:, None] / 64.0
-                bits = _bits(weight_bits, cname)
-                m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=split_signs, mse_exp=mse_exponents)
-                rep["float_weights"] = int(w.size)
-                rep["float_nonzero"] = int(np.count_nonzero(w))
-                delay = d - depth[s] - 1
-                groups = [(cname, m, e, rep)]
-                if _groups(weight_groups, cname, rep["rel_error"]) == 2:
-                    # the rounding residual as a second synapse group with a smaller exponent
-                    resid = sc - m.astype(np.float64) * 2.0**e
-                    if np.any(resid != 0):
-                        m2, e2, rep2 = _quantize_weights(resid, bias=False, bits=bits, split=split_signs)
-                        if e2 < e and np.any(m2 != 0):
-                            deq = m.astype(np.float64) * 2.0**e + m2.astype(np.float64) * 2.0**e2
-                            rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
-                                                              / max((sc**2).sum(), 1e-300)))
-                            rep2["residual_of"] = cname
-                            rep["zero_rounded_both"] = int(((m == 0) & (m2 == 0) & (sc != 0)).sum())
-                            groups.append((f"{cname}.lo", m2, e2, rep2))
-                for gname, gmant, gexp, grep in groups:
-                    conns.append(Connection(gname, s, tgt.name, kind, gmant, gexp, delay, cparams, grep,
-                                            fanout(kind, gmant, cparams, tuple(mp.ops[s].out_shape), shape)))
-                    p_, n_ = _row_sums(kind, gmant, shape)
-                    p_, n_ = _shifted_bounds(p_, n_, gexp)
-                    # a burst source's graded spike carries up to B times the weight
-                    tot_pos, tot_neg = tot_pos + p_ * _burst(mp.ops[s]), tot_neg + n_ * _burst(mp.ops[s])
-            if np.any(const != 0) and not as_current:
-                m, e, rep = _quantize_weights(const * s_n / 64.0, bias=True,
-                                              bits=_bits(weight_bits, f"{tgt.name}.bias"), split=split_signs)
-                conns.append(Connection(f"{tgt.name}.bias", CLOCK, tgt.name, "bias", m, e, d - 1,
-                                        None, rep, fanout("bias", m, None, (1,), shape)))
-                p_, n_ = _shifted_bounds(np.clip(m, 0, None), np.clip(m, None, 0), e)
-                tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
-            bound = int(max(tot_pos.max(initial=0), -tot_neg.min(initial=0)))
-            if bound <= a_max:
-                break
-            if role == "neuron" and np.ndim(vth):  # lower only the channels over budget
-                b_c = _channel_max(np.maximum(tot_pos, -tot_neg).astype(np.float64), shape)
-                new = np.where(b_c > a_max, np.floor(vth * a_max / np.maximum(b_c, 1) * 0.99), vth)
-                low = new < 1  # already at vth = 1: raise the threshold instead
-                raised += int((low & (theta * (b_c / a_max / 0.99) > theta)).sum())
-                theta = np.where(low, theta * np.maximum(b_c / a_max / 0.99, 1.0), theta)
-                vth = np.maximum(new, 1).astype(np.int64)
-            elif role == "neuron":
-                vth = int(vth * a_max / bound * 0.99)
-        else:
-            raise BackendError(f"{backend}: '{tgt.name}': no scale keeps the worst-case input "
-                               f"within {a_max}")
-        vth_min = int(np.min(vth))
-        rep = {"vth": vth_min if np.ndim(vth) else vth,
-               "v_threshold": vth_min << 6 if role == "neuron" else None,
-               **({"vth_per_channel": {"min": vth_min, "median": float(np.median(vth)),
-                                       "max": int(np.max(vth)), "thresholds_raised": raised}}
-                  if np.ndim(vth) else {}),
-               **({"static_bias": [[op.name for op in ch] for ch in late]} if late else {}),
-               "a_in_bound": bound, "a_in_budget": a_max,
-               "scale_min": float(np.min(scale_c)), "scale_max": float(np.max(scale_c)),
-               **_burst_report(tgt), **({} if leaky is None else leaky.report)}
-        if role == "neuron" and vth_min < 64:
-            rep["warning"] = (f"vth = {vth_min}: the worst-case input is about {a_max // max(vth_min, 1)} times "
-                              "the threshold, so the threshold has few bits; expect a larger "
-                              "deviation from the float network in this layer")
-        if as_current:
-            rep["bias"] = _bias_report(const, per_neuron_values(scale_c, shape))
-        pops.append(Population(tgt.name, role, shape, d, vth,
-                               _v_init(tgt, vth, shape) if role == "neuron" else 0, reset,
-                               np.asarray(scale_c, np.float64), tuple(conns), False, rep,
-                               late_static=late, bias=const.astype(np.float64) if as_current else None,
-                               burst=_burst(tgt) if role == "neuron" else 1, **chip))
+    for op in targets:
+        t = _target(op, mp, backend)
+        pop = _static_population(t) if t.static and not t.spiking else _spiking_population(t, mp, depth, opts)
+        depth[op.name] = pop.depth
+        pops.append(pop)
     names = {c.name for p in pops for c in p.conns}
     for what, opt in (("weight_bits", weight_bits), ("weight_groups", weight_groups)):
         unknown = sorted(set(opt) - names - {"*"}) if isinstance(opt, Mapping) else []
@@ -494,3 +291,339 @@ def quantize(graph: Any, *, weight_bits: int | Mapping[str, int] = 8, split_sign
             raise BackendError(f"{backend}: {what} names no connection of this graph: {unknown}; "
                                f"connections: {sorted(names)}")
     return QuantizedNetwork(g, tuple(pops), tuple(static_ops), depth[targets[-1].name])
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The options of one :func:`quantize` call (see there)."""
+
+    weight_bits: int | Mapping[str, int]
+    split_signs: bool
+    weight_groups: int | str | Mapping[str, int | str]
+    per_neuron_vth: bool
+    mse_exponents: bool
+    backend: str
+
+
+@dataclass
+class _Target:
+    """A population to quantise: its op (a spiking neuron, or the readout), the terms that feed
+    it (from the static input, from spiking sources; ``late``: static chains that arrive beside
+    spikes) and its float neuron (``leaky``: the chip mapping of a leaky op, else None)."""
+
+    op: Any
+    role: str
+    shape: tuple[int, ...]
+    static: list[tuple[str, list[Any]]]
+    spiking: list[tuple[str, list[Any]]]
+    late: tuple[tuple[Any, ...], ...]
+    leaky: LeakySpec | None
+    theta: np.ndarray
+    reset: str
+    chip: dict[str, Any]
+
+    @property
+    def n(self) -> int:
+        return int(np.prod(self.shape))
+
+
+class _Raw(NamedTuple):
+    """One connection's float weights, unscaled: ``kind`` ``"conv"`` (``conv``: its parameters),
+    ``"diag"`` or ``"matrix"``; ``delay`` in steps; ``burst``: the most spikes its source emits
+    in one step."""
+
+    name: str
+    source: str
+    kind: str
+    weight: np.ndarray
+    conv: Any
+    delay: int
+    burst: int
+    source_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What reaches a spiking population: its connections, its pipeline depth, its constant input
+    (biases; static input arriving late) and whether that enters as the bias current, its
+    worst-case input per neuron (float units) and the integer budget ``a_max`` for it."""
+
+    raw: list[_Raw]
+    depth: int
+    const: np.ndarray
+    as_current: bool
+    worst: np.ndarray
+    a_max: int
+
+
+class _Fitted(NamedTuple):
+    """A population's integer thresholds, scale and connections within its input budget."""
+
+    vth: Any
+    raised: int
+    scale: np.ndarray
+    conns: list[Connection]
+    bound: int
+
+
+def _targets(g: ParsedGraph, mp: Mapper, backend: str) -> list[Any]:
+    """The ops that become populations: the spiking neurons, then the readout (the Output's op,
+    or a leaky LI directly before the Output)."""
+    readout = g.ops[-1]
+    if len(readout.inputs) == 1 and mp.ops[readout.inputs[0]].kind == "li":
+        readout = mp.ops[readout.inputs[0]]
+    for op in g.ops:
+        if op.kind == "li" and op is not readout:
+            leaky_spec(op, False, "neuron")  # refused, with the reason
+    targets = [op for op in g.ops if op.kind in SPIKING] + [readout]
+    if len(targets) == 1:
+        raise BackendError(f"{backend}: the graph has no neurons; Loihi runs spiking networks")
+    return targets
+
+
+def _target(tgt: Any, mp: Mapper, backend: str) -> _Target:
+    """What feeds ``tgt`` and its float neuron, refusing a static input Loihi cannot carry."""
+    role = "neuron" if tgt.kind in SPIKING else "readout"
+    shape = tuple(tgt.out_shape if role == "neuron" else tgt.in_shape or tgt.out_shape)
+    terms = mp.terms(tgt.name)
+    static = [t for t in terms if t[0] == "__static__"]
+    spiking = [t for t in terms if t[0] != "__static__"]
+    if static and role == "readout":
+        raise BackendError(f"{backend}: the readout '{tgt.name}' is fed by the static input "
+                           f"({static[0][1][0].name}) directly; the readout has no bias current "
+                           "to carry it: put a neuron layer between them")
+    late = tuple(tuple(chain) for _, chain in static) if static and spiking else ()
+    leaky = leaky_spec(tgt, bool(static), role) if tgt.kind in ("lif", "cubalif", "li") else None
+    if leaky is not None:  # an IF neuron with threshold v_threshold / gain (see .leaky)
+        theta, reset = leaky.theta, ("zero" if role == "neuron" else "none")
+    elif role == "neuron":
+        theta = np.asarray(tgt.params["theta"], np.float64).reshape(-1)
+        if (theta <= 0).any() or not np.isfinite(theta).all():
+            raise BackendError(f"{backend}: neuron '{tgt.name}' has a non-positive threshold")
+        reset = str(tgt.params["reset"])
+    else:
+        theta, reset = np.ones(1), "none"
+    if late and leaky is not None:
+        raise BackendError(f"{backend}: the leaky neuron '{tgt.name}' sums the static input "
+                           f"({static[0][1][0].name}) with spikes; only IF neurons take it as "
+                           "a bias current")
+    chip: dict[str, Any] = {} if leaky is None else {"du": leaky.du, "dv": leaky.dv, "gain": np.asarray(leaky.gain)}
+    return _Target(tgt, role, shape, static, spiking, late, leaky, theta, reset, chip)
+
+
+def _static_population(t: _Target) -> Population:
+    """A population fed by the static input alone, at depth 0: its bias current reaches about two
+    thresholds, 2B for a burst neuron (which emits up to B a step)."""
+    tgt = t.op
+    vth = max(1, FIRST_VTH // _burst(tgt))
+    scale = (vth << LOIHI["vth_shift"]) / t.theta
+    return Population(
+        tgt.name, t.role, t.shape, 0, vth, _v_init(tgt, vth, t.shape),
+        t.reset, scale, (), True,
+        {"vth": vth, "v_threshold": vth << 6, "bias": "per-image current (13-bit mant, exp 0..7)",
+         **_burst_report(tgt), **({} if t.leaky is None else t.leaky.report)}, burst=_burst(tgt), **t.chip)
+
+
+def _spiking_population(t: _Target, mp: Mapper, depth: Mapping[str, int], opts: _Options) -> Population:
+    """A population fed by spikes: integer weights and thresholds within its input budget."""
+    tgt = t.op
+    x = _inputs(t, mp, depth)
+    vth, theta, raised = _first_vth(t, x, opts) if t.role == "neuron" else (0, t.theta, 0)
+    f = _fit(t, x, vth, theta, raised, opts)
+    return Population(tgt.name, t.role, t.shape, x.depth, f.vth,
+                      _v_init(tgt, f.vth, t.shape) if t.role == "neuron" else 0, t.reset,
+                      np.asarray(f.scale, np.float64), tuple(f.conns), False, _report(t, x, f),
+                      late_static=t.late, bias=x.const.astype(np.float64) if x.as_current else None,
+                      burst=_burst(tgt) if t.role == "neuron" else 1, **t.chip)
+
+
+def _raw_connections(t: _Target, mp: Mapper, depth: Mapping[str, int], d: int) -> list[_Raw]:
+    """The float weights of each chain of linear ops from a spiking source into ``t``, named after
+    its last weighted op (``#2``, ``#3``... for further chains from one source)."""
+    raw: list[_Raw] = []
+    for s, chain in t.spiking:
+        src_shape = tuple(mp.ops[s].out_shape)
+        kind, core = chain_kind(chain, src_shape, t.shape)
+        cparams: Any = None
+        if kind == "conv" and isinstance(core, list):
+            composed = chain_as_conv(core)
+            assert composed is not None  # chain_kind says "conv" only where it composes
+            w, cparams = composed
+        elif kind == "conv":
+            w, cparams = np.asarray(core.params["weight"], np.float64), conv_params(core)
+        elif kind == "diag":
+            w = (np.ones(t.n) if core is None else
+                 np.broadcast_to(np.asarray(core.params["scale"], np.float64),
+                                 core.in_shape).reshape(-1).copy())
+        else:
+            w = compose(chain, src_shape, t.n)
+        weighted = [op.name for op in chain if op.kind in ("conv1d", "conv2d", "affine", "linear")]
+        cname = weighted[-1] if weighted else f"{s}->{t.op.name}"
+        if any(r.name == cname for r in raw):  # two chains from one source: distinct names
+            cname = f"{cname}#{sum(r.name.split('#')[0] == cname for r in raw) + 1}"
+        raw.append(_Raw(cname, s, kind, w, cparams, d - depth[s] - 1, _burst(mp.ops[s]), src_shape))
+    return raw
+
+
+def _inputs(t: _Target, mp: Mapper, depth: Mapping[str, int]) -> _Inputs:
+    """The connections, constant input and worst-case input sums of the spiking population ``t``."""
+    d = max(depth[s] for s, _ in t.spiking) + 1
+    raw = _raw_connections(t, mp, depth, d)
+    const = mp.const(t.op.name).reshape(-1).numpy()  # static inputs: 0 (a bias per image)
+    # IF neurons and the IF readout take their biases as the neurons' bias current (13-bit
+    # mantissa per neuron); leaky ones through a connection from the clock neuron
+    as_current = t.leaky is None and bool(np.any(const != 0))
+    # per-neuron worst-case sums in float units
+    pos = np.zeros(t.n)
+    neg = np.zeros(t.n)
+    for r in raw:
+        p_, n_ = _row_sums(r.kind, r.weight, t.shape)
+        pos, neg = pos + p_ * r.burst, neg + n_ * r.burst
+    if as_current and t.role == "neuron" and not t.late:
+        const = _saturating_bias(const, pos, neg, per_neuron_values(t.theta, t.shape) * _burst(t.op))
+    if not as_current:
+        pos, neg = pos + np.clip(const, 0, None), neg + np.clip(const, None, 0)
+    a_max = LOIHI["a_in_max"] if t.leaky is None else t.leaky.a_in_max
+    return _Inputs(raw, d, const, as_current, np.maximum(pos, -neg), a_max)
+
+
+def _first_vth(t: _Target, x: _Inputs, opts: _Options) -> tuple[Any, np.ndarray, int]:
+    """A neuron population's first integer threshold, its float theta and how many channels'
+    thetas were raised: the largest ``vth`` whose worst-case input (and bias current) fits."""
+    theta = t.theta
+    theta_n = per_neuron_values(theta, t.shape)
+    with np.errstate(divide="ignore"):
+        lim = np.where(x.worst > 0, 64.0 * x.a_max * theta_n / np.maximum(x.worst, 1e-300), np.inf)
+        if x.as_current:  # the bias current |b| * (vth << 6) / theta within _BIAS_MAX
+            lim = np.minimum(lim, np.where(x.const != 0, _BIAS_MAX * theta_n
+                                           / np.maximum(np.abs(x.const), 1e-300), np.inf))
+    cap = _LATE_STATIC_VTH if t.late else _VTH_CAP
+    vth = int(min(cap, math.floor(float(lim.min()) / 64.0)))
+    lim_c = np.minimum(cap, np.floor(_channel_min(lim, t.shape) / 64.0))
+    if opts.per_neuron_vth and t.leaky is None and lim_c.size > 1 and vth < _VTH_PER_CHANNEL:
+        # one threshold per channel (a custom neuron program): each channel's integer
+        # weights fill the input budget its own worst case leaves (see the module doc).
+        # A channel whose worst case exceeds a_max thresholds even at vth = 1 (a channel
+        # calibration left silent, theta floored at 1e-3) gets its threshold raised to
+        # worst / a_max: its output scale theta is tiny, so its spikes barely matter
+        worst_c = _channel_max(x.worst, t.shape)
+        theta_c = np.broadcast_to(theta, lim_c.shape).astype(np.float64)
+        theta = np.where(lim_c < 1, np.maximum(theta_c, worst_c / x.a_max * 1.02), theta_c)
+        return np.maximum(lim_c, 1).astype(np.int64), theta, int((lim_c < 1).sum())
+    if vth >= 2:
+        bits, split = opts.weight_bits, opts.split_signs
+        vth = _best_vth(vth, [_per_vth(r.kind, r.weight, theta, t.shape, r.name, bits, split) for r in x.raw]
+                        + ([_per_vth("bias", x.const, theta, t.shape, f"{t.op.name}.bias", bits, split)]
+                           if np.any(x.const != 0) and not x.as_current else []))
+    return vth, theta, 0
+
+
+def _fit(t: _Target, x: _Inputs, vth: Any, theta: np.ndarray, raised: int, opts: _Options) -> _Fitted:
+    """Quantise the connections until their integer worst case fits ``a_max``: a neuron's
+    threshold is lowered (per channel, only the channels over budget; at ``vth = 1`` theta is
+    raised instead), the readout's scale shrinks by 3% a try."""
+    for attempt in range(12):
+        if t.role == "neuron":
+            if np.min(vth) < 1:
+                raise BackendError(
+                    f"{opts.backend}: neuron '{t.op.name}': its worst-case input is more than "
+                    f"{x.a_max} times its threshold; the 16-bit input budget cannot hold it")
+            scale_c = np.asarray(vth, np.float64) * 64.0 / theta
+        else:
+            gain = np.ones(1) if t.leaky is None else t.leaky.gain  # membrane units: scale / gain
+            wmax = float((x.worst * per_neuron_values(gain, t.shape)).max())
+            scale_c = np.asarray(gain) * (64.0 * x.a_max / wmax if wmax > 0 else 1.0) * (0.97 ** attempt)
+            if x.as_current:  # the biases fit the bias current
+                scale_c = np.minimum(scale_c, _BIAS_MAX / float(np.abs(x.const).max()))
+        conns, tot_pos, tot_neg = _integer_connections(t, x, scale_c, opts)
+        bound = int(max(tot_pos.max(initial=0), -tot_neg.min(initial=0)))
+        if bound <= x.a_max:
+            return _Fitted(vth, raised, scale_c, conns, bound)
+        if t.role == "neuron" and np.ndim(vth):  # lower only the channels over budget
+            b_c = _channel_max(np.maximum(tot_pos, -tot_neg).astype(np.float64), t.shape)
+            new = np.where(b_c > x.a_max, np.floor(vth * x.a_max / np.maximum(b_c, 1) * 0.99), vth)
+            low = new < 1  # already at vth = 1: raise the threshold instead
+            raised += int((low & (theta * (b_c / x.a_max / 0.99) > theta)).sum())
+            theta = np.where(low, theta * np.maximum(b_c / x.a_max / 0.99, 1.0), theta)
+            vth = np.maximum(new, 1).astype(np.int64)
+        elif t.role == "neuron":
+            vth = int(vth * x.a_max / bound * 0.99)
+    raise BackendError(f"{opts.backend}: '{t.op.name}': no scale keeps the worst-case input "
+                       f"within {x.a_max}")
+
+
+def _integer_connections(t: _Target, x: _Inputs, scale_c: np.ndarray, opts: _Options
+                         ) -> tuple[list[Connection], np.ndarray, np.ndarray]:
+    """The connections into ``t`` at scale ``scale_c`` (integer units per float unit) and the
+    largest positive and negative integer input per neuron they can deliver."""
+    s_n = per_neuron_values(scale_c, t.shape)
+    conns: list[Connection] = []
+    tot_pos = np.zeros(t.n, np.int64)
+    tot_neg = np.zeros(t.n, np.int64)
+    for r in x.raw:
+        w = r.weight
+        if r.kind == "conv":
+            sc = (w * per_neuron_values(scale_c, (w.shape[0],)).reshape(-1, *([1] * (w.ndim - 1)))
+                  / 64.0)
+        elif r.kind == "diag":
+            sc = w * s_n / 64.0
+        else:
+            sc = w * s_n[:, None] / 64.0
+        for gname, gmant, gexp, grep in _synapse_groups(r, sc, opts):
+            conns.append(Connection(gname, r.source, t.op.name, r.kind, gmant, gexp, r.delay, r.conv, grep,
+                                    fanout(r.kind, gmant, r.conv, r.source_shape, t.shape)))
+            p_, n_ = _row_sums(r.kind, gmant, t.shape)
+            p_, n_ = _shifted_bounds(p_, n_, gexp)
+            # a burst source's graded spike carries up to B times the weight
+            tot_pos, tot_neg = tot_pos + p_ * r.burst, tot_neg + n_ * r.burst
+    if np.any(x.const != 0) and not x.as_current:
+        m, e, rep = _quantize_weights(x.const * s_n / 64.0, bias=True,
+                                      bits=_bits(opts.weight_bits, f"{t.op.name}.bias"), split=opts.split_signs)
+        conns.append(Connection(f"{t.op.name}.bias", CLOCK, t.op.name, "bias", m, e, x.depth - 1,
+                                None, rep, fanout("bias", m, None, (1,), t.shape)))
+        p_, n_ = _shifted_bounds(np.clip(m, 0, None), np.clip(m, None, 0), e)
+        tot_pos, tot_neg = tot_pos + p_, tot_neg + n_
+    return conns, tot_pos, tot_neg
+
+
+def _synapse_groups(r: _Raw, sc: np.ndarray, opts: _Options) -> list[tuple[str, np.ndarray, int, dict[str, Any]]]:
+    """Connection ``r``'s weights ``sc`` (``a_in`` units) as one or two synapse groups (name,
+    mantissas, exponent, report): the second carries the first's rounding residual."""
+    bits = _bits(opts.weight_bits, r.name)
+    m, e, rep = _quantize_weights(sc, bias=False, bits=bits, split=opts.split_signs, mse_exp=opts.mse_exponents)
+    rep["float_weights"] = int(r.weight.size)
+    rep["float_nonzero"] = int(np.count_nonzero(r.weight))
+    groups = [(r.name, m, e, rep)]
+    if _groups(opts.weight_groups, r.name, rep["rel_error"]) == 2:
+        resid = sc - m.astype(np.float64) * 2.0**e
+        if np.any(resid != 0):
+            m2, e2, rep2 = _quantize_weights(resid, bias=False, bits=bits, split=opts.split_signs)
+            if e2 < e and np.any(m2 != 0):
+                deq = m.astype(np.float64) * 2.0**e + m2.astype(np.float64) * 2.0**e2
+                rep2["rel_error"] = float(np.sqrt(((deq - sc) ** 2).sum()
+                                                  / max((sc**2).sum(), 1e-300)))
+                rep2["residual_of"] = r.name
+                rep["zero_rounded_both"] = int(((m == 0) & (m2 == 0) & (sc != 0)).sum())
+                groups.append((f"{r.name}.lo", m2, e2, rep2))
+    return groups
+
+
+def _report(t: _Target, x: _Inputs, f: _Fitted) -> dict[str, Any]:
+    """The quantisation report of a spiking population (thresholds, budget, scale, bias)."""
+    vth_min = int(np.min(f.vth))
+    rep = {"vth": vth_min if np.ndim(f.vth) else f.vth,
+           "v_threshold": vth_min << 6 if t.role == "neuron" else None,
+           **({"vth_per_channel": {"min": vth_min, "median": float(np.median(f.vth)),
+                                   "max": int(np.max(f.vth)), "thresholds_raised": f.raised}}
+              if np.ndim(f.vth) else {}),
+           **({"static_bias": [[op.name for op in ch] for ch in t.late]} if t.late else {}),
+           "a_in_bound": f.bound, "a_in_budget": x.a_max,
+           "scale_min": float(np.min(f.scale)), "scale_max": float(np.max(f.scale)),
+           **_burst_report(t.op), **({} if t.leaky is None else t.leaky.report)}
+    if t.role == "neuron" and vth_min < 64:
+        rep["warning"] = (f"vth = {vth_min}: the worst-case input is about {x.a_max // max(vth_min, 1)} times "
+                          "the threshold, so the threshold has few bits; expect a larger "
+                          "deviation from the float network in this layer")
+    if x.as_current:
+        rep["bias"] = _bias_report(x.const, per_neuron_values(f.scale, t.shape))
+    return rep
