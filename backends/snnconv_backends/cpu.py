@@ -21,7 +21,15 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-from snnconv_backends.engine import Plan, PlanProgram, Stats, StepStats, check_options, compiled_loop, dtype_option
+from snnconv_backends.engine import (
+    BoundGraph,
+    BoundProgram,
+    Stats,
+    StepStats,
+    check_options,
+    compiled_loop,
+    dtype_option,
+)
 from snnconv_backends.registry import Backend, RunResult, parse_graph
 
 __all__ = ["CPUBackend", "CPUProgram", "DTYPES", "compile_parsed", "parse_graph"]
@@ -40,11 +48,11 @@ _OPTIONS = {
 _NEURON = ("loop", "compiled")
 
 
-class CPUProgram(PlanProgram):
+class CPUProgram(BoundProgram):
     """A graph compiled for the cpu backend."""
 
-    def __init__(self, plan: Plan, *, chunk_size: int, threads: int | None, name: str = "cpu"):
-        self.plan = plan
+    def __init__(self, bound: BoundGraph, *, chunk_size: int, threads: int | None, name: str = "cpu"):
+        self.bound = bound
         self.chunk_size = chunk_size
         self.threads = threads
         self.name = name
@@ -54,7 +62,7 @@ class CPUProgram(PlanProgram):
 
         ``exit_rule``: an :class:`~snnconv.exit_rule.ExitRule`: each image stops at the step its
         readout meets the rule and leaves the batch (``extra["early_exit"]``; see
-        :meth:`~snnconv_backends.engine.PlanProgram._run_exit`).
+        :meth:`~snnconv_backends.engine.BoundProgram._run_exit`).
 
         Raises:
             BackendError: wrong input shape or dtype, or ``T < 1``.
@@ -62,7 +70,7 @@ class CPUProgram(PlanProgram):
         x, seq, T = self._checked(x, T)
         B, per = self._chunking(x, seq, T)
         rule = self._exit_rule(exit_rule)
-        stats = Stats(self.plan, T) if rule is None else StepStats(self.plan, T)
+        stats = Stats(self.bound, T) if rule is None else StepStats(self.bound, T)
         start = time.perf_counter()
         with torch.no_grad(), _threads(self.threads):  # plain tensors out (not inference tensors)
             if rule is None:
@@ -89,9 +97,9 @@ def _threads(n: int | None):
 def compile_parsed(parsed: Any, *, dtype: torch.dtype = torch.float32, chunk_size: int = 256,
                    threads: int | None = None, neuron: str = "loop") -> CPUProgram:
     """A :class:`CPUProgram` for an already parsed graph (``snnconv.nir.reader.parse``)."""
-    plan = Plan(parsed, device=torch.device("cpu"), dtype=dtype, backend="cpu",
+    bound = BoundGraph(parsed, device=torch.device("cpu"), dtype=dtype, backend="cpu",
                 neuron_loop=compiled_loop if neuron == "compiled" else None)
-    return CPUProgram(plan, chunk_size=chunk_size, threads=threads)
+    return CPUProgram(bound, chunk_size=chunk_size, threads=threads)
 
 
 class CPUBackend(Backend):

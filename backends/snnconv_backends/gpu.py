@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from snnconv.errors import BackendError
-from snnconv_backends.engine import Plan, PlanProgram, Stats, StepStats, check_options, compiled_loop, dtype_option
+from snnconv_backends.engine import (
+    BoundGraph,
+    BoundProgram,
+    Stats,
+    StepStats,
+    check_options,
+    compiled_loop,
+    dtype_option,
+)
 from snnconv_backends.registry import Backend, RunResult, parse_graph
 
 __all__ = ["GPUBackend", "GPUProgram", "DTYPES"]
@@ -87,13 +95,13 @@ def _numerics(device: torch.device, deterministic: bool):
          torch.backends.cuda.matmul.allow_tf32) = saved
 
 
-class GPUProgram(PlanProgram):
+class GPUProgram(BoundProgram):
     """A graph compiled for the gpu backend; results stay on the device (``outputs``)."""
 
     name = "gpu"
 
-    def __init__(self, plan: Plan, *, chunk_size: int, deterministic: bool, neuron: str):
-        self.plan = plan
+    def __init__(self, bound: BoundGraph, *, chunk_size: int, deterministic: bool, neuron: str):
+        self.bound = bound
         self.chunk_size = chunk_size
         self.deterministic = deterministic
         self.neuron = neuron
@@ -103,7 +111,7 @@ class GPUProgram(PlanProgram):
 
         ``exit_rule``: an :class:`~snnconv.exit_rule.ExitRule`: each image stops at the step its
         readout meets the rule and leaves the batch (``extra["early_exit"]``; see
-        :meth:`~snnconv_backends.engine.PlanProgram._run_exit`).
+        :meth:`~snnconv_backends.engine.BoundProgram._run_exit`).
 
         Raises:
             BackendError: wrong input shape or dtype, or ``T < 1``.
@@ -111,8 +119,8 @@ class GPUProgram(PlanProgram):
         x, seq, T = self._checked(x, T)
         B, per = self._chunking(x, seq, T)
         rule = self._exit_rule(exit_rule)
-        stats = Stats(self.plan, T) if rule is None else StepStats(self.plan, T)
-        dev = self.plan.device
+        stats = Stats(self.bound, T) if rule is None else StepStats(self.bound, T)
+        dev = self.bound.device
         with torch.no_grad(), _numerics(dev, self.deterministic):
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
@@ -127,8 +135,8 @@ class GPUProgram(PlanProgram):
             seconds = time.perf_counter() - start
             result = self._result(out, stats, B, T, per, seconds, device=str(dev),
                                   deterministic=self.deterministic, neuron=self.neuron, **extra)
-        if self.plan.tie_tolerance is not None:  # counted by the run, summed by the result's stats
-            result.extra.update(threshold_ties=stats.ties, tie_tolerance=self.plan.tie_tolerance)
+        if self.bound.tie_tolerance is not None:  # counted by the run, summed by the result's stats
+            result.extra.update(threshold_ties=stats.ties, tie_tolerance=self.bound.tie_tolerance)
         return result
 
 
@@ -181,8 +189,8 @@ class GPUBackend(Backend):
                 raise BackendError(f"backend 'gpu': tie_tolerance must be >= 0, got {tol}")
             neuron = "loop"
         parsed = parse_graph(graph, self.name, opts["dt"], opts["compare"])
-        plan = Plan(parsed, device=device, dtype=dtype, backend=self.name,
+        bound = BoundGraph(parsed, device=device, dtype=dtype, backend=self.name,
                     neuron_loop=compiled_loop if neuron == "compiled" else None,
                     neuron_dtype=torch.float32, tie_tolerance=tol)
-        return GPUProgram(plan, chunk_size=chunk, deterministic=bool(opts["deterministic"]),
+        return GPUProgram(bound, chunk_size=chunk, deterministic=bool(opts["deterministic"]),
                           neuron=neuron)

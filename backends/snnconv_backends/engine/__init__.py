@@ -24,11 +24,11 @@ through pooling/flatten) are each spike times its structural fan-out through tha
 per graph; for a layer fed directly by spikes this is spikingjelly's ``SynOpCounter`` count.
 """
 
+from snnconv_backends.engine.bound import BoundGraph, check_options, check_T
 from snnconv_backends.engine.kernels import compiled_loop
 from snnconv_backends.engine.ops import WEIGHTED
-from snnconv_backends.engine.plan import Plan, check_options, check_T
-from snnconv_backends.engine.program import PlanProgram, StepStats, dtype_option
+from snnconv_backends.engine.program import BoundProgram, StepStats, dtype_option
 from snnconv_backends.engine.stats import Stats
 
-__all__ = ["Plan", "PlanProgram", "Stats", "StepStats", "check_options", "check_T", "compiled_loop", "dtype_option",
-           "WEIGHTED"]
+__all__ = ["BoundGraph", "BoundProgram", "Stats", "StepStats", "check_options", "check_T", "compiled_loop",
+           "dtype_option", "WEIGHTED"]

@@ -101,12 +101,12 @@ def _scale(op: Any, dt: torch.dtype, dev: torch.device) -> Callable:
     def scaled(x: torch.Tensor) -> torch.Tensor:
         return x * scale
 
-    scaled.factor = scale  # type: ignore[attr-defined]  # read by the plan (a product of spikes)
+    scaled.factor = scale  # type: ignore[attr-defined]  # read by the bound graph (a product of spikes)
     return scaled
 
 
 #: NIR op kind -> ``builder(op, dtype, device)``: the function of the op's batched input (None:
-#: the summed input passes on). Neurons are built by the plan, which holds the neuron update.
+#: the summed input passes on). Neurons are built by the bound graph, which holds the neuron update.
 OP_BUILDERS: dict[str, Callable[[Any, torch.dtype, torch.device], Callable | None]] = {
     "input": _passes, "output": _passes, "sum": _passes,
     "conv1d": _conv, "conv2d": _conv, "affine": _affine, "linear": _linear,

@@ -1,4 +1,4 @@
-"""What the cpu and gpu programs share: a compiled :class:`Plan` run in chunks, its input checks
+"""What the cpu and gpu programs share: a compiled :class:`BoundGraph` run in chunks, its input checks
 and the dtype option."""
 
 from __future__ import annotations
@@ -9,19 +9,19 @@ import torch
 
 from snnconv.errors import BackendError
 from snnconv.exit_rule import ExitRule, exit_histogram
-from snnconv_backends.engine.plan import Carry, Plan, check_T
+from snnconv_backends.engine.bound import BoundGraph, Carry, check_T
 from snnconv_backends.engine.stats import Stats
 from snnconv_backends.registry import Program, RunResult
 
-__all__ = ["PlanProgram", "StepStats", "dtype_option"]
+__all__ = ["BoundProgram", "StepStats", "dtype_option"]
 
 
 class StepStats(Stats):
     """:class:`Stats` of a run continued one step at a time: the spikes of each call (``[1, b,
     ...]``) are counted at step :attr:`step` of the run."""
 
-    def __init__(self, plan: Plan, T: int):
-        super().__init__(plan, T)
+    def __init__(self, bound: BoundGraph, T: int):
+        super().__init__(bound, T)
         self.step = 0
 
     def add_neuron(self, name: str, s: torch.Tensor, per_pos: torch.Tensor | None = None) -> None:
@@ -42,22 +42,22 @@ def dtype_option(value: Any, backend: str, allowed: dict[str, torch.dtype]) -> t
     return allowed[value]
 
 
-class PlanProgram(Program):
-    """What the cpu and gpu programs share: a compiled :class:`Plan`, its input shape and T."""
+class BoundProgram(Program):
+    """What the cpu and gpu programs share: a compiled :class:`BoundGraph`, its input shape and T."""
 
     name = "cpu"
-    plan: Plan
+    bound: BoundGraph
     chunk_size: int
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         """The batch-free input shape the graph takes."""
-        return self.plan.input_shape
+        return self.bound.input_shape
 
     @property
     def default_T(self) -> int | None:
         """The T recorded in the graph's metadata (the one it was exported at), if any."""
-        return self.plan.parsed.T
+        return self.bound.parsed.T
 
     def _checked(self, x: torch.Tensor, T: int | None) -> tuple[torch.Tensor, bool, int]:
         """``(x, is_sequence, T)`` after the shape, dtype and T checks (T defaults to the graph's)."""
@@ -66,7 +66,7 @@ class PlanProgram(Program):
             if T is None:
                 raise BackendError(f"backend {self.name!r}: give T (the graph records none)")
         T = check_T(T)
-        x, seq = self.plan.check_input(x, T)
+        x, seq = self.bound.check_input(x, T)
         return x, seq, T
 
     def _chunking(self, x: torch.Tensor, seq: bool, T: int) -> tuple[int, int]:
@@ -76,9 +76,9 @@ class PlanProgram(Program):
         return B, per
 
     def _run_chunks(self, x: torch.Tensor, T: int, seq: bool, per: int, stats: Stats) -> torch.Tensor:
-        """The plan run on ``per`` inputs at a time, the readouts joined along the batch."""
+        """The bound graph run on ``per`` inputs at a time, the readouts joined along the batch."""
         parts = x.split(per, dim=1 if seq else 0)
-        outs = [self.plan.run_chunk(p, T, seq, stats) for p in parts]
+        outs = [self.bound.run_chunk(p, T, seq, stats) for p in parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _exit_rule(self, rule: Any) -> ExitRule | None:
@@ -95,7 +95,7 @@ class PlanProgram(Program):
         readout ``[T, B, ...]`` (after an image's exit step, its answer: the mean of the steps
         it ran) and the record ``{"rule", "steps" [B], "output" [B, ...], "mean_steps",
         "histogram"}``."""
-        if x.dim() != len(self.plan.input_shape) + 1:
+        if x.dim() != len(self.bound.input_shape) + 1:
             raise BackendError(f"backend {self.name!r}: early exit takes a static batch [B, ...], not a "
                                "sequence")
         per = self.chunk_size or x.shape[0]  # images a step holds at most (one step: no time folding)
@@ -112,7 +112,7 @@ class PlanProgram(Program):
             xa = part
             for k in range(1, T + 1):
                 stats.step = k - 1
-                y = self.plan.run_chunk(xa, 1, False, stats, carry)[0]
+                y = self.bound.run_chunk(xa, 1, False, stats, carry)[0]
                 if steps is None:
                     steps = y.new_empty((T, b, *y.shape[1:]))
                     answer = y.new_empty((b, *y.shape[1:]))
@@ -145,8 +145,8 @@ class PlanProgram(Program):
                 **extra: Any) -> RunResult:
         """The run's :class:`RunResult`: outputs, spikes and synaptic operations from ``stats``
         (finished here), the ANN's MACs for ``B`` inputs, and what the run was (``extra`` added)."""
-        spikes, synops = stats.finish(self.plan)
-        macs = {k: v * B for k, v in self.plan.macs_per_image.items()}
-        record = {"T": T, "batch": B, "dtype": str(self.plan.dtype).replace("torch.", ""), "chunk_inputs": per,
-                  "static_ops": list(self.plan.static_ops), "seconds": seconds, "reset": self.plan.reset, **extra}
+        spikes, synops = stats.finish(self.bound)
+        macs = {k: v * B for k, v in self.bound.macs_per_image.items()}
+        record = {"T": T, "batch": B, "dtype": str(self.bound.dtype).replace("torch.", ""), "chunk_inputs": per,
+                  "static_ops": list(self.bound.static_ops), "seconds": seconds, "reset": self.bound.reset, **extra}
         return RunResult(outputs=out, spikes=spikes, synops=synops, macs=macs, extra=record)

@@ -14,7 +14,7 @@ from snnconv.nir.leaky import SPIKING
 from snnconv_backends.engine.ops import PASS, WEIGHTED, flatten_dims
 
 if TYPE_CHECKING:
-    from snnconv_backends.engine.plan import Plan
+    from snnconv_backends.engine.bound import BoundGraph
 
 __all__ = ["Stats", "fanouts", "folded", "macs_per_image"]
 
@@ -145,9 +145,9 @@ class Stats:
     brought to the CPU once, by :meth:`finish`.
     """
 
-    def __init__(self, plan: Plan, T: int):
+    def __init__(self, bound: BoundGraph, T: int):
         self.T = T
-        self.names = list(plan.neurons)
+        self.names = list(bound.neurons)
         self.acc: dict[str, torch.Tensor] = {}
         self.ties = 0.0
         self._ties: list[torch.Tensor] = []
@@ -163,14 +163,14 @@ class Stats:
     def add_ties(self, count: torch.Tensor) -> None:
         self._ties.append(count)
 
-    def finish(self, plan: Plan) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def finish(self, bound: BoundGraph) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """(spikes per neuron ``[T]`` float64 on the CPU, synaptic operations per layer)."""
         acc = {k: v.cpu() for k, v in self.acc.items()}
         spikes = {n: acc[n].sum(1) if n in acc else torch.zeros(self.T, dtype=torch.float64)
                   for n in self.names}
         positions = {n: a.sum(0) for n, a in acc.items()}
         synops = {}
-        for layer, pairs in plan.fanout.items():
+        for layer, pairs in bound.fanout.items():
             total = 0.0
             for neuron, fan in pairs:
                 if neuron in positions:

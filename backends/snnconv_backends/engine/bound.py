@@ -1,4 +1,4 @@
-"""The dense executor's plan: a parsed NIR graph bound to a device and dtype, run on one chunk
+"""The dense executor's bound: a parsed NIR graph bound to a device and dtype, run on one chunk
 of a batch with time folded into it; and the checks of a backend's options, ``T`` and input."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from snnconv_backends.engine.ops import OP_BUILDERS, RUNNABLE, to_tensor
 from snnconv_backends.engine.stats import Stats, fanouts, macs_per_image
 from snnconv_backends.registry import check_finite
 
-__all__ = ["Plan", "Carry", "check_options", "check_T"]
+__all__ = ["BoundGraph", "Carry", "check_options", "check_T"]
 
 
 def check_options(backend: str, options: dict[str, Any], allowed: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +51,7 @@ class _Step:
     last_use: int = -1              # index of the last step reading this value
 
 
-class Plan:
+class BoundGraph:
     """A parsed graph bound to a device and dtype; ``run`` executes it on one batch.
 
     Args:
@@ -179,7 +179,7 @@ class Plan:
     # --- running ---
 
     def check_input(self, x: Any, T: int) -> tuple[torch.Tensor, bool]:
-        """``x`` on this plan's device and dtype, and whether it is a ``[T, B, ...]`` sequence."""
+        """``x`` on this bound's device and dtype, and whether it is a ``[T, B, ...]`` sequence."""
         if not isinstance(x, torch.Tensor):
             raise BackendError(f"backend {self.backend!r}: input must be a torch.Tensor, got "
                                f"{type(x).__name__}")
@@ -301,7 +301,7 @@ class Plan:
 
 
 class Carry:
-    """What a run continued step by step keeps between its calls of :meth:`Plan.run_chunk`: each
+    """What a run continued step by step keeps between its calls of :meth:`BoundGraph.run_chunk`: each
     neuron's membrane (``v``) and the values of the ops that see only the static input
     (``static``), all with the batch first."""
 
