@@ -130,7 +130,7 @@ def measure(name: str, T: int, batch: int, repeats: int, compiled: bool, peers: 
         rows[method] = {"seconds": seconds, "image_steps_per_s": batch * T / seconds,
                         "ratio_to_T_ann": seconds / t_ann, **extra.get(method, {})}
     neurons = sum(float(c.sum()) for c in result.spikes.values())
-    sizes = {op.name: op.out_shape for op in cpu.plan.ops if op.kind == "neuron"}
+    sizes = {op.name: op.out_shape for op in cpu.bound.ops if op.kind == "neuron"}
     units = sum(torch.Size(s).numel() for s in sizes.values()) * batch * T
     synops, macs = sum(result.synops.values()), sum(result.macs.values())
     return {"model": name, "T": T, "batch": batch, "rows": rows,
