@@ -72,3 +72,17 @@ def test_one_hidden_layer_spikes_exactly_as_its_staircase_ann(T):
 def test_hard_rate_needs_reset_zero():
     with pytest.raises(ConfigError, match="hard_rate"):
         snnconv.ConvertConfig(reset="subtract", hard_rate=True)
+
+
+def test_a_reference_at_other_levels_is_the_rate_over_that_many_steps():
+    from snnconv.calibration.reference import qcfs_levels
+
+    torch.manual_seed(0)
+    ann = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(16, 6)
+    at8, at3 = (calibrate_qcfs(ann, [x], L=T, hard_T=T, progress=False) for T in (8, 3))
+    at3.get_submodule(next(iter(qcfs_sites(at3)))).lam.data.copy_(next(iter(qcfs_sites(at8).values())).lam)
+    with torch.no_grad():
+        with qcfs_levels(at8, 3):
+            assert torch.equal(at8(x), at3(x))
+        assert next(iter(qcfs_sites(at8).values())).hard_T == 8  # restored

@@ -39,17 +39,19 @@ def channel_mean(v: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def qcfs_levels(ref: fx.GraphModule, levels: int | None):
-    """Every QCFS of ``ref`` at ``levels`` quantisation steps inside (``None``: as it is)."""
+    """Every QCFS of ``ref`` at ``levels`` quantisation steps inside (``None``: as it is); a
+    hard-reset site (``hard_T``) at the rate over ``levels`` steps."""
     mods = [m for n in ref.graph.nodes if n.op == "call_module" and isinstance(m := module_of(ref, n), QCFS)]
-    old = [m.L for m in mods]
+    old = [(m.L, m.hard_T) for m in mods]
     if levels:
         for m in mods:
             m.L = int(levels)
+            m.hard_T = None if m.hard_T is None else int(levels)
     try:
         yield
     finally:
-        for m, L in zip(mods, old):
-            m.L = L
+        for m, (L, hard_T) in zip(mods, old):
+            m.L, m.hard_T = L, hard_T
 
 
 def reference_means(ref: fx.GraphModule, ref_nodes: dict, batches: list, levels: int | None) -> dict:
