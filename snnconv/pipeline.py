@@ -417,22 +417,42 @@ def _plan_time(s: _Run) -> None:
 
 
 def _qcfs(s: _Run) -> dict:
-    """QCFS thresholds (and QCFS training where planned) on the folded ANN."""
+    """QCFS thresholds (and QCFS training where planned) on the folded ANN. A default hard-reset
+    rate whose training did not improve on its calibration falls back to plain QCFS (the
+    untrained staircase of a deep network is a poor reference)."""
     assert s.plan is not None
     cfg, train = s.plan.config, s.plan.qcfs_train
     assert cfg.L is not None and cfg.per_channel is not None  # (resolved)
     # the full loader only where QCFS training reads it; calibration reads the drawn batches
-    s.qgm = calibrate_qcfs(s.gm, s.loader if train is not None else s.calib, L=cfg.L,
-                           percentile=cfg.percentile, per_channel=cfg.per_channel,
-                           num_batches=len(s.calib), maxpool=cfg.maxpool, train=train,
-                           device=s.device, progress=cfg.progress,
-                           teacher=s.model if train is not None and train.distill > 0 else None,
-                           noise_model=(functools.partial(residual_noise, T=cfg.T, reset=cfg.reset)
-                                        if train is not None and train.epochs > 0 and train.noise > 0 else None),
-                           hard_T=cfg.T if cfg.hard_rate else None)
+    s.qgm = _calibrate_qcfs(s, train, cfg.T if cfg.hard_rate else None)
+    fallback = None
+    if cfg.hard_rate and "hard_rate_default" in s.plan.reasons and s.qgm.meta["qcfs"].get("best_epoch") == 0:
+        import warnings
+
+        fallback = ("the hard-reset rate's training did not beat its calibration on the validation split: "
+                    "converted with plain QCFS instead (as hard_rate=False)")
+        warnings.warn(fallback, RuntimeWarning, stacklevel=3)
+        # the training stays where the caller asked for it or max-pooling became average pooling
+        train = train if s.plan.defaults.get("qcfs") is False or s.qgm.meta["qcfs"]["maxpool_replaced"] else None
+        s.qgm = _calibrate_qcfs(s, train, None)
     changes = dict(s.qgm.meta["qcfs"], ceil_pools=rewrite_ceil_pools(s.qgm, (s.calib[0][0].to(s.device),)))
+    if fallback:
+        changes["hard_rate_fallback"] = fallback
     s.qcfs_source = {name: name[len("qcfs_"):] for name in s.qgm.meta["qcfs"]["sites"] if name.startswith("qcfs_")}
     return changes
+
+
+def _calibrate_qcfs(s: _Run, train: Any, hard_T: int | None) -> Any:
+    cfg = s.settings
+    assert cfg.L is not None and cfg.per_channel is not None  # (resolved)
+    return calibrate_qcfs(s.gm, s.loader if train is not None else s.calib, L=cfg.L,
+                          percentile=cfg.percentile, per_channel=cfg.per_channel,
+                          num_batches=len(s.calib), maxpool=cfg.maxpool, train=train,
+                          device=s.device, progress=cfg.progress,
+                          teacher=s.model if train is not None and train.distill > 0 else None,
+                          noise_model=(functools.partial(residual_noise, T=cfg.T, reset=cfg.reset)
+                                       if train is not None and train.epochs > 0 and train.noise > 0 else None),
+                          hard_T=hard_T)
 
 
 def _qcfs_checked(s: _Run) -> Checked:

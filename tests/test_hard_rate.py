@@ -86,3 +86,27 @@ def test_a_reference_at_other_levels_is_the_rate_over_that_many_steps():
         with qcfs_levels(at8, 3):
             assert torch.equal(at8(x), at3(x))
         assert next(iter(qcfs_sites(at8).values())).hard_T == 8  # restored
+
+
+def test_a_default_staircase_whose_training_did_not_help_falls_back_to_plain_qcfs(
+        small_digits_ann, digits_data, monkeypatch):
+    """Where the staircase's training kept nothing (its best epoch is the calibration), the
+    default conversion goes on as with hard_rate=False, and says so."""
+    import snnconv.pipeline as pipeline
+    from torch.utils.data import DataLoader
+
+    real = pipeline.calibrate_qcfs
+
+    def untrained(*args, **kwargs):
+        gm = real(*args, **{**kwargs, "train": None} if kwargs.get("hard_T") else kwargs)
+        if kwargs.get("hard_T"):
+            gm.meta["qcfs"]["best_epoch"] = 0  # as when no epoch beat the calibration
+        return gm
+
+    monkeypatch.setattr(pipeline, "calibrate_qcfs", untrained)
+    train = DataLoader(digits_data[0], batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match="hard-reset rate's training did not beat"):
+        _, meta = snnconv.convert(small_digits_ann, train, T=4, reset="zero", finetune_epochs=0,
+                                  progress=False, on_collapse="warn")
+    qcfs = {s.name: s.changes for s in meta.stages}["qcfs"]
+    assert "hard_rate_fallback" in qcfs and qcfs["hard_T"] is None and "history" not in qcfs
