@@ -92,8 +92,9 @@ def test_a_default_staircase_whose_training_did_not_help_falls_back_to_plain_qcf
         small_digits_ann, digits_data, monkeypatch):
     """Where the staircase's training kept nothing (its best epoch is the calibration), the
     default conversion goes on as with hard_rate=False, and says so."""
-    import snnconv.pipeline as pipeline
     from torch.utils.data import DataLoader
+
+    import snnconv.pipeline as pipeline
 
     real = pipeline.calibrate_qcfs
 
