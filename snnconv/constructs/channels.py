@@ -53,17 +53,22 @@ def _chain(end: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
     return [n for n in end.graph.nodes if n in members], (next(iter(sources)) if len(sources) == 1 else None)
 
 
-def _channel_map(chain: list[fx.Node], src: fx.Node, end: fx.Node, shape: tuple) -> list[int] | None:
-    """``p`` with ``end[c] = src[p[c]]`` at every position, or None for another rearrangement."""
+def _chain_module(chain: list[fx.Node], src: fx.Node, end: fx.Node) -> fx.GraphModule:
+    """The chain alone as a module of one input (``src``), returning ``end``."""
     graph = fx.Graph()
     env = {src: graph.placeholder("x")}
     for node in chain:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[end])
+    return fx.GraphModule(nn.Module(), graph)
+
+
+def _channel_map(chain: list[fx.Node], src: fx.Node, end: fx.Node, shape: tuple) -> list[int] | None:
+    """``p`` with ``end[c] = src[p[c]]`` at every position, or None for another rearrangement."""
     C, *spatial = shape[1:]
     index = torch.arange(C, dtype=torch.float64).reshape(1, C, *([1] * len(spatial))).expand(1, C, *spatial)
     try:
-        run = fx.GraphModule(nn.Module(), graph)
+        run = _chain_module(chain, src, end)
         out, shifted = run(index.contiguous()), run(index.contiguous() + 1000.0)
     except Exception:
         return None
@@ -80,14 +85,9 @@ def _channel_map(chain: list[fx.Node], src: fx.Node, end: fx.Node, shape: tuple)
 
 def _flattens(chain: list[fx.Node], src: fx.Node, end: fx.Node, shape: tuple) -> bool:
     """Whether the chain computes ``src.flatten(1)`` (on two images of ``shape``'s sizes)."""
-    graph = fx.Graph()
-    env = {src: graph.placeholder("x")}
-    for node in chain:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[end])
     probe = torch.arange(2 * math.prod(shape[1:]), dtype=torch.float64).reshape(2, *shape[1:])
     try:
-        out = fx.GraphModule(nn.Module(), graph)(probe)
+        out = _chain_module(chain, src, end)(probe)
     except Exception:
         return False
     return isinstance(out, torch.Tensor) and torch.equal(out, probe.flatten(1))
