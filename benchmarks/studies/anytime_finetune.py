@@ -10,6 +10,7 @@ split, the margin rule calibrated on 5,000 held-out training images at tolerance
 and the best test accuracy any rule reaches within 1.5 ... 5 mean steps.
 
     python -m benchmarks.studies.anytime_finetune small_cnn --seed 0
+    python -m benchmarks.studies.anytime_finetune small_cnn --seed 0 --recipes convert anytime 0.25 0.5
 """
 
 from __future__ import annotations
@@ -52,12 +53,26 @@ def measure(net, held, test, T: int) -> dict:
     return rec
 
 
+def _recipe(name: str, T: int) -> dict:
+    """The fine-tuning changes of one recipe of ``--recipes``."""
+    if name == "convert":
+        return {}
+    horizons = anytime_horizons(T)
+    if name == "anytime":
+        return {"horizons": horizons}
+    w = float(name)
+    return {"horizons": horizons, "horizon_weights": tuple(w if h < T // 2 else 1.0 for h in horizons)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("arch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/matrix"))
+    ap.add_argument("--recipes", nargs="+", default=["anytime", "convert"],
+                    help="'anytime' (every readout, equal weights), 'convert' (convert()'s recipe), or a "
+                         "weight w: every readout, those before T/2 weighing w against 1 for the others")
     ap.add_argument("--out", default=None, help="the JSON file (default benchmarks/studies/results/...)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -75,11 +90,11 @@ def main(argv: list[str] | None = None) -> int:
                                                                                  else argv),
            "training-free": measure(start, held_l, test_l, args.T)}
     epochs = default_finetune_epochs(loader)
-    for name, horizons in (("anytime", anytime_horizons(args.T)), ("convert's recipe", None)):
+    for name in args.recipes:
         t0 = time.perf_counter()
-        cfg = finetune_recipe(args.T, loader, epochs=epochs, seed=args.seed,
-                              **({"horizons": horizons} if horizons else {}))
+        cfg = finetune_recipe(args.T, loader, epochs=epochs, seed=args.seed, **_recipe(name, args.T))
         tuned, history = finetune(start, loader, config=cfg, teacher=ann, progress=False)
+        name = {"convert": "convert's recipe"}.get(name, name)
         out[name] = dict(measure(tuned, held_l, test_l, args.T), horizons=list(cfg.horizons or ()),
                          seconds=time.perf_counter() - t0)
         atomic_write_text(out_path, json.dumps(out, indent=1) + "\n")

@@ -62,6 +62,8 @@ class FinetuneConfig:
     ``horizons``: step counts h <= T whose running-average readouts each get a cross-entropy
     term (e.g. ``(2, 4)`` at T=4 trains the network to answer well after 2 steps too); the
     best epoch is then the one with the best mean validation accuracy over them.
+    ``horizon_weights`` (one positive weight per horizon, in the order given; default: equal)
+    weighs their terms, and the validation accuracies, in that mean.
     ``distill`` in [0, 1] mixes knowledge distillation from a ``teacher`` ANN (usually the ANN
     that was converted) into every readout's loss: ``(1 - distill) * CE + distill * tau^2 *
     KL(teacher || snn)`` at temperature ``distill_temperature`` (tau); at ``distill=1`` the
@@ -100,6 +102,7 @@ class FinetuneConfig:
     micro_batch: int | None = None
     amp: bool = True
     horizons: tuple[int, ...] | None = None
+    horizon_weights: tuple[float, ...] | None = None
     distill: float = 0.0
     distill_temperature: float = 2.0
     wise: float = 0.0
@@ -154,7 +157,25 @@ class FinetuneConfig:
             if not self.horizons or any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= self.T
                                         for h in self.horizons):
                 bad(f"horizons must be step counts in [1, T={self.T}], got {self.horizons!r}")
-            object.__setattr__(self, "horizons", tuple(sorted(set(self.horizons))))
+            given = tuple(self.horizons)
+            object.__setattr__(self, "horizons", tuple(sorted(set(given))))
+            if self.horizon_weights is not None:
+                w = tuple(self.horizon_weights)
+                if len(w) != len(given) or len(set(given)) != len(given) or any(
+                        isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in w):
+                    bad(f"horizon_weights must be one positive weight per horizon {given!r} (each horizon once), "
+                        f"got {self.horizon_weights!r}")
+                by_h = dict(zip(given, (float(v) for v in w)))
+                object.__setattr__(self, "horizon_weights", tuple(by_h[h] for h in self.horizons))
+        elif self.horizon_weights is not None:
+            bad("horizon_weights weigh the horizons' readouts: give horizons too")
+
+    def horizon_weight(self) -> dict[int, float]:
+        """Each trained horizon's share of the loss and of the validation score (they sum to 1)."""
+        hs = self.horizons or ()
+        w = self.horizon_weights or (1.0,) * len(hs)
+        total = sum(w)
+        return {h: v / total for h, v in zip(hs, w)}
 
 
 # --- checkpoint files -----------------------------------------------------------------------
@@ -182,7 +203,7 @@ def _weights_digest(model: nn.Module) -> str:
 _RESUME_KEYS = ("epochs", "T", "optimizer", "lr", "weight_decay", "momentum", "warmup_steps",
                 "alpha", "detach_reset", "label_smoothing", "grad_clip", "train_thresholds",
                 "threshold_lr", "val_fraction", "max_steps_per_epoch", "seed", "amp", "horizons",
-                "distill", "distill_temperature", "per_step")
+                "horizon_weights", "distill", "distill_temperature", "per_step")
 
 
 def _lr_lambda(total: int, warmup: int):
@@ -335,8 +356,7 @@ def _backward(runner: Any, x: torch.Tensor, y: torch.Tensor, soft: torch.Tensor 
                     cum = steps.cumsum(0)
                     out = cum[-1] / cfg.T
                     # anytime readout: cross-entropy of the running average after each horizon
-                    loss = (sum(_readout_loss(cum[h - 1] / h, yp, sp, cfg) for h in cfg.horizons)
-                            / len(cfg.horizons)) if cfg.horizons else _readout_loss(out, yp, sp, cfg)
+                    loss = _horizons_loss(cum, yp, sp, cfg) if cfg.horizons else _readout_loss(out, yp, sp, cfg)
                     if cfg.per_step:
                         each = sum(_readout_loss(o, yp, sp, cfg) for o in steps) / len(steps)
                         loss = (1 - cfg.per_step) * loss + cfg.per_step * each
@@ -351,10 +371,22 @@ def _backward(runner: Any, x: torch.Tensor, y: torch.Tensor, soft: torch.Tensor 
     return total, outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _horizons_loss(cum: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None, cfg: FinetuneConfig):
+    """The anytime readouts' loss: the cross-entropy of the running average after each horizon,
+    their mean (or their ``horizon_weights``' weighted mean)."""
+    terms = [_readout_loss(cum[h - 1] / h, y, soft, cfg) for h in cfg.horizons or ()]
+    if cfg.horizon_weights is None:
+        return sum(terms) / len(terms)
+    return sum(w * t for w, t in zip(cfg.horizon_weight().values(), terms))
+
+
 def _val_accuracy(model: SpikingNetwork, val: Iterable, cfg: FinetuneConfig, device) -> float:
     """Validation accuracy: the mean over the trained readouts (one run), else at ``model.T``."""
     if cfg.horizons:
-        return sum(accuracy_by_T(model, val, cfg.horizons, device).values()) / len(cfg.horizons)
+        acc = accuracy_by_T(model, val, cfg.horizons, device)
+        if cfg.horizon_weights is None:
+            return sum(acc.values()) / len(cfg.horizons)
+        return sum(w * acc[h] for h, w in cfg.horizon_weight().items())
     return evaluate(model, val, device)
 
 
