@@ -25,7 +25,7 @@ from snnconv.plan import epoch_steps
 from snnconv.stages.qcfs import QCFSTrainConfig
 
 __all__ = ["CONVERT_FINETUNE", "FINETUNE_MAX_STEPS", "FINETUNE_MIN_STEPS", "FINETUNE_MAX_EPOCHS",
-           "FINETUNE_UP_TO_T", "RECONSTRUCT_STEPS", "LABEL_FREE_DISTILL", "QCFS_STEPS", "LoaderFacts",
+           "FINETUNE_UP_TO_T", "ANYTIME_FROM_T", "RECONSTRUCT_STEPS", "LABEL_FREE_DISTILL", "QCFS_STEPS", "LoaderFacts",
            "GraphFacts", "ConversionPlan", "plan_conversion", "finetune_recipe", "default_finetune_epochs",
            "anytime_horizons", "later_maxpool"]
 
@@ -48,6 +48,12 @@ FINETUNE_MAX_EPOCHS = 8
 #: The largest target T that convert() fine-tunes by default (Defaults row "fine-tuning").
 FINETUNE_UP_TO_T = 8
 
+#: From this target T on, convert()'s fine-tuning trains every readout from the first step
+#: (:func:`anytime_horizons`), not only T/2, T and 2T, and is judged on them all and never worse
+#: at T: the network answers after a step or two as well, for early exit (Defaults row
+#: "anytime readouts").
+ANYTIME_FROM_T = 8
+
 #: Steps of the layer-wise reconstruction where neither QCFS training nor fine-tuning runs
 #: (:func:`snnconv.calibration.reconstruct`; Defaults row "layer-wise reconstruction").
 RECONSTRUCT_STEPS = 300
@@ -57,11 +63,14 @@ LABEL_FREE_DISTILL = 1.0
 
 
 def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 0,
-                    max_steps: int | None = FINETUNE_MAX_STEPS, reset: str = "subtract", **changes: Any):
+                    max_steps: int | None = FINETUNE_MAX_STEPS, reset: str = "subtract",
+                    anytime: bool | None = None, **changes: Any):
     """The :class:`FinetuneConfig` that ``convert(..., T=T)`` fine-tunes with.
 
     BPTT through ``2 * T`` steps, readouts trained at ``T // 2``, ``T`` and ``2 * T`` (the
-    network answers well from half its steps to twice them), :data:`CONVERT_FINETUNE`, a batch
+    network answers well from half its steps to twice them), and with ``anytime`` (None: from
+    ``T >=`` :data:`ANYTIME_FROM_T`) at every power of two from the first step as well
+    (:func:`anytime_horizons`), :data:`CONVERT_FINETUNE`, a batch
     from :func:`_finetune_batch` and at most ``max_steps`` optimiser steps per epoch. Hard-reset
     networks (``reset="zero"``) train with the reset detached from the graph (Defaults row
     "detach_reset"). ``changes`` override single fields.
@@ -71,7 +80,9 @@ def finetune_recipe(T: int, loader: Any = None, *, epochs: int = 1, seed: int = 
     recipe = dict(CONVERT_FINETUNE)
     if loader is not None:
         recipe["batch_size"] = _finetune_batch(loader, recipe["batch_size"], FinetuneConfig.val_fraction)
-    horizons = tuple(sorted({max(1, T // 2), T, 2 * T}))
+    if anytime is None:
+        anytime = T >= ANYTIME_FROM_T
+    horizons = anytime_horizons(T) if anytime else tuple(sorted({max(1, T // 2), T, 2 * T}))
     recipe.update(epochs=epochs, T=2 * T, horizons=horizons, seed=seed, max_steps_per_epoch=max_steps,
                   detach_reset=reset == "zero")
     recipe.update(changes)
@@ -253,6 +264,13 @@ class ConversionPlan:
         """Whether QCFS training runs."""
         return self.qcfs_train is not None and self.qcfs_train.epochs > 0
 
+    @property
+    def anytime(self) -> bool:
+        """Whether fine-tuning trains readouts before ``T // 2`` as well as at ``T``: it is then
+        judged on every readout it trains, and never worse at ``T``."""
+        horizons, T = (self.finetune.horizons if self.finetune is not None else None) or (), self.config.T
+        return T in horizons and min(horizons) < max(1, T // 2)
+
     def cut(self, qcfs_train: Any, finetune: Any, reconstruction_steps: int) -> "ConversionPlan":
         """The plan with the budgets that the time plan cut."""
         return replace(self, qcfs_train=qcfs_train, finetune=finetune,
@@ -273,10 +291,11 @@ def plan_conversion(config: ConvertConfig, graph: GraphFacts, data: LoaderFacts)
         epochs, reasons["finetune_default"] = _finetune_default(cfg, data)
         cfg = cfg.replace(finetune_epochs=epochs)
     if finetune is None and cfg.finetune_epochs:
-        # early exit: every readout from the first step (Defaults row "early exit")
-        anytime = {"horizons": anytime_horizons(cfg.T)} if cfg.early_exit else {}
+        # every readout from the first step from ANYTIME_FROM_T on, and for early exit at any T
+        # (Defaults rows "anytime readouts" and "early exit")
         finetune = finetune_recipe(cfg.T, epochs=cfg.finetune_epochs, seed=cfg.seed, max_steps=FINETUNE_MAX_STEPS,
-                                   reset=cfg.reset, batch_size=data.finetune_batch, **targets, **anytime)
+                                   reset=cfg.reset, batch_size=data.finetune_batch,
+                                   anytime=True if cfg.early_exit else None, **targets)
     if cfg.maxpool == "auto":
         cfg = cfg.replace(maxpool=later_maxpool(cfg.maxpool))
     if cfg.hard_rate is None and cfg.reset == "zero":

@@ -259,9 +259,9 @@ class _Judge:
         return cls(batches or calib, ann, device)
 
     def score(self, net: nn.Module, horizons: tuple[int, ...] | None = None) -> tuple[torch.Tensor, float]:
-        """Per image whether ``net`` decides right (a bool tensor; with ``horizons``, per image
-        and horizon: its readout averaged over the first h steps of one run), and its mean KL
-        divergence to the ANN's outputs (at its T)."""
+        """Per image whether ``net`` decides right (a bool tensor ``[images, 1]``; with
+        ``horizons``, ``[images, horizons]``: its readout averaged over the first h steps of one
+        run), and its mean KL divergence to the ANN's outputs (at its T)."""
         right, kl, n = [], 0.0, 0
         was = net.training
         net.eval()
@@ -272,9 +272,9 @@ class _Judge:
                     target = y.to(out.device) if self.labelled else ref.argmax(1)
                     if horizons:
                         steps = cast(SpikingNetwork, net).run(x, T=max(horizons)).cumsum(0)  # [H, B, classes]
-                        right.append(torch.cat([(steps[h - 1].argmax(1) == target).cpu() for h in horizons]))
+                        right.append(torch.stack([(steps[h - 1].argmax(1) == target).cpu() for h in horizons], 1))
                     else:
-                        right.append((out.argmax(1) == target).cpu())
+                        right.append((out.argmax(1) == target).cpu().unsqueeze(1))
                     n += len(x)
                     kl += float(kl_to(ref, out).sum())
         finally:
@@ -282,21 +282,29 @@ class _Judge:
         return torch.cat(right), kl / max(1, n)
 
     def keep(self, step: str, before: SpikingNetwork, after: SpikingNetwork, *,
-             selected_here: bool = False, horizons: tuple[int, ...] | None = None) -> SpikingNetwork:
+             selected_here: bool = False, horizons: tuple[int, ...] | None = None,
+             at: int | None = None) -> SpikingNetwork:
         """``after`` where it does at least as well as ``before`` (recorded under ``step``);
         ``selected_here``: ``after`` was chosen on these images, and must beat ``before``
         beyond their noise; ``horizons``: judged on the readouts after each of these steps
-        (every image at every horizon), not at T alone."""
+        (every image at every horizon), not at T alone; ``at`` (one of them): and never worse
+        after that many steps (at least as many wins as losses there)."""
         last = self._last is not None and self._last[0] is before and not horizons
         a = self._last[1] if last else self.score(before, horizons)  # type: ignore[index]
         b = self.score(after, horizons)
         wins, losses = int((b[0] & ~a[0]).sum()), int((a[0] & ~b[0]).sum())
         kept = wins - losses >= (max(1.0, math.sqrt(wins + losses)) if selected_here else 0)
+        extra: dict[str, Any] = {"horizons": list(horizons)} if horizons else {}
+        if horizons and at is not None:
+            j = horizons.index(at)
+            at_wins, at_losses = int((b[0][:, j] & ~a[0][:, j]).sum()), int((a[0][:, j] & ~b[0][:, j]).sum())
+            kept = kept and at_wins >= at_losses
+            extra["at"] = {"steps": at, "before": 100.0 * float(a[0][:, j].double().mean()),
+                           "after": 100.0 * float(b[0][:, j].double().mean()), "wins": at_wins, "losses": at_losses}
         self._last = None if horizons else (after, b) if kept else (before, a)
-        self.record[step] = {"before": 100.0 * float(a[0].float().mean()), "after": 100.0 * float(b[0].float().mean()),
+        self.record[step] = {"before": 100.0 * float(a[0].double().mean()), "after": 100.0 * float(b[0].double().mean()),
                              "wins": wins, "losses": losses, "kl_before": a[1], "kl_after": b[1],
-                             "kept": kept, "images": len(a[0]) // max(1, len(horizons or ())),
-                             **({"horizons": list(horizons)} if horizons else {}),
+                             "kept": kept, "images": len(a[0]), **extra,
                              "measure": "accuracy" if self.labelled else "agreement with the ANN"}
         return after if kept else before
 
@@ -512,9 +520,11 @@ def _finetune(s: _Run) -> dict:
     start = s.snn
     tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
-    # early exit: judged on every readout it trained, where the rule will read them
-    horizons = tuple(s.plan.finetune.horizons or ()) if s.settings.early_exit else None
-    s.snn = s.judge.keep("finetune", start, tuned, selected_here=True, horizons=horizons)
+    # readouts for early exit: judged on every readout it trained (where an exit rule reads
+    # them), and never worse at T
+    horizons = tuple(s.plan.finetune.horizons) if s.plan.anytime else None
+    s.snn = s.judge.keep("finetune", start, tuned, selected_here=True, horizons=horizons,
+                         at=s.settings.T if horizons else None)
     return {"history": history, "steps": sum(h.get("steps", 0) for h in history),
             "kept": s.judge.record["finetune"]}
 

@@ -99,3 +99,39 @@ def test_a_streams_held_out_images_are_the_batches_after_the_calibrations(small_
                               progress=False)
     # as many held-out images as the 3 calibration batches hold, from the batches after them
     assert meta.stage("spiking").changes["kept"]["bias_calibration"]["images"] == 96
+
+
+class _Scripted(torch.nn.Module):
+    """A network whose readout after each step is given: ``steps`` ``[T, B, classes]``."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps, self.T = steps, steps.shape[0]
+
+    def run(self, x, T):
+        return self.steps[:T]
+
+    def forward(self, x):
+        return self.steps.mean(0)
+
+
+def test_judged_on_every_readout_a_network_worse_at_its_T_is_dropped():
+    """Judged over the readouts after 1, 2 and 4 steps, a network far better after one step but
+    worse after four loses where ``at=4`` asks for it never to be worse there."""
+    from snnconv.pipeline import _Judge
+
+    n, y = 40, torch.zeros(40, dtype=torch.long)
+    right, wrong = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    before = torch.stack([wrong.expand(n, 2)] * 4)  # wrong after one and two steps ...
+    before[2:] = right  # ... and right from step 3 on
+    after = before.clone()
+    after[:2] = right  # right from the first step ...
+    after[:, :3] = wrong  # ... but three images wrong at every step
+    judge = _Judge([(torch.zeros(n, 1), y)], torch.nn.Identity(), torch.device("cpu"))
+    judge.ann = [torch.stack([torch.ones(n), torch.zeros(n)], 1)]
+    a, b = _Scripted(before), _Scripted(after)
+    assert judge.keep("finetune", a, b, selected_here=True, horizons=(1, 2, 4)) is b
+    assert judge.keep("finetune", a, b, selected_here=True, horizons=(1, 2, 4), at=4) is a
+    rec = judge.record["finetune"]
+    assert rec["at"] == pytest.approx({"steps": 4, "before": 100.0, "after": 100.0 * 37 / 40, "wins": 0, "losses": 3})
+    assert rec["wins"] == 2 * 37 and rec["losses"] == 3 and rec["images"] == n and not rec["kept"]

@@ -56,12 +56,12 @@ def measure(net, held, test, T: int) -> dict:
 def _recipe(name: str, T: int) -> dict:
     """The fine-tuning changes of one recipe of ``--recipes``."""
     if name == "convert":
-        return {}
+        return {"anytime": False}
     horizons = anytime_horizons(T)
     if name == "anytime":
-        return {"horizons": horizons}
+        return {"anytime": True}
     w = float(name)
-    return {"horizons": horizons, "horizon_weights": tuple(w if h < T // 2 else 1.0 for h in horizons)}
+    return {"anytime": True, "horizon_weights": tuple(w if h < T // 2 else 1.0 for h in horizons)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--T", type=int, default=8)
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/snnconv/matrix"))
     ap.add_argument("--recipes", nargs="+", default=["anytime", "convert"],
-                    help="'anytime' (every readout, equal weights), 'convert' (convert()'s recipe), or a "
+                    help="'anytime' (every readout, equal weights), 'convert' (the readouts at T/2, T, 2T), or a "
                          "weight w: every readout, those before T/2 weighing w against 1 for the others")
     ap.add_argument("--out", default=None, help="the JSON file (default benchmarks/studies/results/...)")
     args = ap.parse_args(argv)

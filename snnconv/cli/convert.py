@@ -208,7 +208,8 @@ def _cmd_finetune(args) -> int:
     train, test = loaders(args)
     T_train = args.train_T
     teacher = _teacher(args, src, train)
-    # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T, distillation
+    # convert()'s recipe: BPTT through 2T steps, readouts at T/2, T and 2T (from every step on at
+    # T >= ANYTIME_FROM_T), distillation
     epochs = default_finetune_epochs(train) if args.epochs is None else args.epochs
     config = finetune_recipe(T_train, train, epochs=epochs, seed=args.seed,
                              reset=snn.meta.get("reset", "subtract"),
