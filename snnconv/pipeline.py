@@ -302,9 +302,9 @@ class _Judge:
             extra["at"] = {"steps": at, "before": 100.0 * float(a[0][:, j].double().mean()),
                            "after": 100.0 * float(b[0][:, j].double().mean()), "wins": at_wins, "losses": at_losses}
         self._last = None if horizons else (after, b) if kept else (before, a)
-        self.record[step] = {"before": 100.0 * float(a[0].double().mean()), "after": 100.0 * float(b[0].double().mean()),
-                             "wins": wins, "losses": losses, "kl_before": a[1], "kl_after": b[1],
-                             "kept": kept, "images": len(a[0]), **extra,
+        self.record[step] = {"before": 100.0 * float(a[0].double().mean()),
+                             "after": 100.0 * float(b[0].double().mean()), "wins": wins, "losses": losses,
+                             "kl_before": a[1], "kl_after": b[1], "kept": kept, "images": len(a[0]), **extra,
                              "measure": "accuracy" if self.labelled else "agreement with the ANN"}
         return after if kept else before
 
