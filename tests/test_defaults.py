@@ -40,6 +40,17 @@ def test_at_a_small_T_with_labels_it_fine_tunes_for_the_loaders_epochs_in_its_ba
     assert plan.qcfs_train is None and not plan.qcfs_trains
 
 
+@pytest.mark.parametrize("T, early_exit, horizons, anytime", [
+    (2, False, (1, 2, 4), False), (4, False, (2, 4, 8), False), (8, False, (1, 2, 4, 8, 16), True),
+    (4, True, (1, 2, 4, 8), True), (8, True, (1, 2, 4, 8, 16), True)])
+def test_from_T_8_or_for_early_exit_fine_tuning_trains_every_readout_from_the_first_step(T, early_exit, horizons,
+                                                                                           anytime):
+    plan = _plan(T=T, early_exit=early_exit)
+    assert plan.finetune.horizons == horizons and plan.finetune.horizon_weights is None
+    assert plan.anytime is anytime  # judged on every readout, and never worse at T
+    assert defaults.finetune_recipe(T, anytime=True if early_exit else None).horizons == horizons
+
+
 def test_without_labels_the_fine_tuning_and_the_qcfs_training_learn_from_the_ann_alone():
     plan = _plan(graph=GraphFacts(max_pools=("pool",)), data=_data(labelled=False), T=4)
     assert plan.finetune.distill == defaults.LABEL_FREE_DISTILL
