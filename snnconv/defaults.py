@@ -49,9 +49,9 @@ FINETUNE_MAX_EPOCHS = 8
 FINETUNE_UP_TO_T = 8
 
 #: From this target T on, convert()'s fine-tuning trains every readout from the first step
-#: (:func:`anytime_horizons`), not only T/2, T and 2T, and is judged on them all and never worse
-#: at T: the network answers after a step or two as well, for early exit (Defaults row
-#: "anytime readouts").
+#: (:func:`anytime_horizons`), not only T/2, T and 2T, and is judged on them all and not worse
+#: at T beyond the noise: the network answers after a step or two as well, for early exit
+#: (Defaults row "anytime readouts").
 ANYTIME_FROM_T = 8
 
 #: Steps of the layer-wise reconstruction where neither QCFS training nor fine-tuning runs
@@ -267,7 +267,7 @@ class ConversionPlan:
     @property
     def anytime(self) -> bool:
         """Whether fine-tuning trains readouts before ``T // 2`` as well as at ``T``: it is then
-        judged on every readout it trains, and never worse at ``T``."""
+        judged on every readout it trains, and not worse at ``T`` beyond the noise."""
         horizons, T = (self.finetune.horizons if self.finetune is not None else None) or (), self.config.T
         return T in horizons and min(horizons) < max(1, T // 2)
 

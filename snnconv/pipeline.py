@@ -287,8 +287,10 @@ class _Judge:
         """``after`` where it does at least as well as ``before`` (recorded under ``step``);
         ``selected_here``: ``after`` was chosen on these images, and must beat ``before``
         beyond their noise; ``horizons``: judged on the readouts after each of these steps
-        (every image at every horizon), not at T alone; ``at`` (one of them): and never worse
-        after that many steps (at least as many wins as losses there)."""
+        (every image at every horizon), not at T alone; ``at`` (one of them): and not worse
+        after that many steps beyond the noise there (``wins - losses >= -sqrt(wins + losses)``
+        at that step: a network as good there as ``before`` is kept whichever way its few
+        differing images fall)."""
         last = self._last is not None and self._last[0] is before and not horizons
         a = self._last[1] if last else self.score(before, horizons)  # type: ignore[index]
         b = self.score(after, horizons)
@@ -298,7 +300,7 @@ class _Judge:
         if horizons and at is not None:
             j = horizons.index(at)
             at_wins, at_losses = int((b[0][:, j] & ~a[0][:, j]).sum()), int((a[0][:, j] & ~b[0][:, j]).sum())
-            kept = kept and at_wins >= at_losses
+            kept = kept and at_wins - at_losses >= -math.sqrt(at_wins + at_losses)
             extra["at"] = {"steps": at, "before": 100.0 * float(a[0][:, j].double().mean()),
                            "after": 100.0 * float(b[0][:, j].double().mean()), "wins": at_wins, "losses": at_losses}
         self._last = None if horizons else (after, b) if kept else (before, a)
@@ -521,7 +523,7 @@ def _finetune(s: _Run) -> dict:
     tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
     # readouts for early exit: judged on every readout it trained (where an exit rule reads
-    # them), and never worse at T
+    # them), and not worse at T beyond the noise
     horizons = tuple(s.plan.finetune.horizons) if s.plan.anytime else None
     s.snn = s.judge.keep("finetune", start, tuned, selected_here=True, horizons=horizons,
                          at=s.settings.T if horizons else None)

@@ -117,7 +117,7 @@ class _Scripted(torch.nn.Module):
 
 def test_judged_on_every_readout_a_network_worse_at_its_T_is_dropped():
     """Judged over the readouts after 1, 2 and 4 steps, a network far better after one step but
-    worse after four loses where ``at=4`` asks for it never to be worse there."""
+    worse after four beyond the noise there loses where ``at=4`` asks; within it, it wins."""
     from snnconv.pipeline import _Judge
 
     n, y = 40, torch.zeros(40, dtype=torch.long)
@@ -135,3 +135,7 @@ def test_judged_on_every_readout_a_network_worse_at_its_T_is_dropped():
     rec = judge.record["finetune"]
     assert rec["at"] == pytest.approx({"steps": 4, "before": 100.0, "after": 100.0 * 37 / 40, "wins": 0, "losses": 3})
     assert rec["wins"] == 2 * 37 and rec["losses"] == 3 and rec["images"] == n and not rec["kept"]
+    after[:, 1:3] = right  # one image wrong at every step: within the noise at step 4
+    c = _Scripted(after)
+    assert judge.keep("finetune", a, c, selected_here=True, horizons=(1, 2, 4), at=4) is c
+    assert judge.record["finetune"]["at"]["losses"] == 1 and judge.record["finetune"]["kept"]

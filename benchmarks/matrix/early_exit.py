@@ -108,9 +108,11 @@ def job(arch: str, seed: int, args) -> dict:
         snn = snnconv.SpikingNetwork.load(saved)
         convert_s = float(snn.meta.get("benchmark_convert_seconds", math.nan))
     else:
-        snn, _ = snnconv.convert(ann, loader, T=args.T, seed=seed, progress=False, **extra)
+        snn, meta = snnconv.convert(ann, loader, T=args.T, seed=seed, progress=False, **extra)
         convert_s = time.perf_counter() - start
         snn.meta["benchmark_convert_seconds"] = convert_s
+        if "finetune" in [s.name for s in meta.stages]:  # the judge's decision on fine-tuning
+            snn.meta["benchmark_finetune_judged"] = meta.stage("finetune").changes["kept"]
         snn.save(saved)
     held_loader, test_loader = DataLoader(held, batch_size=250), DataLoader(test, batch_size=250)
     on_held = observe_exits(snn, held_loader, T=args.T)
@@ -149,7 +151,8 @@ def job(arch: str, seed: int, args) -> dict:
     return {"arch": arch, "seed": seed, "T": args.T, "finetune_epochs": args.finetune_epochs,
             "backends": backends,
             "convert_early_exit": args.convert_early_exit,
-            "convert_seconds": round(convert_s, 1), "held_images": len(held), "test_images": len(test),
+            "convert_seconds": round(convert_s, 1), "finetune_judged": snn.meta.get("benchmark_finetune_judged"),
+            "held_images": len(held), "test_images": len(test),
             "fixed_accuracy_by_T": {str(k): v for k, v in fixed.items()}, "rows": rows,
             "wall_per_image_ms": {"fixed_T": 1e3 * fixed_s / len(x), "early_exit": 1e3 * exit_s / len(x),
                                   "rule": rule.to_dict()},
