@@ -150,8 +150,10 @@ class ConvertConfig:
             costs no time step; it addresses the quantisation that :func:`snnconv.diagnose` measures.
         early_exit: convert for early exit (each image stops at the step where its answer is
             sure, :mod:`snnconv.exit_rule`): fine-tuning trains the readouts after 1, 2, 4, ...
-            up to 2T steps (:func:`~snnconv.defaults.anytime_horizons`) instead of T/2, T and 2T,
-            and is kept where it does better on the held-out images over those readouts; then
+            up to 2T steps (:func:`~snnconv.defaults.anytime_horizons`) instead of T/2, T and 2T
+            at any T (the default does so from T = :data:`~snnconv.defaults.ANYTIME_FROM_T`),
+            and is kept where it does better on the held-out images over those readouts and
+            is not worse at T beyond their noise; then
             an exit rule is calibrated on the held-out images
             (:data:`~snnconv.exit_rule.DEFAULT_TOLERANCE` points of the fixed T) and stored in
             ``snn.meta`` (:func:`snnconv.evaluate_exit`, NIR export and the backends use it).
