@@ -523,10 +523,10 @@ def _finetune(s: _Run) -> dict:
     tuned, history = finetune(start, s.loader, config=s.plan.finetune, teacher=teacher,
                               device=s.device, progress=s.settings.progress)
     # readouts for early exit: judged on every readout it trained (where an exit rule reads
-    # them), and not worse at T beyond the noise
+    # them); unless the caller asked for early exit, also not worse at T beyond the noise
     horizons = tuple(s.plan.finetune.horizons) if s.plan.anytime else None
     s.snn = s.judge.keep("finetune", start, tuned, selected_here=True, horizons=horizons,
-                         at=s.settings.T if horizons else None)
+                         at=s.settings.T if horizons and not s.settings.early_exit else None)
     return {"history": history, "steps": sum(h.get("steps", 0) for h in history),
             "kept": s.judge.record["finetune"]}
 

@@ -401,8 +401,7 @@ def test_convert_for_early_exit_trains_every_readout_judges_them_and_stores_a_ru
     assert meta.settings["early_exit"] is True
     tuned = meta.stage("finetune").changes["kept"]
     assert tuned["horizons"] == list(anytime_horizons(4))
-    at = tuned["at"]  # and not worse at T beyond the noise
-    assert at["steps"] == 4 and (not tuned["kept"] or at["wins"] - at["losses"] >= -(at["wins"] + at["losses"]) ** 0.5)
+    assert "at" not in tuned  # asked for early exit: judged on the readouts alone
     record = meta.stage("early_exit").changes
     rule = stored_rule(snn.meta)
     assert rule is not None and ExitRule.from_dict(record["rule"]) == rule and record["T"] == 4
@@ -411,3 +410,24 @@ def test_convert_for_early_exit_trains_every_readout_judges_them_and_stores_a_ru
     plain, plain_meta = snnconv.convert(small_digits_ann, loader, T=4, finetune_epochs=0, reconstruction_steps=0,
                                         progress=False)
     assert stored_rule(plain.meta) is None and "early_exit" not in [s.name for s in plain_meta.stages]
+
+
+def test_the_default_fine_tuning_at_T_8_is_judged_on_every_readout_and_at_T(digits_data, small_digits_ann):
+    """From ANYTIME_FROM_T the default recipe trains every readout; the judge keeps the result
+    only where it wins over all of them beyond the noise and is not worse at T beyond the noise
+    there; no rule is stored."""
+    from torch.utils.data import DataLoader
+
+    from snnconv.defaults import ANYTIME_FROM_T, anytime_horizons
+
+    train, _ = digits_data
+    loader = DataLoader(train, 64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    snn, meta = snnconv.convert(small_digits_ann, loader, T=ANYTIME_FROM_T, finetune_epochs=1,
+                                reconstruction_steps=0, progress=False)
+    judged = meta.stage("finetune").changes["kept"]
+    assert judged["horizons"] == list(anytime_horizons(ANYTIME_FROM_T))
+    at = judged["at"]
+    assert at["steps"] == ANYTIME_FROM_T
+    beyond = judged["wins"] - judged["losses"] >= max(1.0, (judged["wins"] + judged["losses"]) ** 0.5)
+    assert judged["kept"] == (beyond and at["wins"] - at["losses"] >= -(at["wins"] + at["losses"]) ** 0.5)
+    assert stored_rule(snn.meta) is None and "early_exit" not in [s.name for s in meta.stages]
