@@ -57,10 +57,10 @@ def test_evaluate_early_exit_without_a_stored_rule_calibrates_one_and_says_so(ru
 
 def test_exit_tolerance_calibrates_here_whatever_is_stored(run):
     assert main(["calibrate-exit", str(run), "--data", "digits", "--tolerance", "0", "--quiet"]) == 0
-    ev = _evaluate(run, "--exit-tolerance", "50")
+    ev = _evaluate(run, "--exit-tolerance", "100")
     cal = ev["early_exit"]["calibration"]
-    assert cal["stored"] is False and cal["tolerance"] == 50.0
-    assert ev["early_exit"]["mean_steps"] == 1.0  # 50 points buys every image's first step
+    assert cal["stored"] is False and cal["tolerance"] == 100.0
+    assert ev["early_exit"]["mean_steps"] == 1.0  # 100 points buys every image's first step
     assert _evaluate(run)["early_exit"]["calibration"]["tolerance"] == 0.0  # the stored one is kept
 
 
